@@ -1,0 +1,66 @@
+"""Decode attention over the ragged :class:`~kvlab.cache.CompressedLayer` layout.
+
+``ragged_decode_attention`` is the entry point the attention function calls; it dispatches to
+the torch reference (a Triton kernel for CUDA tensors comes with the kernels issue and must
+match :func:`ragged_decode_attention_reference`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ragged_decode_attention_reference(
+    query: torch.Tensor,
+    prompt_keys: torch.Tensor,
+    prompt_values: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    decode_keys: torch.Tensor,
+    decode_values: torch.Tensor,
+    decode_length: int,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of new queries over each (sample, KV head)'s kept prompt tokens plus decoded tokens.
+
+    Args:
+        query: ``[B, H, q, D]`` post-RoPE queries of the ``q`` newest tokens (already appended to
+            the decode region, so query ``i`` sees decode entries ``< decode_length - q + i + 1``).
+        prompt_keys / prompt_values: ``[N, D]`` flat kept prompt entries.
+        starts / lengths: ``[B, Hkv]`` segment offsets and sizes in the flat buffers.
+        decode_keys / decode_values: ``[B, Hkv, C, D]`` decode region (first ``decode_length`` used).
+        scaling: softmax scale.
+
+    Returns:
+        ``[B, H, q, D]`` in the query dtype; logits, softmax and the weighted sum run in fp32.
+        GQA: query head ``h`` reads KV head ``h // (H // Hkv)``.
+    """
+    B, H, q, D = query.shape
+    Hkv = starts.shape[1]
+    G = H // Hkv
+    qf = query.float().view(B, Hkv, G * q, D)
+
+    width = int(lengths.max()) if lengths.numel() else 0
+    offsets = torch.arange(width, device=query.device)
+    present = offsets < lengths[..., None]  # [B, Hkv, width]
+    rows = (starts[..., None] + offsets).clamp(max=max(prompt_keys.shape[0] - 1, 0))
+    pk = prompt_keys[rows].float()  # [B, Hkv, width, D]
+    pv = prompt_values[rows].float()
+    prompt_logits = torch.einsum("bkqd,bktd->bkqt", qf, pk) * scaling
+    prompt_logits = prompt_logits.masked_fill(~present[:, :, None, :], float("-inf"))
+
+    dk = decode_keys[:, :, :decode_length].float()  # [B, Hkv, t, D]
+    dv = decode_values[:, :, :decode_length].float()
+    decode_logits = torch.einsum("bkqd,bktd->bkqt", qf, dk) * scaling  # [B, Hkv, G*q, t]
+    query_step = torch.arange(q, device=query.device).repeat(G)  # row r is query r % q
+    visible = torch.arange(decode_length, device=query.device)[None, :] <= (decode_length - q + query_step)[:, None]
+    decode_logits = decode_logits.masked_fill(~visible[None, None], float("-inf"))
+
+    probs = torch.softmax(torch.cat([prompt_logits, decode_logits], dim=-1), dim=-1)
+    out = probs[..., :width] @ pv + probs[..., width:] @ dv  # [B, Hkv, G*q, D]
+    return out.view(B, H, q, D).to(query.dtype)
+
+
+def ragged_decode_attention(*args, **kwargs) -> torch.Tensor:
+    """Dispatcher (torch reference on every device until the Triton kernel lands)."""
+    return ragged_decode_attention_reference(*args, **kwargs)

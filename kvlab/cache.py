@@ -1,0 +1,162 @@
+"""CompressedCache: real ragged per-(sample, KV head) storage, a transformers ``Cache``.
+
+Layout of one layer after compression (``D`` head dim)::
+
+    prompt_keys / prompt_values   [N, D]        N = sum of kept prompt tokens over (b, h)
+    starts, lengths               [B, Hkv]      segment of (b, h) is rows starts..starts+lengths
+    decode_keys / decode_values   [B, Hkv, C, D] tokens appended during decode (C reserved once)
+
+Every (sample, head) keeps its own number of prompt tokens and nothing else is allocated: no
+masked-out tokens, no padding to the largest head. Decode tokens go into the reserved
+``decode_*`` region (one token per step for every head); when it fills up it grows by
+doubling, without touching the prompt buffers.
+
+Before compression (during prefill) a layer holds the dense ``[B, Hkv, T, D]`` K/V the model
+just computed, so prefill attention sees everything. ``get_seq_length`` reports the *logical*
+length (prompt + decoded tokens), which transformers uses for positions, so RoPE positions
+continue from the original prompt length after compression.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvlab.compression.selectors import Selection
+
+INDEX_DTYPE = torch.int64
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One decoder layer's cache; see the module docstring for the layout."""
+
+    is_sliding = False
+
+    def __init__(self, decode_capacity: int = 64):
+        super().__init__()
+        self.decode_capacity = max(1, decode_capacity)
+        self.cumulative_length = 0
+        self.compressed = False
+        self.prompt_keys: torch.Tensor | None = None
+        self.prompt_values: torch.Tensor | None = None
+        self.starts: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
+        self.decode_keys: torch.Tensor | None = None
+        self.decode_values: torch.Tensor | None = None
+        self.decode_length = 0
+
+    # --- transformers CacheLayerMixin API -------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store new K/V ``[B, Hkv, q, D]``.
+
+        Before compression: concatenate to the dense prefill K/V and return all of it. After:
+        append to the decode region and return only the new tokens (kvlab's attention
+        function reads the ragged layout from the layer itself).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        if not self.compressed:
+            if self.keys is None:
+                self.keys, self.values = key_states, value_states
+            else:
+                self.keys = torch.cat([self.keys, key_states], dim=-2)
+                self.values = torch.cat([self.values, value_states], dim=-2)
+            return self.keys, self.values
+        self._append_decode(key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # --- compression -----------------------------------------------------------------------
+    def compress(self, selection: Selection) -> None:
+        """Replace the dense prefill K/V by the ragged kept entries of ``selection``."""
+        keys, values = self.keys, self.values  # [B, Hkv, T, D]
+        B, Hkv, T, D = keys.shape
+        mask = selection.mask()  # [B, Hkv, K]
+        if selection.keys is None:
+            index = selection.indices[..., None].expand(-1, -1, -1, D)
+            kept_keys = keys.gather(2, index)
+            kept_values = values.gather(2, index)
+        else:
+            kept_keys, kept_values = selection.keys, selection.values
+        lengths = selection.counts.to(INDEX_DTYPE)
+        self.prompt_keys = kept_keys[mask].contiguous()  # [N, D], ordered by (b, h, position)
+        self.prompt_values = kept_values[mask].contiguous()
+        self.lengths = lengths
+        self.starts = (lengths.flatten().cumsum(0) - lengths.flatten()).view(B, Hkv)
+        self.decode_keys = keys.new_empty(B, Hkv, self.decode_capacity, D)
+        self.decode_values = values.new_empty(B, Hkv, self.decode_capacity, D)
+        self.decode_length = 0
+        self.keys = self.values = None  # free the dense prefill K/V
+        self.compressed = True
+
+    def _append_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        q = key_states.shape[-2]
+        needed = self.decode_length + q
+        if needed > self.decode_keys.shape[2]:
+            capacity = max(needed, 2 * self.decode_keys.shape[2])
+            grow = capacity - self.decode_keys.shape[2]
+            pad = self.decode_keys.new_empty(*self.decode_keys.shape[:2], grow, self.decode_keys.shape[-1])
+            self.decode_keys = torch.cat([self.decode_keys, pad], dim=2)
+            self.decode_values = torch.cat([self.decode_values, torch.empty_like(pad)], dim=2)
+        self.decode_keys[:, :, self.decode_length : needed] = key_states
+        self.decode_values[:, :, self.decode_length : needed] = value_states
+        self.decode_length = needed
+
+    # --- inspection --------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes allocated by this layer: K/V buffers (decode capacity included) + offsets."""
+        tensors = (
+            [self.keys, self.values]
+            if not self.compressed
+            else [self.prompt_keys, self.prompt_values, self.decode_keys, self.decode_values, self.starts, self.lengths]
+        )
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def prompt_kv_bytes(self) -> int:
+        """Bytes of the kept prompt K/V alone (no decode region, no offsets)."""
+        if not self.compressed:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.prompt_keys, self.prompt_values))
+
+    def segment(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept prompt keys and values ``[n, D]`` of one (sample, head)."""
+        start, n = int(self.starts[b, h]), int(self.lengths[b, h])
+        return self.prompt_keys[start : start + n], self.prompt_values[start : start + n]
+
+
+class CompressedCache(Cache):
+    """A transformers ``Cache`` of :class:`CompressedLayer` s (one per language-model layer).
+
+    Args:
+        num_layers: decoder layers of the language model.
+        decode_capacity: decode tokens reserved per (sample, head) when a layer is compressed
+            (``max_new_tokens`` is the right value; the region grows if exceeded).
+    """
+
+    def __init__(self, num_layers: int, decode_capacity: int = 64):
+        super().__init__(layers=[CompressedLayer(decode_capacity) for _ in range(num_layers)])
+
+    def kv_bytes(self) -> int:
+        """Bytes allocated by all layers (see :meth:`CompressedLayer.kv_bytes`)."""
+        return sum(layer.kv_bytes() for layer in self.layers)
+
+    def prompt_kv_bytes(self) -> int:
+        """Bytes of the kept prompt K/V over all layers."""
+        return sum(layer.prompt_kv_bytes() for layer in self.layers)
+
+    def kept_tokens(self) -> torch.Tensor:
+        """``[L, B, Hkv]`` kept prompt tokens per layer and head (compressed layers only)."""
+        return torch.stack([layer.lengths for layer in self.layers if layer.compressed])

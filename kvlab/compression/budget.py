@@ -1,0 +1,103 @@
+"""Budgets: how many prompt tokens each (sample, KV head) keeps, and which are protected.
+
+YAML forms (all under ``model.compression.budget``)::
+
+    budget: 128                               # tokens per head (int)
+    budget: 0.2                               # fraction of each prompt kept (float in [0, 1])
+    budget: {tokens: 128, window: 32, sinks: 0}
+    budget: {ratio: 0.2, window: 32}
+
+The budget counts every kept prompt token of a head, protected ones included ("budget
+includes the window", as SnapKV, MixKV and kvpress count it). Protected tokens are the last
+``window`` and the first ``sinks`` valid tokens of each sample; they are always kept. A ratio
+budget is ``floor(ratio * prompt length)`` per sample (kvpress' ``int(T * (1 - cr))``), raised
+to the number of protected tokens if it falls below. A sample whose budget is at least its
+prompt length is not compressed at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvlab.errors import ConfigError
+from kvlab.registry import to_plain, validate_params
+
+WHERE = "model.compression.budget"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed budget: exactly one of ``tokens`` (per head) or ``ratio`` (of the prompt)."""
+
+    tokens: int | None = None
+    ratio: float | None = None
+    window: int = 32
+    sinks: int = 0
+
+    @classmethod
+    def from_config(cls, node: Any) -> Budget:
+        """Parse and validate the YAML node (int, float or mapping); :class:`ConfigError` on bad input."""
+        node = to_plain(node)
+        if isinstance(node, bool):
+            raise ConfigError(f"{WHERE} must be a token count, a ratio or a mapping, got {node!r}.")
+        if isinstance(node, int):
+            node = {"tokens": node}
+        elif isinstance(node, float):
+            node = {"ratio": node}
+        elif node is None or not isinstance(node, dict):
+            raise ConfigError(
+                f"{WHERE} must be a token count (e.g. 128), a ratio (e.g. 0.2) or a mapping such as "
+                f"{{tokens: 128, window: 32}}, got {node!r}."
+            )
+        values = validate_params(cls, node, WHERE)
+        budget = cls(**values)
+        budget.check()
+        return budget
+
+    def check(self) -> None:
+        """Validate field ranges (raises :class:`ConfigError`)."""
+        if (self.tokens is None) == (self.ratio is None):
+            raise ConfigError(
+                f"{WHERE} needs exactly one of 'tokens' (per-head token count) or 'ratio' (fraction of the "
+                f"prompt kept), got tokens={self.tokens}, ratio={self.ratio}."
+            )
+        if self.window < 0 or self.sinks < 0:
+            raise ConfigError(f"{WHERE}.window and .sinks must be >= 0, got {self.window} and {self.sinks}.")
+        if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
+            raise ConfigError(
+                f"{WHERE}.ratio must be in [0, 1] (the fraction of prompt tokens kept), got {self.ratio}. "
+                "For an absolute budget write `tokens: N` instead."
+            )
+        if self.tokens is not None and self.tokens < self.protected:
+            raise ConfigError(
+                f"{WHERE}.tokens = {self.tokens} is below the protected tokens (window {self.window} + sinks "
+                f"{self.sinks} = {self.protected}), which are always kept. Raise the budget to at least "
+                f"{self.protected} or shrink the window."
+            )
+
+    @property
+    def protected(self) -> int:
+        return self.window + self.sinks
+
+    def per_sample(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Per-head budget of each sample, ``[B]`` long, from prompt lengths ``[B]``."""
+        if self.tokens is not None:
+            budget = torch.full_like(lengths, self.tokens)
+        else:
+            budget = torch.floor(lengths.double() * self.ratio).long()
+        return torch.maximum(budget, self.protected_counts(lengths))
+
+    def protected_counts(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Protected tokens per sample, ``[B]`` (never more than the prompt)."""
+        return torch.clamp(torch.full_like(lengths, self.protected), max=lengths)
+
+    def protected_mask(self, valid: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` bool: the last ``window`` and first ``sinks`` valid tokens of each sample."""
+        pos = valid.long().cumsum(-1) - 1  # position within the sample
+        lengths = valid.sum(-1, keepdim=True)
+        recent = pos >= lengths - self.window
+        sink = pos < self.sinks
+        return valid & (recent | sink)

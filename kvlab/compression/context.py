@@ -1,0 +1,125 @@
+"""LayerContext: everything a compression component may read about one layer's prefill.
+
+Shapes: B batch, H query heads, Hkv KV heads, G = H / Hkv, T padded prompt length, D head dim.
+Batches are left padded; ``valid[b, t]`` is False on padding. Attention helpers are memoised so
+two components never compute the same attention twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LayerContext:
+    """Inputs of one layer's compression.
+
+    Attributes:
+        layer_idx: index of the decoder layer (0-based).
+        num_layers: number of decoder layers of the language model.
+        queries: post-RoPE queries ``[B, H, T, D]``.
+        keys: post-RoPE keys ``[B, Hkv, T, D]`` (GQA heads not repeated).
+        values: values ``[B, Hkv, T, D]``.
+        valid: ``[B, T]`` bool, False on padding.
+        modality: ``[B, T]`` long, 0 text, 1 image, 2 video, -1 padding.
+        scaling: softmax scale of the layer (usually ``D ** -0.5``).
+        calibration: calibration statistics loaded for this model (or None).
+        state: per-prompt scratch space shared across layers (reset every prefill), for
+            components that carry state from one layer to the next.
+    """
+
+    layer_idx: int
+    num_layers: int
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    modality: torch.Tensor
+    scaling: float
+    calibration: Any = None
+    state: dict[str, Any] = field(default_factory=dict)
+    _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.queries.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Valid (non-padding) tokens per sample, ``[B]`` long."""
+        return self.valid.sum(-1)
+
+    def positions(self) -> torch.Tensor:
+        """Position of each token within its own sample (0 at the first valid token), ``[B, T]``.
+
+        Padding gets -1. With left padding this is ``t - (T - length)``.
+        """
+        pos = self.valid.long().cumsum(-1) - 1
+        return pos.masked_fill(~self.valid, -1)
+
+    def window_attention(self, window: int) -> torch.Tensor:
+        """Attention probabilities of the last ``window`` queries over all keys, ``[B, H, W, T]`` fp32.
+
+        Causal inside the window, padding keys masked; rows of padding queries (samples shorter
+        than the window) are zero. Softmax runs in fp32 on logits computed in fp32 (see the
+        numerics notes of the SnapKV spec); the result is memoised per window size.
+        """
+        key = ("window_attention", window)
+        if key not in self._memo:
+            self._memo[key] = attention_probs(self.queries[:, :, -window:], self, first_query=self.seq_len - window)
+        return self._memo[key]
+
+    def cumulative_attention(self, chunk: int = 256) -> torch.Tensor:
+        """Column sums of the full causal prompt attention (H2O's accumulated attention), ``[B, H, T]`` fp32.
+
+        Sums over every valid query; computed in chunks of ``chunk`` queries so the ``T x T``
+        matrix is never materialised.
+        """
+        key = ("cumulative_attention",)
+        if key not in self._memo:
+            T = self.seq_len
+            total = torch.zeros(self.batch_size, self.num_heads, T, dtype=torch.float32, device=self.keys.device)
+            for start in range(0, T, chunk):
+                probs = attention_probs(self.queries[:, :, start : start + chunk], self, first_query=start)
+                total += probs.sum(-2)
+            self._memo[key] = total
+        return self._memo[key]
+
+
+def attention_probs(queries: torch.Tensor, ctx: LayerContext, first_query: int) -> torch.Tensor:
+    """Softmax attention of ``queries`` ``[B, H, q, D]`` (prompt positions ``first_query + i``) over all keys.
+
+    Returns ``[B, H, q, T]`` fp32 with the causal mask, padding keys masked, and zero rows for
+    padding queries.
+    """
+    B, H, q, _ = queries.shape
+    keys = ctx.keys.float().repeat_interleave(ctx.group_size, dim=1)  # [B, H, T, D]
+    logits = torch.matmul(queries.float(), keys.transpose(-1, -2)) * ctx.scaling  # [B, H, q, T]
+    T = keys.shape[2]
+    query_pos = torch.arange(first_query, first_query + q, device=keys.device)
+    causal = torch.arange(T, device=keys.device)[None, :] <= query_pos[:, None]  # [q, T]
+    allowed = causal[None, None] & ctx.valid[:, None, None, :]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    query_valid = ctx.valid[:, first_query : first_query + q]  # [B, q]
+    logits = logits.masked_fill(~query_valid[:, None, :, None], 0.0)
+    probs = torch.softmax(logits, dim=-1)
+    return probs * query_valid[:, None, :, None]

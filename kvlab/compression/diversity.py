@@ -1,0 +1,40 @@
+"""Diversity scorers: LayerContext -> ``[B, Hkv, T]`` float32, higher means more distinct from the rest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.compression.context import LayerContext
+from kvlab.registry import Registry
+
+
+class DiversityScorer:
+    """Base class: override :meth:`score`."""
+
+    registry_name: str = ""
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        """Return ``[B, Hkv, T]`` float32 scores, higher means keep."""
+        raise NotImplementedError
+
+
+DIVERSITY: Registry[DiversityScorer] = Registry("diversity scorer", "model.compression.diversity")
+
+
+@DIVERSITY.register("keydiff")
+@dataclass
+class KeyDiffScorer(DiversityScorer):
+    """KeyDiff (Park et al. 2025): ``s_t = -cos(k_t, mean_j k_j)`` per (sample, KV head).
+
+    The anchor is the mean of the sample's valid (non-padding) keys; keys pointing away from it
+    are the distinctive ones.
+    """
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        keys = ctx.keys.float()  # [B, Hkv, T, D]
+        weight = ctx.valid[:, None, :, None].float()
+        anchor = (keys * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True).clamp(min=1)
+        return -F.cosine_similarity(keys, anchor, dim=-1)

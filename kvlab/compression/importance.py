@@ -1,0 +1,156 @@
+"""Importance scorers: LayerContext -> ``[B, Hkv, T]`` float32 scores, higher means keep.
+
+Scores at padding positions are ignored (the pipeline masks them to -inf); scorers do not need
+to special-case padding beyond what :class:`LayerContext` helpers already do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvlab.compression.context import LayerContext
+from kvlab.compression.ops import GqaReduce, Pool, pool_tokens, reduce_groups
+from kvlab.registry import Registry
+
+
+class ImportanceScorer:
+    """Base class: override :meth:`score`."""
+
+    registry_name: str = ""
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        """Return ``[B, Hkv, T]`` float32 scores, higher means keep."""
+        raise NotImplementedError
+
+
+IMPORTANCE: Registry[ImportanceScorer] = Registry("importance scorer", "model.compression.importance")
+
+
+@IMPORTANCE.register("window_attention")
+@dataclass
+class WindowAttentionScorer(ImportanceScorer):
+    """SnapKV: attention of the last ``window`` queries to each earlier token, pooled over neighbours.
+
+    ``s_t = pool( gqa( agg_{i in window} softmax(q_i K^T / sqrt(D))_t ) )`` for t < T - window
+    (SnapKV, Li et al. 2024, Eq. 1-2). Tokens inside the observation window get +inf: SnapKV
+    always keeps its window. Pooling runs over the past tokens only (the window is sliced off
+    first, as in every reference implementation).
+
+    Defaults follow the original SnapKV (``init_snapkv``: window 32, kernel 5, avg pooling, sum
+    over the window). The references disagree on GQA: the original selects per query head and
+    stores H heads; kvlab stores KV heads and reduces the group (``gqa: mean``, reduction
+    before pooling, as KVCache-Factory's ``kv_head`` mode, AdaKV and SparseMM). ``gqa_order:
+    pool_then_group`` reproduces kvpress. Sum vs mean over the window never changes the
+    selection (every head has the same window).
+
+    Shapes: window attention ``[B, H, W, T]`` -> ``[B, H, T]`` -> ``[B, Hkv, T]``.
+    """
+
+    window: int = 32
+    kernel: int = 5
+    pool: Pool = "avg"
+    agg: Literal["sum", "mean"] = "sum"
+    gqa: GqaReduce = "mean"
+    gqa_order: Literal["group_then_pool", "pool_then_group"] = "group_then_pool"
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.kernel < 1:
+            raise ValueError(f"kernel must be >= 1, got {self.kernel}")
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        T = ctx.seq_len
+        window = min(self.window, T)
+        probs = ctx.window_attention(window)  # [B, H, W, T]
+        scores = probs.sum(-2) if self.agg == "sum" else probs.mean(-2)  # [B, H, T]
+        past = scores[..., : T - window]
+        if self.gqa_order == "group_then_pool":
+            past = pool_tokens(reduce_groups(past, ctx.num_kv_heads, self.gqa), self.pool, self.kernel)
+        else:
+            past = reduce_groups(pool_tokens(past, self.pool, self.kernel), ctx.num_kv_heads, self.gqa)
+        out = torch.full((ctx.batch_size, ctx.num_kv_heads, T), float("inf"), device=past.device)
+        out[..., : T - window] = past
+        return out
+
+
+@IMPORTANCE.register("cumulative_attention")
+@dataclass
+class CumulativeAttentionScorer(ImportanceScorer):
+    """H2O heavy hitters: attention each token received, summed over every prompt query.
+
+    ``s_t = gqa( sum_i softmax(q_i K^T / sqrt(D))_t )`` over all valid queries i >= t (H2O,
+    Zhang et al. 2023, accumulated attention at prefill; LOOK-M uses the same score). Earlier
+    tokens are seen by more queries; that bias is part of the method. ``normalize: by_count``
+    divides by the number of queries that could see the token (a common variant).
+    """
+
+    gqa: GqaReduce = "mean"
+    normalize: Literal["none", "by_count"] = "none"
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        scores = ctx.cumulative_attention()  # [B, H, T]
+        if self.normalize == "by_count":
+            seen_by = (ctx.lengths[:, None] - ctx.positions()).clamp(min=1)  # [B, T]
+            scores = scores / seen_by[:, None, :].float()
+        return reduce_groups(scores, ctx.num_kv_heads, self.gqa)
+
+
+@IMPORTANCE.register("key_norm")
+@dataclass
+class KeyNormScorer(ImportanceScorer):
+    """K-norm (Devoto et al. 2024): keep keys with a *low* L2 norm, ``s_t = -||k_t||_2``.
+
+    ``sign: 1`` flips it (keep high-norm keys) for ablations.
+    """
+
+    sign: Literal[-1, 1] = -1
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        return self.sign * ctx.keys.float().norm(dim=-1)
+
+
+@IMPORTANCE.register("value_norm")
+@dataclass
+class ValueNormScorer(ImportanceScorer):
+    """Value norm: ``s_t = ||v_t||_2`` (MixKV's intrinsic importance term, VNorm)."""
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        return ctx.values.float().norm(dim=-1)
+
+
+@IMPORTANCE.register("recency")
+@dataclass
+class RecencyScorer(ImportanceScorer):
+    """StreamingLLM's recent window: ``s_t = position of t in its sample`` (newer is better).
+
+    Combined with ``budget.sinks`` (the attention sinks, 4 in Xiao et al. 2023) this keeps the
+    first ``sinks`` tokens plus the most recent ``budget - sinks`` tokens.
+    """
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        pos = ctx.positions().float()  # [B, T]
+        return pos[:, None, :].expand(-1, ctx.num_kv_heads, -1).contiguous()
+
+
+@IMPORTANCE.register("random")
+@dataclass
+class RandomScorer(ImportanceScorer):
+    """Uniform random scores, seeded by ``(seed, layer, sample length)``.
+
+    The scores of a sample do not depend on the batch it is in (they are drawn in the
+    sample's own coordinates and right-aligned into the padded batch).
+    """
+
+    seed: int = 0
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        B, Hkv, T = ctx.batch_size, ctx.num_kv_heads, ctx.seq_len
+        out = torch.zeros(B, Hkv, T)
+        for b, length in enumerate(ctx.lengths.tolist()):
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + ctx.layer_idx * 7919 + length)
+            out[b, :, T - length :] = torch.rand(Hkv, length, generator=gen)
+        return out.to(ctx.keys.device)

@@ -1,0 +1,42 @@
+"""Small tensor operations shared by scorers: GQA reduction and 1-D pooling over tokens."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+GqaReduce = Literal["mean", "max", "sum"]
+Pool = Literal["avg", "max", "none"]
+
+
+def reduce_groups(scores: torch.Tensor, num_kv_heads: int, how: GqaReduce = "mean") -> torch.Tensor:
+    """Aggregate query-head scores ``[B, H, T]`` to KV heads ``[B, Hkv, T]``.
+
+    Query head ``h`` belongs to KV head ``h // G`` (transformers' ``repeat_kv`` order).
+    """
+    B, H, T = scores.shape
+    grouped = scores.view(B, num_kv_heads, H // num_kv_heads, T)
+    if how == "mean":
+        return grouped.mean(2)
+    if how == "max":
+        return grouped.amax(2)
+    return grouped.sum(2)
+
+
+def pool_tokens(scores: torch.Tensor, pool: Pool, kernel: int) -> torch.Tensor:
+    """Pool ``[B, N, T]`` scores along tokens with stride 1 and ``padding = kernel // 2``.
+
+    ``avg`` pads with zeros and divides edge windows by ``kernel`` (``count_include_pad``, as
+    SnapKV's ``F.avg_pool1d``); ``max`` pads with -inf. An even kernel is trimmed back to T.
+    """
+    if pool == "none" or kernel <= 1:
+        return scores
+    B, N, T = scores.shape
+    flat = scores.reshape(B * N, 1, T)
+    if pool == "avg":
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    else:
+        out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    return out[..., :T].reshape(B, N, T)

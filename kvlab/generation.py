@@ -1,0 +1,156 @@
+"""kvlab's own decode loop: prefill (with compression inside), then greedy decode over the cache.
+
+Short on purpose (no forked ``generate``): one forward over the padded prompt, then one token
+per step through the Cache API. Positions: text models get explicit ``position_ids`` from the
+attention mask (each sample counts from its own first token, padding or not), and decode
+positions continue from the *original* prompt length. Multimodal-RoPE models (Qwen2-VL) compute
+their own positions from the attention mask and ``cache.get_seq_length()``, which reports the
+logical (uncompressed) length.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvlab.attention import CompressionSession, compression_session
+from kvlab.cache import CompressedCache
+from kvlab.compression.pipeline import LayerReport, Pipeline
+from kvlab.models.base import LoadedModel
+
+
+@dataclass
+class GenerationResult:
+    """Outputs of :func:`generate` for a batch of B samples.
+
+    Attributes:
+        tokens: generated token ids per sample (eos excluded, stops at eos or the limit).
+        kept: ``[L, B, Hkv]`` kept prompt tokens per layer and head.
+        prompt_lengths: ``[B]`` valid prompt tokens.
+        kv_bytes_full: bytes an uncompressed cache of each prompt would hold, ``[B]``.
+        kv_bytes_kept: bytes of each sample's kept prompt K/V, ``[B]``.
+        kv_bytes_allocated: everything the cache allocated for the batch (decode region and
+            offsets included).
+        prefill_seconds / compression_seconds / decode_seconds: batch timings (prefill excludes
+            the compression time spent inside it).
+        step_logits: ``[B, steps, V]`` logits of every generated position (when requested).
+        reports: per-layer :class:`LayerReport` s.
+    """
+
+    tokens: list[list[int]]
+    kept: torch.Tensor
+    prompt_lengths: torch.Tensor
+    kv_bytes_full: torch.Tensor
+    kv_bytes_kept: torch.Tensor
+    kv_bytes_allocated: int
+    prefill_seconds: float
+    compression_seconds: float
+    decode_seconds: float
+    step_logits: torch.Tensor | None = None
+    reports: list[LayerReport] = field(default_factory=list)
+
+
+def _uses_mrope(model: torch.nn.Module) -> bool:
+    return hasattr(getattr(model, "model", model), "get_rope_index")
+
+
+@torch.no_grad()
+def generate(
+    loaded: LoadedModel,
+    pipeline: Pipeline,
+    batch: dict[str, Any],
+    max_new_tokens: int = 32,
+    return_logits: bool = False,
+    record_scores: bool = False,
+    calibration: Any = None,
+) -> GenerationResult:
+    """Prefill ``batch`` (a processor's collate output), compress every layer, decode greedily."""
+    model, info = loaded.model, loaded.info
+    device = next(model.parameters()).device
+    input_ids = batch["input_ids"].to(device)
+    attention_mask = batch["attention_mask"].to(device)
+    valid = attention_mask.bool()
+    extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.get("model_inputs", {}).items()}
+    B = input_ids.shape[0]
+    cache = CompressedCache(info.num_layers, decode_capacity=max_new_tokens)
+    session = CompressionSession(
+        cache=cache,
+        pipeline=pipeline,
+        valid=valid,
+        modality=batch["modality"].to(device),
+        calibration=calibration,
+        record_scores=record_scores,
+    )
+    explicit_positions = not _uses_mrope(model)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    eos = torch.tensor(sorted(set(loaded.processor.eos_token_ids)), device=device)
+
+    with compression_session(session):
+        start = time.perf_counter()
+        kwargs = {"position_ids": positions} if explicit_positions else {}
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **kwargs,
+            **extra,
+        )
+        prefill_total = time.perf_counter() - start
+        logits = out.logits[:, -1].float()
+        step_logits = [logits] if return_logits else []
+        tokens = torch.empty(B, 0, dtype=torch.long, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        next_pos = positions[:, -1:] + 1
+        decode_start = time.perf_counter()
+        for step in range(max_new_tokens):
+            next_token = logits.argmax(-1)
+            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+            finished |= torch.isin(next_token, eos)
+            if bool(finished.all()) or step == max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
+            kwargs = {"position_ids": next_pos} if explicit_positions else {}
+            out = model(
+                input_ids=next_token[:, None],
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                use_cache=True,
+                **kwargs,
+            )
+            next_pos = next_pos + 1
+            logits = out.logits[:, -1].float()
+            if return_logits:
+                step_logits.append(logits)
+            pipeline.decode_policy.after_step(cache, step)
+        decode_seconds = time.perf_counter() - decode_start
+
+    kept = cache.kept_tokens()  # [L, B, Hkv]
+    lengths = valid.sum(-1)
+    bytes_per_token = info.head_dim * 2 * cache.layers[0].prompt_keys.element_size()
+    full = lengths * info.num_kv_heads * info.num_layers * bytes_per_token
+    return GenerationResult(
+        tokens=[_trim(row, eos) for row in tokens.tolist()],
+        kept=kept.cpu(),
+        prompt_lengths=lengths.cpu(),
+        kv_bytes_full=full.cpu(),
+        kv_bytes_kept=(kept.sum(dim=(0, 2)) * bytes_per_token).cpu(),
+        kv_bytes_allocated=cache.kv_bytes(),
+        prefill_seconds=prefill_total - session.compression_seconds,
+        compression_seconds=session.compression_seconds,
+        decode_seconds=decode_seconds,
+        step_logits=torch.stack(step_logits, dim=1).cpu() if return_logits else None,
+        reports=session.reports,
+    )
+
+
+def _trim(row: list[int], eos: torch.Tensor) -> list[int]:
+    stops = set(eos.tolist())
+    for i, token in enumerate(row):
+        if token in stops:
+            return row[:i]
+    return row

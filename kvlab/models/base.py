@@ -1,0 +1,78 @@
+"""What kvlab needs to know about a loaded model, independent of its family."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kvlab.data.sample import Sample
+
+# modality ids carried per token in every batch
+TEXT, IMAGE, VIDEO, PAD = 0, 1, 2, -1
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Shapes and special tokens of a model's *language* model (the part kvlab compresses).
+
+    Attributes:
+        name: the name the user gave (built-in name, Hub id or directory).
+        num_layers / num_heads / num_kv_heads / head_dim: of the language model.
+        image_token_ids: token ids marking image positions (modality 1), from the model config.
+        video_token_ids: token ids marking video positions (modality 2).
+        vision_language: whether the model takes images.
+        max_position_embeddings: context limit of the language model.
+    """
+
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    image_token_ids: tuple[int, ...] = ()
+    video_token_ids: tuple[int, ...] = ()
+    vision_language: bool = False
+    max_position_embeddings: int = 8192
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA group size G = H / Hkv)."""
+        return self.num_heads // self.num_kv_heads
+
+
+class Processor(Protocol):
+    """Turns samples into a padded model batch, and token ids back into text."""
+
+    def collate(self, samples: list[Sample]) -> dict[str, Any]:
+        """Batch of samples -> dict with (B = len(samples), T = longest prompt, left padded):
+
+        - ``input_ids`` LongTensor [B, T]
+        - ``attention_mask`` LongTensor [B, T] (0 on padding)
+        - ``modality`` LongTensor [B, T]: 0 text, 1 image, 2 video, -1 padding, found from
+          the model config's special token ids (never from span lengths)
+        - ``model_inputs`` dict of extra forward() kwargs (pixel_values, image_grid_thw,
+          mm_token_type_ids, ...) — empty for text-only models
+        - ``ids`` list[str], ``samples`` list[Sample]
+        """
+        ...
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids -> text, special tokens skipped."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Ids that end generation."""
+        ...
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: the HF model (eval mode), its processor and its :class:`ModelInfo`."""
+
+    model: torch.nn.Module
+    processor: Processor
+    info: ModelInfo
+    extras: dict[str, Any] = field(default_factory=dict)

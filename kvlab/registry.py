@@ -1,0 +1,209 @@
+"""One registry type for every kind of component.
+
+A component is a dataclass whose fields are its parameters (typed, with defaults). It is
+registered under a short snake_case name and built from a YAML/omegaconf node of the form
+``{name: <registered name>, <param>: <value>, ...}``. Building validates the node: unknown
+names (listing the known ones and the closest match), unknown, missing or mistyped parameters
+(naming the component and the field). ``kvlab list`` prints :meth:`Registry.describe` for
+every registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from kvlab.errors import ConfigError, did_you_mean
+
+T = TypeVar("T")
+
+_MISSING = dataclasses.MISSING
+
+
+def to_plain(node: Any) -> Any:
+    """Convert omegaconf containers to plain dicts/lists (resolving interpolations)."""
+    if isinstance(node, DictConfig | ListConfig):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Whether a YAML value fits a (simple) type hint: int, float, str, bool, Literal, list, dict, unions."""
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, list | tuple):
+            return False
+        args = typing.get_args(tp)
+        if not args or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+            inner = args[0] if args else Any
+            return all(_matches(v, inner) for v in value)
+        if origin is tuple:
+            return len(args) == len(value) and all(_matches(v, a) for v, a in zip(value, args, strict=True))
+        return all(_matches(v, args[0]) for v in value)
+    if origin is dict or tp is dict:
+        return isinstance(value, Mapping)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Turn YAML lists into tuples where the field is a tuple (dataclasses stay hashable)."""
+    if typing.get_origin(tp) is tuple and isinstance(value, list):
+        return tuple(value)
+    if tp is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
+class Registry(Generic[T]):
+    """Maps short names to component classes of one kind (e.g. importance scorers).
+
+    Args:
+        kind: human name of the component kind, used in messages (``"importance scorer"``).
+        field: the YAML field where such components are written (``"compression.importance"``),
+            used in error messages so the user knows where to look.
+    """
+
+    def __init__(self, kind: str, field: str):
+        self.kind = kind
+        self.field = field
+        self._entries: dict[str, type[T] | Callable[..., T]] = {}
+
+    def register(self, name: str) -> Callable[[type[T]], type[T]]:
+        """Class decorator: ``@IMPORTANCE.register("window_attention")``."""
+
+        def decorator(cls: type[T]) -> type[T]:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} '{name}' is registered twice")
+            self._entries[name] = cls
+            cls.registry_name = name  # type: ignore[attr-defined]
+            return cls
+
+        return decorator
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def get(self, name: str, where: str | None = None) -> type[T]:
+        """The class registered as ``name``; a :class:`ConfigError` listing known names otherwise."""
+        if name not in self._entries:
+            known = ", ".join(self.names())
+            raise ConfigError(
+                f"Unknown {self.kind} '{name}' in {where or self.field}.{did_you_mean(name, self.names())} "
+                f"Known {self.kind}s: {known}. Run `kvlab list` to see every component with its parameters."
+            )
+        return self._entries[name]  # type: ignore[return-value]
+
+    def build(self, node: Any, where: str | None = None, **context: Any) -> T:
+        """Build a component from ``{name: ..., params}`` (a string is shorthand for ``{name: str}``).
+
+        ``context`` holds keyword arguments supplied by kvlab itself (not by YAML), such as a
+        model's head counts; they are passed only if the class declares them as fields.
+        """
+        where = where or self.field
+        node = to_plain(node)
+        if isinstance(node, str):
+            node = {"name": node}
+        if not isinstance(node, Mapping) or "name" not in node:
+            raise ConfigError(
+                f"{where} must be a mapping with a 'name' field (one of: {', '.join(self.names())}), "
+                f"got {node!r}. Example: {{name: {self.names()[0] if self.names() else 'x'}}}."
+            )
+        params = dict(node)
+        name = params.pop("name")
+        cls = self.get(name, where)
+        values = validate_params(cls, params, f"{self.kind} '{name}' ({where})")
+        for key, val in context.items():
+            if key in {f.name for f in dataclasses.fields(cls)} and key not in values:  # type: ignore[arg-type]
+                values[key] = val
+        try:
+            return cls(**values)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{self.kind} '{name}' ({where}): {exc}") from None
+
+    def describe(self) -> list[tuple[str, str, list[tuple[str, str, str]]]]:
+        """``[(name, first docstring line, [(param, type, default)])]`` for ``kvlab list``."""
+        rows = []
+        for name in self.names():
+            cls = self._entries[name]
+            doc = (cls.__doc__ or "").strip().splitlines()
+            params = []
+            if dataclasses.is_dataclass(cls):
+                hints = typing.get_type_hints(cls)
+                for f in dataclasses.fields(cls):
+                    if not f.init or f.name.startswith("_"):
+                        continue
+                    if f.default is not _MISSING:
+                        default = repr(f.default)
+                    elif f.default_factory is not _MISSING:  # type: ignore[misc]
+                        default = repr(f.default_factory())  # type: ignore[misc]
+                    else:
+                        default = "(required)"
+                    params.append((f.name, _type_name(hints.get(f.name, Any)), default))
+            rows.append((name, doc[0] if doc else "", params))
+        return rows
+
+
+def validate_params(cls: type, params: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Check ``params`` against the dataclass fields of ``cls``; return coerced keyword arguments.
+
+    Raises :class:`ConfigError` naming ``where`` and the field for unknown, missing or mistyped
+    parameters.
+    """
+    if not dataclasses.is_dataclass(cls):
+        return dict(params)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+    for key in params:
+        if key not in fields:
+            allowed = ", ".join(fields) or "none"
+            raise ConfigError(
+                f"{where} has no parameter '{key}'.{did_you_mean(key, fields)} "
+                f"Its parameters are: {allowed}. Remove the field or fix its spelling."
+            )
+    values: dict[str, Any] = {}
+    for key, f in fields.items():
+        if key in params:
+            value = params[key]
+            tp = hints.get(key, Any)
+            if not _matches(value, tp):
+                raise ConfigError(
+                    f"{where}: parameter '{key}' must be {_type_name(tp)}, got {value!r} "
+                    f"({type(value).__name__}). Fix the value in the config."
+                )
+            values[key] = _coerce(value, tp)
+        elif f.default is _MISSING and f.default_factory is _MISSING:  # type: ignore[misc]
+            raise ConfigError(
+                f"{where} is missing the required parameter '{key}' ({_type_name(hints.get(key, Any))}). "
+                f"Add `{key}: <value>` to its config node."
+            )
+    return values
