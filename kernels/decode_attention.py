@@ -53,7 +53,9 @@ def ragged_decode_attention_reference(
     dv = decode_values[:, :, :decode_length].float()
     decode_logits = torch.einsum("bkqd,bktd->bkqt", qf, dk) * scaling  # [B, Hkv, G*q, t]
     query_step = torch.arange(q, device=query.device).repeat(G)  # row r is query r % q
-    visible = torch.arange(decode_length, device=query.device)[None, :] <= (decode_length - q + query_step)[:, None]
+    visible = (
+        torch.arange(decode_length, device=query.device)[None, :] <= (decode_length - q + query_step)[:, None]
+    )
     decode_logits = decode_logits.masked_fill(~visible[None, None], float("-inf"))
 
     probs = torch.softmax(torch.cat([prompt_logits, decode_logits], dim=-1), dim=-1)

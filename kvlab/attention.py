@@ -32,7 +32,9 @@ from kvlab.compression.pipeline import LayerReport, Pipeline
 from kvlab.kernels.decode_attention import ragged_decode_attention
 
 ATTENTION_NAME = "kvlab"
-_SESSION: contextvars.ContextVar[CompressionSession | None] = contextvars.ContextVar("kvlab_session", default=None)
+_SESSION: contextvars.ContextVar[CompressionSession | None] = contextvars.ContextVar(
+    "kvlab_session", default=None
+)
 
 
 @dataclass
@@ -97,7 +99,9 @@ def prefill_attention(
     is never used) so no row is empty. Without padding it is sdpa's own causal path.
     """
     if bool(valid.all()):
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+        )
     T = query.shape[2]
     causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
     mask = causal[None] & valid[:, None, :]
@@ -124,7 +128,9 @@ def kvlab_attention(
     session = _SESSION.get()
     layer_idx = getattr(module, "layer_idx", None)
     if session is None or layer_idx is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = session.cache.layers[layer_idx]
     if layer.compressed:
@@ -151,7 +157,12 @@ def kvlab_attention(
 
 
 def _compress_layer(
-    session: CompressionSession, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    session: CompressionSession,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
 ) -> None:
     start = time.perf_counter()
     ctx = LayerContext(

@@ -121,7 +121,14 @@ class CompressedLayer(CacheLayerMixin):
         tensors = (
             [self.keys, self.values]
             if not self.compressed
-            else [self.prompt_keys, self.prompt_values, self.decode_keys, self.decode_values, self.starts, self.lengths]
+            else [
+                self.prompt_keys,
+                self.prompt_values,
+                self.decode_keys,
+                self.decode_values,
+                self.starts,
+                self.lengths,
+            ]
         )
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

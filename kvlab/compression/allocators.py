@@ -23,7 +23,9 @@ class LayerAllocator:
 
     registry_name: str = ""
 
-    def allocate(self, budget: torch.Tensor, lengths: torch.Tensor, protected: torch.Tensor, ctx: LayerContext):
+    def allocate(
+        self, budget: torch.Tensor, lengths: torch.Tensor, protected: torch.Tensor, ctx: LayerContext
+    ):
         """Per-head budget of this layer, ``[B]`` long.
 
         Args:
@@ -94,8 +96,10 @@ class PyramidLayerAllocator(LayerAllocator):
         T < C        -> no compression;   T < 2 B' -> cap_l = B' (SnapKV)
 
     so the mean over layers is B' (up to the floor of ``steps``: at most (L-1)/2 tokens more
-    per layer). ``arithmetic: float`` is kvpress' ``PyramidKVPress`` variant: real-valued steps,
-    ``round``, and the uniform budget whenever ``not T >= max >= min >= w``.
+    per layer). ``arithmetic: float`` is kvpress' ``PyramidKVPress.get_layer_budget``: it
+    schedules the whole budget n = C (window included, since kvpress' C - w is n_kept) with
+    real-valued steps and ``round``, and returns the uniform budget whenever
+    ``not T >= max >= min >= w``.
     """
 
     beta: int = 20
@@ -108,18 +112,20 @@ class PyramidLayerAllocator(LayerAllocator):
     def allocate(self, budget, lengths, protected, ctx):
         out = budget.clone()
         L, layer = ctx.num_layers, ctx.layer_idx
-        for b, (capacity, T, w) in enumerate(zip(budget.tolist(), lengths.tolist(), protected.tolist(), strict=True)):
+        for b, (capacity, T, w) in enumerate(
+            zip(budget.tolist(), lengths.tolist(), protected.tolist(), strict=True)
+        ):
             free = capacity - w
-            if L < 2 or T <= capacity:
+            if L < 2 or capacity >= T:
                 continue
             if self.arithmetic == "int":
                 out[b] = w + self._int_schedule(free, T, w, L, layer)
             else:
-                out[b] = w + self._float_schedule(free, T, w, L, layer)
+                out[b] = self._float_schedule(capacity, T, w, L, layer)
         return out
 
     def _int_schedule(self, free: int, T: int, w: int, L: int, layer: int) -> int:
-        if T < 2 * free:
+        if 2 * free > T:
             return free
         min_num = free // self.beta
         max_num = 2 * free - min_num
@@ -129,14 +135,14 @@ class PyramidLayerAllocator(LayerAllocator):
         steps = (max_num - min_num) // (L - 1)
         return max_num - layer * steps
 
-    def _float_schedule(self, free: int, T: int, w: int, L: int, layer: int) -> int:
-        min_num = free / self.beta
-        max_num = 2 * free - min_num
+    def _float_schedule(self, kept: int, T: int, w: int, L: int, layer: int) -> int:
+        min_num = kept / self.beta
+        max_num = 2 * kept - min_num
         if max_num >= T - w:
             max_num = T - w
-            min_num = 2 * free - max_num
+            min_num = 2 * kept - max_num
         if not (T >= max_num >= min_num >= w):
-            return free
+            return kept
         steps = (max_num - min_num) / (L - 1)
         return round(max_num - layer * steps)
 

@@ -85,7 +85,9 @@ class LayerContext:
         """
         key = ("window_attention", window)
         if key not in self._memo:
-            self._memo[key] = attention_probs(self.queries[:, :, -window:], self, first_query=self.seq_len - window)
+            self._memo[key] = attention_probs(
+                self.queries[:, :, -window:], self, first_query=self.seq_len - window
+            )
         return self._memo[key]
 
     def cumulative_attention(self, chunk: int = 256) -> torch.Tensor:
@@ -97,7 +99,9 @@ class LayerContext:
         key = ("cumulative_attention",)
         if key not in self._memo:
             T = self.seq_len
-            total = torch.zeros(self.batch_size, self.num_heads, T, dtype=torch.float32, device=self.keys.device)
+            total = torch.zeros(
+                self.batch_size, self.num_heads, T, dtype=torch.float32, device=self.keys.device
+            )
             for start in range(0, T, chunk):
                 probs = attention_probs(self.queries[:, :, start : start + chunk], self, first_query=start)
                 total += probs.sum(-2)

@@ -16,7 +16,9 @@ class Mixer:
 
     registry_name: str = ""
 
-    def mix(self, importance: list[torch.Tensor], diversity: list[torch.Tensor], ctx: LayerContext) -> torch.Tensor:
+    def mix(
+        self, importance: list[torch.Tensor], diversity: list[torch.Tensor], ctx: LayerContext
+    ) -> torch.Tensor:
         """Each input is ``[B, Hkv, T]``; return ``[B, Hkv, T]`` (higher means keep)."""
         raise NotImplementedError
 
@@ -49,7 +51,9 @@ class WeightedSumMixer(Mixer):
     weights: tuple[float, ...] = ()
     normalize: Literal["none", "minmax"] = "none"
 
-    def mix(self, importance: list[torch.Tensor], diversity: list[torch.Tensor], ctx: LayerContext) -> torch.Tensor:
+    def mix(
+        self, importance: list[torch.Tensor], diversity: list[torch.Tensor], ctx: LayerContext
+    ) -> torch.Tensor:
         scores = importance + diversity
         weights = self.weights or (1.0,) * len(scores)
         if len(weights) != len(scores):

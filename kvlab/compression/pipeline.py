@@ -61,13 +61,15 @@ def _as_list(node: Any, where: str) -> list[Any]:
 class LayerReport:
     """What one layer's compression did, for predictions and TensorBoard.
 
-    ``kept`` is ``[B, Hkv]`` (tokens kept per head) and ``scores`` the mixed ``[B, Hkv, T]`` score
-    (only kept when the pipeline is asked to record scores).
+    ``kept`` is ``[B, Hkv]`` (tokens kept per head), ``budget`` the layer budget ``[B]``,
+    ``selection`` which positions were kept, and ``scores`` the mixed ``[B, Hkv, T]`` score (only
+    when the pipeline is asked to record scores).
     """
 
     layer_idx: int
     kept: torch.Tensor
     budget: torch.Tensor
+    selection: Selection | None = None
     seconds: float = 0.0
     scores: torch.Tensor | None = None
 
@@ -96,7 +98,8 @@ class Pipeline:
         for key in node:
             if key not in FIELDS:
                 raise ConfigError(
-                    f"{WHERE} has no field '{key}'.{did_you_mean(key, FIELDS)} Its fields are: {', '.join(FIELDS)}."
+                    f"{WHERE} has no field '{key}'.{did_you_mean(key, FIELDS)} "
+                    f"Its fields are: {', '.join(FIELDS)}."
                 )
         allocate = node.get("allocate") or {}
         if not isinstance(allocate, dict):
@@ -133,7 +136,9 @@ class Pipeline:
             importance=importance,
             diversity=diversity,
             mixer=MIXERS.build(node.get("mixer") or "weighted_sum", f"{WHERE}.mixer"),
-            layer_allocator=LAYER_ALLOCATORS.build(allocate.get("layer") or "uniform", f"{WHERE}.allocate.layer"),
+            layer_allocator=LAYER_ALLOCATORS.build(
+                allocate.get("layer") or "uniform", f"{WHERE}.allocate.layer"
+            ),
             head_allocator=HEAD_ALLOCATORS.build(allocate.get("head") or "uniform", f"{WHERE}.allocate.head"),
             modality_allocator=MODALITY_ALLOCATORS.build(
                 allocate.get("modality") or "none", f"{WHERE}.allocate.modality"
@@ -171,7 +176,7 @@ class Pipeline:
             counts = lengths[:, None].expand(-1, ctx.num_kv_heads).clone()
             scores = torch.where(keep_all, 0.0, float("-inf"))
             selection = self.selector.select(scores, counts, ctx)
-            return selection, LayerReport(ctx.layer_idx, counts, lengths.clone())
+            return selection, LayerReport(ctx.layer_idx, counts, lengths.clone(), selection)
 
         budget = self.budget.per_sample(lengths)
         protected_counts = self.budget.protected_counts(lengths)
@@ -199,5 +204,7 @@ class Pipeline:
         final = candidate_scores.masked_fill(protected[:, None, :], float("inf"))
         counts = head_counts + protected_counts[:, None]
         selection = self.selector.select(final, counts, ctx)
-        report = LayerReport(ctx.layer_idx, selection.counts, layer_budget, scores=mixed if record_scores else None)
+        report = LayerReport(
+            ctx.layer_idx, selection.counts, layer_budget, selection, scores=mixed if record_scores else None
+        )
         return selection, report

@@ -1,0 +1,153 @@
+"""The ``kvlab`` command.
+
+- ``kvlab predict --config snapkv.yaml [--model.compression.budget.tokens 128 ...]``: run a
+  method on a dataset (LightningCLI: ``--print_config``, dotted overrides, ``--help``);
+  writes ``<run.dir>/<run.experiment>/<run.method>/`` with ``config.yaml``,
+  ``predictions.jsonl``, ``metrics.json`` and TensorBoard events.
+- ``kvlab list``: every registered component with its parameters and defaults, and the presets.
+
+Bad configuration exits with status 2 and a one-paragraph message, before any model loads.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from kvlab.config import preset_names, resolve, split_overrides
+from kvlab.errors import ConfigError
+from kvlab.writer import PredictionWriter
+
+USAGE = """usage: kvlab {predict,list} ...
+
+  kvlab predict --config CONFIG [--field.sub VALUE ...]   run a method (see kvlab predict --help)
+  kvlab list                                            components, parameters, defaults, presets
+"""
+
+
+class KVLabCLI(LightningCLI):
+    """LightningCLI with a ``run`` group (output directory) and resumable prediction writing."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"predict": {"model", "dataloaders", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("model.model", "data.model")
+        parser.add_argument("--run.dir", type=str, default="runs", help="root of run directories")
+        parser.add_argument("--run.experiment", type=str, default="default", help="experiment name")
+        parser.add_argument("--run.method", type=str, default="method", help="method name (the preset's)")
+
+    def run_dir(self) -> Path:
+        run = self.config["predict"]["run"]
+        return Path(run["dir"]) / run["experiment"] / run["method"]
+
+    def before_predict(self) -> None:
+        run_dir = self.run_dir()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.parser.save(self.config["predict"], run_dir / "config.yaml", overwrite=True, skip_check=True)
+        writer = PredictionWriter(run_dir)
+        self.trainer.callbacks.append(writer)
+        self.trainer.logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="")
+        done = writer.completed_ids()
+        self.datamodule.skip_ids = done
+        if done:
+            print(f"kvlab: resuming {run_dir}: {len(done)} samples already written are skipped")
+
+    def after_predict(self) -> None:
+        metrics = (self.run_dir() / "metrics.json").read_text()
+        print(f"kvlab: results in {self.run_dir()}\n{metrics}")
+
+
+def print_components(out=sys.stdout) -> None:
+    """``kvlab list``: every registry's components with parameters and defaults, then the presets."""
+    for registry in all_registries():
+        print(f"{registry.kind}s  ({registry.field})", file=out)
+        for name, doc, params in registry.describe():
+            print(f"  {name}: {doc}", file=out)
+            for param, type_name, default in params:
+                print(f"      {param}: {type_name} = {default}", file=out)
+        print(file=out)
+    print("presets  (kvlab predict --config NAME)", file=out)
+    print("  " + ", ".join(preset_names()), file=out)
+
+
+def all_registries() -> list[Any]:
+    from kvlab.compression.allocators import HEAD_ALLOCATORS, LAYER_ALLOCATORS, MODALITY_ALLOCATORS
+    from kvlab.compression.decode import DECODE_POLICIES
+    from kvlab.compression.diversity import DIVERSITY
+    from kvlab.compression.importance import IMPORTANCE
+    from kvlab.compression.mixers import MIXERS
+    from kvlab.compression.selectors import SELECTORS
+    from kvlab.data import DATASETS
+    from kvlab.models import MODELS
+
+    return [
+        IMPORTANCE,
+        DIVERSITY,
+        MIXERS,
+        LAYER_ALLOCATORS,
+        HEAD_ALLOCATORS,
+        MODALITY_ALLOCATORS,
+        SELECTORS,
+        DECODE_POLICIES,
+        DATASETS,
+        MODELS,
+    ]
+
+
+def predict(args: list[str]) -> None:
+    """Resolve presets and kvlab-merged overrides, then hand over to LightningCLI."""
+    from kvlab.data import KVLabDataModule
+    from kvlab.module import KVLabModule
+
+    configs, rest, overrides = split_overrides(args)
+    if configs or overrides:
+        resolved = resolve(configs, overrides)
+        if configs:
+            resolved.setdefault("run", {}).setdefault("method", Path(configs[-1]).stem)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kvlab-", delete=False) as tmp:
+            yaml.safe_dump(resolved, tmp, sort_keys=False)
+        rest = ["--config", tmp.name, *rest]
+    KVLabCLI(
+        KVLabModule,
+        KVLabDataModule,
+        args=["predict", *rest],
+        save_config_callback=None,
+        trainer_defaults={
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_model_summary": False,
+            "devices": 1,
+        },
+        seed_everything_default=0,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``kvlab`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    command, args = argv[0], argv[1:]
+    try:
+        if command == "list":
+            print_components()
+        elif command == "predict":
+            predict(args)
+        else:
+            raise ConfigError(f"unknown command '{command}'. Commands: predict, list.")
+    except ConfigError as exc:
+        print(f"kvlab: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

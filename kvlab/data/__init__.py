@@ -1,0 +1,37 @@
+"""Data for kvlab: samples, dataset components and the Lightning data module.
+
+``KVLabDataModule`` is imported lazily (it pulls in Lightning) so that ``kvlab.data.Sample``
+stays cheap to import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvlab.data.datasets import DATASETS, JsonlDataset, SampleSource, build_dataset
+from kvlab.data.sample import Sample
+from kvlab.data.synthetic import PALETTE, REGIONS, SyntheticImageQA, SyntheticRetrieval
+
+if TYPE_CHECKING:
+    from kvlab.data.datamodule import KVLabDataModule
+
+__all__ = [
+    "DATASETS",
+    "PALETTE",
+    "REGIONS",
+    "JsonlDataset",
+    "KVLabDataModule",
+    "Sample",
+    "SampleSource",
+    "SyntheticImageQA",
+    "SyntheticRetrieval",
+    "build_dataset",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVLabDataModule":
+        from kvlab.data.datamodule import KVLabDataModule
+
+        return KVLabDataModule
+    raise AttributeError(f"module 'kvlab.data' has no attribute '{name}'")
