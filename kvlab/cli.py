@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,10 @@ class KVLabCLI(LightningCLI):
     def before_predict(self) -> None:
         run_dir = self.run_dir()
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.parser.save(self.config["predict"], run_dir / "config.yaml", overwrite=True, skip_check=True)
+        parser = self._parser("predict")
+        parser.save(self.config["predict"], run_dir / "config.yaml", overwrite=True, skip_check=True)
         writer = PredictionWriter(run_dir)
+        writer.drop_partial_line()
         self.trainer.callbacks.append(writer)
         self.trainer.logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="")
         done = writer.completed_ids()
@@ -65,8 +68,9 @@ class KVLabCLI(LightningCLI):
         print(f"kvlab: results in {self.run_dir()}\n{metrics}")
 
 
-def print_components(out=sys.stdout) -> None:
+def print_components(out=None) -> None:
     """``kvlab list``: every registry's components with parameters and defaults, then the presets."""
+    out = out or sys.stdout
     for registry in all_registries():
         print(f"{registry.kind}s  ({registry.field})", file=out)
         for name, doc, params in registry.describe():
@@ -115,6 +119,8 @@ def predict(args: list[str]) -> None:
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kvlab-", delete=False) as tmp:
             yaml.safe_dump(resolved, tmp, sort_keys=False)
         rest = ["--config", tmp.name, *rest]
+    # kvlab rewrites the arguments it received (resolved config file): not a user mistake.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     KVLabCLI(
         KVLabModule,
         KVLabDataModule,

@@ -3,7 +3,10 @@
 - ``--config snapkv.yaml`` (or ``snapkv``) finds a file in the working directory first, then
   among the presets shipped in ``kvlab/configs``.
 - A config may start with ``preset: <name or path>``: the preset is loaded (recursively) and
-  the file's own fields are merged on top, field by field (lists are replaced whole).
+  the file's own fields are merged on top, field by field. Lists are replaced whole, and so is
+  a component node (a mapping with ``name``) whose ``name`` changes: the old component's
+  parameters do not leak into the new one. Setting one of a group of exclusive fields
+  (a budget's ``tokens`` / ``ratio``) drops the others.
 - ``--model.compression.<...> VALUE`` and ``--data.dataset.<...> VALUE`` on the command line
   are merged into the resolved config the same way (values parsed as YAML), so
   ``--model.compression.budget.tokens 128`` changes the budget and keeps its window. Other
@@ -17,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
 
 from kvlab.errors import ConfigError, did_you_mean
 
 PRESET_KEY = "preset"
 MERGED_PREFIXES = ("model.compression", "data.dataset")
+EXCLUSIVE_FIELDS = (("tokens", "ratio"),)
 
 
 def presets_dir() -> Path:
@@ -52,7 +55,24 @@ def find_config(name: str, relative_to: Path | None = None) -> Path:
     )
 
 
-def load_config(name: str, relative_to: Path | None = None, _seen: tuple[Path, ...] = ()) -> DictConfig:
+def merge(base: Any, override: Any) -> Any:
+    """Merge ``override`` into ``base`` (new objects; see the module docstring for the rules)."""
+    if not (isinstance(base, dict) and isinstance(override, dict)):
+        return override
+    if "name" in override and override.get("name") != base.get("name"):
+        return override
+    merged = dict(base)
+    for group in EXCLUSIVE_FIELDS:
+        if any(key in override for key in group):
+            for key in group:
+                if key not in override:
+                    merged.pop(key, None)
+    for key, value in override.items():
+        merged[key] = merge(base[key], value) if key in base else value
+    return merged
+
+
+def load_config(name: str, relative_to: Path | None = None, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Load a config and everything it inherits through ``preset:``; returns the merged config."""
     path = find_config(name, relative_to).resolve()
     if path in _seen:
@@ -65,22 +85,23 @@ def load_config(name: str, relative_to: Path | None = None, _seen: tuple[Path, .
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must contain a YAML mapping at the top level, got {type(raw).__name__}.")
     parent = raw.pop(PRESET_KEY, None)
-    cfg = OmegaConf.create(raw)
     if parent is None:
-        return cfg
+        return raw
     if not isinstance(parent, str):
         raise ConfigError(f"{path}: `{PRESET_KEY}` must be a preset name or a path, got {parent!r}.")
     base = load_config(parent, relative_to=path.parent, _seen=(*_seen, path))
-    return OmegaConf.merge(base, cfg)  # type: ignore[return-value]
+    return merge(base, raw)
 
 
-def apply_override(cfg: DictConfig, dotted: str, value_text: str) -> None:
-    """Merge ``dotted = yaml(value_text)`` into ``cfg`` (mappings merge field by field)."""
+def apply_override(cfg: dict[str, Any], dotted: str, value_text: str) -> dict[str, Any]:
+    """Return ``cfg`` with ``dotted = yaml(value_text)`` merged in (same rules as presets)."""
     try:
         value = yaml.safe_load(value_text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"--{dotted}: cannot parse {value_text!r} as YAML ({exc}).") from None
-    OmegaConf.update(cfg, dotted, value, merge=True, force_add=True)
+    for key in reversed(dotted.split(".")):
+        value = {key: value}
+    return merge(cfg, value)
 
 
 def split_overrides(args: list[str]) -> tuple[list[str], list[str], list[tuple[str, str]]]:
@@ -115,9 +136,9 @@ def split_overrides(args: list[str]) -> tuple[list[str], list[str], list[tuple[s
 
 def resolve(configs: list[str], overrides: list[tuple[str, str]]) -> dict[str, Any]:
     """Merge the given configs (later wins) and overrides into one plain dict."""
-    cfg = OmegaConf.create({})
+    cfg: dict[str, Any] = {}
     for name in configs:
-        cfg = OmegaConf.merge(cfg, load_config(name))
+        cfg = merge(cfg, load_config(name))
     for dotted, value in overrides:
-        apply_override(cfg, dotted, value)
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+        cfg = apply_override(cfg, dotted, value)
+    return cfg

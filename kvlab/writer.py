@@ -78,6 +78,14 @@ class PredictionWriter(BasePredictionWriter):
         """Ids already in the predictions file (skipped when the run is resumed)."""
         return {str(r["id"]) for r in read_predictions(self.run_dir)}
 
+    def drop_partial_line(self) -> None:
+        """Remove a last line cut short by a crash, so new records start on a fresh line."""
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            self.path.write_bytes(data[: data.rfind(b"\n") + 1])
+
     def write_on_batch_end(
         self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx
     ):

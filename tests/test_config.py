@@ -116,10 +116,23 @@ def test_every_preset_builds_a_valid_pipeline():
 def test_experiment_reuses_a_preset_in_one_line_and_overrides_fields(tmp_path):
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump({"preset": "snapkv", "model": {"compression": {"budget": {"tokens": 96}}}}))
-    cfg = load_config(str(exp))
-    assert cfg.model.compression.budget.tokens == 96
-    assert cfg.model.compression.budget.window == 32  # inherited sibling survives
-    assert cfg.model.compression.importance[0].name == "window_attention"
+    cfg = load_config(str(exp))["model"]["compression"]
+    assert cfg["budget"]["tokens"] == 96
+    assert cfg["budget"]["window"] == 32  # inherited sibling survives
+    assert cfg["importance"][0]["name"] == "window_attention"
+
+
+def test_changing_a_component_name_replaces_its_parameters():
+    cfg = resolve(["snapkv"], [("data.dataset", "{name: jsonl, path: x.jsonl}")])
+    assert cfg["data"]["dataset"] == {"name": "jsonl", "path": "x.jsonl"}
+    cfg = resolve(["pyramidkv"], [("model.compression.allocate.layer", "{name: uniform}")])
+    assert cfg["model"]["compression"]["allocate"]["layer"] == {"name": "uniform"}
+    cfg = resolve(["pyramidkv"], [("model.compression.allocate.layer.beta", "5")])
+    assert cfg["model"]["compression"]["allocate"]["layer"] == {
+        "name": "pyramid",
+        "beta": 5,
+        "arithmetic": "int",
+    }
 
 
 def test_command_line_overrides_merge_field_by_field():
@@ -130,7 +143,7 @@ def test_command_line_overrides_merge_field_by_field():
     cfg = resolve(configs, overrides)
     assert cfg["model"]["compression"]["budget"] == {"tokens": 96, "window": 32}
     cfg = resolve(configs, [("model.compression.budget", "{ratio: 0.5}")])
-    assert cfg["model"]["compression"]["budget"]["ratio"] == 0.5
+    assert cfg["model"]["compression"]["budget"] == {"ratio": 0.5, "window": 32}  # tokens dropped
 
 
 def test_preset_cycle_is_reported(tmp_path):

@@ -1,0 +1,121 @@
+"""Models for kvlab: built-in tiny and SmolLM2-based models, plus local directories and Hub ids.
+
+Public API::
+
+    MODELS                      # Registry of built-in model builders (YAML field model.model)
+    load_model(name, dtype)     # -> LoadedModel(model, processor, info, extras)
+    load_processor(name)        # -> Processor (cached per name; no weights loaded)
+    model_info(config, name)    # -> ModelInfo from an HF config
+    validate_model_name(name)   # ConfigError early for unknown names
+
+``name`` is a built-in name (see :mod:`kvlab.models.builtin`), an existing local directory with
+an HF ``config.json``, or a Hub id ``org/name``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+from PIL import Image
+
+from kvlab.errors import ConfigError, did_you_mean
+from kvlab.models import hub
+from kvlab.models.base import IMAGE, PAD, TEXT, VIDEO, LoadedModel, ModelInfo, Processor
+from kvlab.models.builtin import MODELS, BuiltinModel
+from kvlab.models.common import resolve_dtype
+from kvlab.models.info import model_info
+from kvlab.models.processors import ChatProcessor
+
+__all__ = [
+    "IMAGE",
+    "MODELS",
+    "PAD",
+    "TEXT",
+    "VIDEO",
+    "BuiltinModel",
+    "ChatProcessor",
+    "LoadedModel",
+    "ModelInfo",
+    "Processor",
+    "load_model",
+    "load_processor",
+    "model_info",
+    "validate_model_name",
+]
+
+
+def validate_model_name(name: str) -> None:
+    """Raise :class:`ConfigError` unless ``name`` is a built-in, a saved-model directory or ``org/name``.
+
+    Loads nothing (a Hub id is only checked for its shape).
+    """
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"model.model must be a non-empty string, got {name!r}. Built-ins: {_builtins()}.")
+    if name in MODELS:
+        return
+    path = hub.local_dir(name)
+    if path is not None:
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.model '{name}' is a directory without a config.json, so it is not a saved HF model. "
+                f"Point it at a directory written by save_pretrained(), or use a built-in: {_builtins()}."
+            )
+        return
+    if hub.is_hub_id(name):
+        return
+    if name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1:
+        raise ConfigError(
+            f"model.model '{name}' looks like a path, but no such directory exists. Fix the path, or use a "
+            f"built-in model: {_builtins()}."
+        )
+    raise ConfigError(
+        f"Unknown model '{name}' in model.model.{did_you_mean(name, MODELS.names())} It is not a built-in, "
+        f"an existing directory, or a Hub id of the form 'org/name'. Built-in models: {_builtins()}. "
+        "Run `kvlab list` to see them with descriptions."
+    )
+
+
+def _builtins() -> str:
+    return ", ".join(MODELS.names())
+
+
+@functools.cache
+def load_processor(name: str) -> Processor:
+    """The kvlab processor of model ``name``, cached per name (the same object ``load_model`` returns).
+
+    Cheap: builds only the tokenizer and image processor (for ``smollm2-*`` it may convert the
+    GGUF once, ~40 s, to reach the tokenizer).
+    """
+    validate_model_name(name)
+    if name in MODELS:
+        return MODELS.get(name)().processor()
+    return hub.load_processor(name)
+
+
+def load_model(name: str, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """Load model ``name`` in ``dtype`` (eval mode, ``attn_implementation="sdpa"``).
+
+    Returns a :class:`LoadedModel` whose ``info`` describes the language model and whose
+    ``extras`` hold ``source`` ("builtin" / "pretrained"), ``dtype``, ``load_seconds`` and, for
+    built-in VLMs, ``image_size`` and ``tokens_per_image``.
+    """
+    validate_model_name(name)
+    torch_dtype = resolve_dtype(dtype)
+    start = time.perf_counter()
+    processor = load_processor(name)
+    if name in MODELS:
+        builder = MODELS.get(name)()
+        model = builder.build(torch_dtype)
+        extras = builder.extras()
+    else:
+        model = hub.load_model(name, torch_dtype)
+        extras = {"source": "pretrained", "path": str(hub.local_dir(name) or name)}
+    info = model_info(model.config, name)
+    images = getattr(processor, "images", None)
+    if images is not None and extras.get("image_size"):
+        size = extras["image_size"]
+        extras["tokens_per_image"] = images.process([Image.new("RGB", (size, size))])[1][0]
+    extras.update(dtype=torch_dtype, load_seconds=time.perf_counter() - start)
+    return LoadedModel(model=model, processor=processor, info=info, extras=extras)

