@@ -4,8 +4,11 @@ Short on purpose (no forked ``generate``): one forward over the padded prompt, t
 per step through the Cache API. Positions: text models get explicit ``position_ids`` from the
 attention mask (each sample counts from its own first token, padding or not), and decode
 positions continue from the *original* prompt length. Multimodal-RoPE models (Qwen2-VL) compute
-their own positions from the attention mask and ``cache.get_seq_length()``, which reports the
-logical (uncompressed) length.
+their own positions at prefill from the attention mask (``get_rope_index``), which also stores
+per-sample ``rope_deltas``. At decode kvlab passes the new token's position itself, exactly as
+the model derives it from a full attention mask (valid tokens so far + ``rope_deltas``, the same
+on all three M-RoPE axes): Qwen2-VL 5.23 would otherwise build positions for the whole
+sequence (given a mask) or ignore left padding (without one).
 """
 
 from __future__ import annotations
@@ -57,6 +60,32 @@ def _uses_mrope(model: torch.nn.Module) -> bool:
     return hasattr(getattr(model, "model", model), "get_rope_index")
 
 
+def _prefill_positions(
+    model: torch.nn.Module, positions: torch.Tensor, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """Prefill ``position_ids`` kwargs: explicit for text models and for text-only M-RoPE batches.
+
+    M-RoPE models keep ``rope_deltas`` on the model between calls; it is reset here so a batch
+    never sees the previous batch's deltas. With images they compute their own 3-D positions.
+    """
+    if not _uses_mrope(model):
+        return {"position_ids": positions}
+    model.model.rope_deltas = None
+    if extra.get("image_grid_thw") is None and extra.get("video_grid_thw") is None:
+        return {"position_ids": positions[None].expand(3, -1, -1)}
+    return {}
+
+
+def _decode_positions(model: torch.nn.Module, next_pos: torch.Tensor) -> torch.Tensor:
+    """Position ids of the next token: ``[B, 1]``, or ``[3, B, 1]`` for multimodal RoPE."""
+    if not _uses_mrope(model):
+        return next_pos
+    deltas = model.model.rope_deltas  # [B, 1] from the prefill's get_rope_index (None: text only)
+    if deltas is not None:
+        next_pos = next_pos + deltas.to(next_pos.device)
+    return next_pos[None].expand(3, -1, -1)
+
+
 @torch.no_grad()
 def generate(
     loaded: LoadedModel,
@@ -84,13 +113,12 @@ def generate(
         calibration=calibration,
         record_scores=record_scores,
     )
-    explicit_positions = not _uses_mrope(model)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(sorted(set(loaded.processor.eos_token_ids)), device=device)
 
     with compression_session(session):
         start = time.perf_counter()
-        kwargs = {"position_ids": positions} if explicit_positions else {}
+        kwargs = _prefill_positions(model, positions, extra)
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -113,14 +141,11 @@ def generate(
             finished |= torch.isin(next_token, eos)
             if bool(finished.all()) or step == max_new_tokens - 1:
                 break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
-            kwargs = {"position_ids": next_pos} if explicit_positions else {}
             out = model(
                 input_ids=next_token[:, None],
-                attention_mask=attention_mask,
+                position_ids=_decode_positions(model, next_pos),
                 past_key_values=cache,
                 use_cache=True,
-                **kwargs,
             )
             next_pos = next_pos + 1
             logits = out.logits[:, -1].float()
