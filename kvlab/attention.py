@@ -29,7 +29,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvlab.cache import CompressedCache
 from kvlab.compression.context import LayerContext
 from kvlab.compression.pipeline import LayerReport, Pipeline
-from kvlab.kernels.decode_attention import ragged_decode_attention
 
 ATTENTION_NAME = "kvlab"
 _SESSION: contextvars.ContextVar[CompressionSession | None] = contextvars.ContextVar(
@@ -134,17 +133,7 @@ def kvlab_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = session.cache.layers[layer_idx]
     if layer.compressed:
-        out = ragged_decode_attention(
-            query,
-            layer.prompt_keys,
-            layer.prompt_values,
-            layer.starts,
-            layer.lengths,
-            layer.decode_keys,
-            layer.decode_values,
-            layer.decode_length,
-            scaling,
-        )
+        out = layer.decode_attention(query, scaling)
         return out.transpose(1, 2).contiguous(), None
     if query.shape[2] != session.valid.shape[1] or key.shape[2] != query.shape[2]:
         raise RuntimeError(

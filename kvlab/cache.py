@@ -23,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.compression.selectors import Selection
+from kvlab.kernels.decode_attention import ragged_decode_attention
 
 INDEX_DTYPE = torch.int64
 
@@ -114,6 +115,24 @@ class CompressedLayer(CacheLayerMixin):
         self.decode_keys[:, :, self.decode_length : needed] = key_states
         self.decode_values[:, :, self.decode_length : needed] = value_states
         self.decode_length = needed
+
+    def decode_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of new queries ``[B, H, q, D]`` over this compressed layer -> ``[B, H, q, D]``.
+
+        The queries' own K/V must already be appended (``update``). Dispatches to
+        :func:`kvlab.kernels.decode_attention.ragged_decode_attention`.
+        """
+        return ragged_decode_attention(
+            query,
+            self.prompt_keys,
+            self.prompt_values,
+            self.starts,
+            self.lengths,
+            self.decode_keys,
+            self.decode_values,
+            self.decode_length,
+            scaling,
+        )
 
     # --- inspection --------------------------------------------------------------------------
     def kv_bytes(self) -> int:

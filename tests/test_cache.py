@@ -2,7 +2,6 @@
 
 import torch
 import torch.nn.functional as F
-from kvlab.kernels.decode_attention import ragged_decode_attention_reference
 
 from kvlab.cache import CompressedCache, CompressedLayer
 from kvlab.compression.selectors import Selection, topk_indices
@@ -105,17 +104,7 @@ def test_ragged_decode_attention_matches_dense_reference_with_gqa():
         layer.update(new_k[:, :, step : step * 2 + 1], new_v[:, :, step : step * 2 + 1])
     query = torch.randn(B, Hkv * G, 2, D)
     scaling = D**-0.5
-    got = ragged_decode_attention_reference(
-        query,
-        layer.prompt_keys,
-        layer.prompt_values,
-        layer.starts,
-        layer.lengths,
-        layer.decode_keys,
-        layer.decode_values,
-        layer.decode_length,
-        scaling,
-    )
+    got = layer.decode_attention(query, scaling)
     want = dense_reference(query, layer, keys, values, selection, new_k, new_v, scaling)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -129,17 +118,7 @@ def test_ragged_attention_with_everything_kept_equals_sdpa_over_the_full_cache()
     full_k = torch.cat([keys, new_k], 2).repeat_interleave(G, 1)
     full_v = torch.cat([values, new_v], 2).repeat_interleave(G, 1)
     want = F.scaled_dot_product_attention(query, full_k, full_v)
-    got = ragged_decode_attention_reference(
-        query,
-        layer.prompt_keys,
-        layer.prompt_values,
-        layer.starts,
-        layer.lengths,
-        layer.decode_keys,
-        layer.decode_values,
-        layer.decode_length,
-        D**-0.5,
-    )
+    got = layer.decode_attention(query, D**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -47,6 +47,15 @@ FIELDS = ("budget", "importance", "diversity", "mixer", "allocate", "select", "d
 ALLOCATE_FIELDS = ("layer", "head", "modality")
 
 
+def _check_fields(node: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for key in node:
+        if key not in allowed:
+            raise ConfigError(
+                f"{where} has no field '{key}'.{did_you_mean(key, allowed)} "
+                f"Its fields are: {', '.join(allowed)}."
+            )
+
+
 def _as_list(node: Any, where: str) -> list[Any]:
     if node is None:
         return []
@@ -95,21 +104,11 @@ class Pipeline:
         node = to_plain(node) or {}
         if not isinstance(node, dict):
             raise ConfigError(f"{WHERE} must be a mapping (see docs/architecture.md), got {node!r}.")
-        for key in node:
-            if key not in FIELDS:
-                raise ConfigError(
-                    f"{WHERE} has no field '{key}'.{did_you_mean(key, FIELDS)} "
-                    f"Its fields are: {', '.join(FIELDS)}."
-                )
+        _check_fields(node, FIELDS, WHERE)
         allocate = node.get("allocate") or {}
         if not isinstance(allocate, dict):
             raise ConfigError(f"{WHERE}.allocate must be a mapping with keys {', '.join(ALLOCATE_FIELDS)}.")
-        for key in allocate:
-            if key not in ALLOCATE_FIELDS:
-                raise ConfigError(
-                    f"{WHERE}.allocate has no field '{key}'.{did_you_mean(key, ALLOCATE_FIELDS)} "
-                    f"Its fields are: {', '.join(ALLOCATE_FIELDS)}."
-                )
+        _check_fields(allocate, ALLOCATE_FIELDS, f"{WHERE}.allocate")
         schedule = node.get("schedule", "layerwise")
         if schedule != "layerwise":
             raise ConfigError(

@@ -60,6 +60,14 @@ def fact_sentence(key: str, value: str) -> str:
     return f"The secret code for {key} is {value}."
 
 
+def check_num_samples(num_samples: int) -> None:
+    """Shared range check of the synthetic tasks' ``num_samples``."""
+    if num_samples < 1:
+        raise ConfigError(
+            f"num_samples must be >= 1, got {num_samples}. Set data.dataset.num_samples to a positive count."
+        )
+
+
 @DATASETS.register("synthetic_retrieval")
 @dataclass
 class SyntheticRetrieval:
@@ -80,11 +88,7 @@ class SyntheticRetrieval:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_samples < 1:
-            raise ConfigError(
-                f"num_samples must be >= 1, got {self.num_samples}. Set data.dataset.num_samples "
-                f"to a positive count."
-            )
+        check_num_samples(self.num_samples)
         if self.context_words < 1:
             raise ConfigError(
                 f"context_words must be >= 1, got {self.context_words}. Set "
@@ -205,11 +209,7 @@ class SyntheticImageQA:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_samples < 1:
-            raise ConfigError(
-                f"num_samples must be >= 1, got {self.num_samples}. Set data.dataset.num_samples "
-                f"to a positive count."
-            )
+        check_num_samples(self.num_samples)
         if not 2 <= self.image_size <= 4096:
             raise ConfigError(
                 f"image_size must be between 2 and 4096 pixels, got {self.image_size}. Fix "
