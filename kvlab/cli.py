@@ -53,7 +53,7 @@ class KVLabCLI(LightningCLI):
         run_dir = self.run_dir()
         run_dir.mkdir(parents=True, exist_ok=True)
         parser = self._parser("predict")
-        parser.save(self.config["predict"], run_dir / "config.yaml", overwrite=True, skip_check=True)
+        parser.save(self.config["predict"], run_dir / "config.yaml", overwrite=True, skip_validation=True)
         writer = PredictionWriter(run_dir)
         writer.drop_partial_line()
         self.trainer.callbacks.append(writer)
