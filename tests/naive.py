@@ -1,0 +1,234 @@
+"""Fixtures and independent naive references (loops written from the spec formulas) for component tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvlab.compression.context import LayerContext
+
+INF = float("inf")
+
+# ---------------------------------------------------------------------------------------------
+# fixtures: random LayerContexts with left padding
+
+
+def make_ctx(
+    lengths: list[int],
+    heads: int = 4,
+    kv_heads: int = 2,
+    dim: int = 8,
+    seed: int = 0,
+    layer_idx: int = 0,
+    num_layers: int = 4,
+    scale: float = 1.5,
+) -> LayerContext:
+    """A left-padded batch; padding positions hold random garbage that must be ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        valid[b, T - n :] = True
+    return LayerContext(
+        layer_idx=layer_idx,
+        num_layers=num_layers,
+        queries=torch.randn(B, heads, T, dim, generator=gen) * scale,
+        keys=torch.randn(B, kv_heads, T, dim, generator=gen) * scale,
+        values=torch.randn(B, kv_heads, T, dim, generator=gen),
+        valid=valid,
+        modality=torch.where(valid, 0, -1),
+        scaling=dim**-0.5,
+    )
+
+
+def sample_ctx(ctx: LayerContext, b: int) -> LayerContext:
+    """Sample ``b`` alone (B = 1), padding sliced off."""
+    n = int(ctx.valid[b].sum())
+    T = ctx.seq_len
+    return LayerContext(
+        layer_idx=ctx.layer_idx,
+        num_layers=ctx.num_layers,
+        queries=ctx.queries[b : b + 1, :, T - n :].clone(),
+        keys=ctx.keys[b : b + 1, :, T - n :].clone(),
+        values=ctx.values[b : b + 1, :, T - n :].clone(),
+        valid=torch.ones(1, n, dtype=torch.bool),
+        modality=torch.zeros(1, n, dtype=torch.long),
+        scaling=ctx.scaling,
+    )
+
+
+def sample_lists(ctx: LayerContext, b: int):
+    """(n, offset, q [H][n][D], k [Hkv][n][D], v [Hkv][n][D]) of sample b as Python floats."""
+    n = int(ctx.valid[b].sum())
+    off = ctx.seq_len - n
+    q = ctx.queries[b, :, off:].double().tolist()
+    k = ctx.keys[b, :, off:].double().tolist()
+    v = ctx.values[b, :, off:].double().tolist()
+    return n, off, q, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# naive references (written from the spec formulas)
+
+
+def dot(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def norm(a: list[float]) -> float:
+    return math.sqrt(dot(a, a))
+
+
+def softmax(logits: list[float]) -> list[float]:
+    m = max(logits)
+    e = [math.exp(x - m) for x in logits]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def naive_pool(s: list[float], pool: str, kernel: int) -> list[float]:
+    """Stride-1 pooling, padding kernel // 2: avg pads zeros and divides by kernel, max pads -inf."""
+    if pool == "none" or kernel == 1:
+        return list(s)
+    r = kernel // 2
+    out = []
+    for t in range(len(s)):
+        if pool == "avg":
+            total = 0.0
+            for d in range(-r, r + 1):
+                if 0 <= t + d < len(s):
+                    total += s[t + d]
+            out.append(total / kernel)
+        else:
+            best = -INF
+            for d in range(-r, r + 1):
+                if 0 <= t + d < len(s):
+                    best = max(best, s[t + d])
+            out.append(best)
+    return out
+
+
+def naive_reduce(rows: list[list[float]], how: str) -> list[float]:
+    """GQA reduction of the G query-head rows of one KV head."""
+    out = []
+    for t in range(len(rows[0])):
+        vals = [row[t] for row in rows]
+        if how == "mean":
+            out.append(sum(vals) / len(vals))
+        elif how == "max":
+            out.append(max(vals))
+        else:
+            out.append(sum(vals))
+    return out
+
+
+def naive_window_scores(
+    q, k, scaling, window, kernel=5, pool="avg", agg="sum", gqa="mean", order="group_then_pool"
+):
+    """SnapKV score of one unpadded sample: ``[Hkv][n]`` with +inf on the last ``window`` tokens.
+
+    For each query head h and window query i (position n - W + i), softmax over keys j <= n - W + i;
+    column sums (or means) over the W rows, restricted to the past [0, n - W); GQA reduction
+    (h -> h // G) and pooling over the past only, in the configured order.
+    """
+    H, Hkv, n = len(q), len(k), len(k[0])
+    G = H // Hkv
+    W = min(window, n)
+    past = n - W
+    per_head = []
+    for h in range(H):
+        kv = h // G
+        col = [0.0] * n
+        for i in range(W):
+            qpos = past + i
+            probs = softmax([dot(q[h][qpos], k[kv][j]) * scaling for j in range(qpos + 1)])
+            for j, p in enumerate(probs):
+                col[j] += p
+        if agg == "mean":
+            col = [c / W for c in col]
+        per_head.append(col[:past])
+    out = []
+    for kv in range(Hkv):
+        group = per_head[kv * G : (kv + 1) * G]
+        if order == "group_then_pool":
+            s = naive_pool(naive_reduce(group, gqa), pool, kernel)
+        else:
+            s = naive_reduce([naive_pool(row, pool, kernel) for row in group], gqa)
+        out.append(s + [INF] * W)
+    return out
+
+
+def naive_cumulative(q, k, scaling, gqa="mean", normalize="none"):
+    """H2O: column sums of the full causal softmax of one unpadded sample, ``[Hkv][n]``."""
+    H, Hkv, n = len(q), len(k), len(k[0])
+    G = H // Hkv
+    per_head = []
+    for h in range(H):
+        col = [0.0] * n
+        for i in range(n):
+            probs = softmax([dot(q[h][i], k[h // G][j]) * scaling for j in range(i + 1)])
+            for j, p in enumerate(probs):
+                col[j] += p
+        if normalize == "by_count":
+            col = [c / (n - j) for j, c in enumerate(col)]  # queries i >= j see token j
+        per_head.append(col)
+    return [naive_reduce(per_head[kv * G : (kv + 1) * G], gqa) for kv in range(Hkv)]
+
+
+def naive_rank(scores: list[float], count: int) -> list[int]:
+    """Stable top-``count``: highest first, ties to the lower index; returned ascending."""
+    order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+    return sorted(order[:count])
+
+
+def naive_snapkv_keep(scores: list[float], n: int, window: int, budget: int) -> list[int]:
+    """Kept positions (sample coordinates) of one head: last ``window`` + top-(budget - window) others."""
+    if budget >= n:
+        return list(range(n))
+    win = list(range(n - window, n))
+    cand = scores[: n - window]
+    return sorted(naive_rank(cand, budget - window) + win)
+
+
+def naive_kvcf_total(C: int, w: int, T: int, L: int, layer: int, beta: int = 20) -> int | None:
+    """KVCache-Factory PyramidKV: tokens kept at ``layer`` (window included); None = no compression."""
+    free = C - w
+    if T < C:
+        return None
+    if 2 * free > T:
+        return C
+    min_num = free // beta
+    max_num = 2 * free - min_num
+    if max_num >= T - w:
+        max_num = T - w
+        min_num = 2 * free - max_num
+    steps = (max_num - min_num) // (L - 1)
+    return w + max_num - layer * steps
+
+
+def naive_kvpress_total(n_kept: int, w: int, T: int, L: int, layer: int, beta: int = 20) -> int:
+    """kvpress PyramidKVPress.get_layer_budget with T * (1 - cr) = n_kept (window included)."""
+    cap = w + n_kept
+    min_num = (cap - w) / beta
+    max_num = (cap - w) * 2 - min_num
+    if max_num >= T - w:
+        max_num = T - w
+        min_num = (cap - w) * 2 - max_num
+    if not (T >= max_num >= min_num >= w):
+        return round(n_kept)
+    steps = (max_num - min_num) / (L - 1)
+    return round(max_num - layer * steps)
+
+
+def build(registry, **node):
+    return registry.build(node)
+
+
+def assert_scores(actual: torch.Tensor, expected: list[list[float]], atol: float = 1e-5) -> None:
+    torch.testing.assert_close(
+        actual.double(), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=0
+    )
+
+
+LENGTHS = [37, 26]  # B = 2, different left padding
