@@ -21,6 +21,7 @@ import torch
 
 from kvlab.attention import CompressionSession, compression_session
 from kvlab.cache import CompressedCache
+from kvlab.compression.context import sample_positions
 from kvlab.compression.pipeline import LayerReport, Pipeline
 from kvlab.models.base import LoadedModel
 
@@ -113,7 +114,7 @@ def generate(
         calibration=calibration,
         record_scores=record_scores,
     )
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    positions = sample_positions(valid).clamp(min=0)  # padding gets 0, as in transformers
     eos = torch.tensor(sorted(set(loaded.processor.eos_token_ids)), device=device)
 
     with compression_session(session):
@@ -159,7 +160,7 @@ def generate(
     bytes_per_token = info.head_dim * 2 * cache.layers[0].prompt_keys.element_size()
     full = lengths * info.num_kv_heads * info.num_layers * bytes_per_token
     return GenerationResult(
-        tokens=[_trim(row, eos) for row in tokens.tolist()],
+        tokens=[_trim(row, set(eos.tolist())) for row in tokens.tolist()],
         kept=kept.cpu(),
         prompt_lengths=lengths.cpu(),
         kv_bytes_full=full.cpu(),
@@ -173,8 +174,8 @@ def generate(
     )
 
 
-def _trim(row: list[int], eos: torch.Tensor) -> list[int]:
-    stops = set(eos.tolist())
+def _trim(row: list[int], stops: set[int]) -> list[int]:
+    """``row`` up to (excluding) its first stop token."""
     for i, token in enumerate(row):
         if token in stops:
             return row[:i]

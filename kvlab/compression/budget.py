@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvlab.compression.context import sample_positions
 from kvlab.errors import ConfigError
 from kvlab.registry import to_plain, validate_params
 
@@ -96,7 +97,7 @@ class Budget:
 
     def protected_mask(self, valid: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` bool: the last ``window`` and first ``sinks`` valid tokens of each sample."""
-        pos = valid.long().cumsum(-1) - 1  # position within the sample
+        pos = sample_positions(valid)
         lengths = valid.sum(-1, keepdim=True)
         recent = pos >= lengths - self.window
         sink = pos < self.sinks

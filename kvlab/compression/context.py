@@ -69,12 +69,14 @@ class LayerContext:
         return self.valid.sum(-1)
 
     def positions(self) -> torch.Tensor:
-        """Position of each token within its own sample (0 at the first valid token), ``[B, T]``.
+        """Position of each token within its own sample, ``[B, T]`` (see :func:`sample_positions`)."""
+        return sample_positions(self.valid)
 
-        Padding gets -1. With left padding this is ``t - (T - length)``.
-        """
-        pos = self.valid.long().cumsum(-1) - 1
-        return pos.masked_fill(~self.valid, -1)
+    def keys_fp32(self) -> torch.Tensor:
+        """The keys in fp32, ``[B, Hkv, T, D]`` (cast once, shared by the attention helpers)."""
+        if "keys_fp32" not in self._memo:
+            self._memo["keys_fp32"] = self.keys.float()
+        return self._memo["keys_fp32"]
 
     def window_attention(self, window: int) -> torch.Tensor:
         """Attention probabilities of the last ``window`` queries over all keys, ``[B, H, W, T]`` fp32.
@@ -115,10 +117,12 @@ def attention_probs(queries: torch.Tensor, ctx: LayerContext, first_query: int) 
     Returns ``[B, H, q, T]`` fp32 with the causal mask, padding keys masked, and zero rows for
     padding queries.
     """
-    B, H, q, _ = queries.shape
-    keys = ctx.keys.float().repeat_interleave(ctx.group_size, dim=1)  # [B, H, T, D]
-    logits = torch.matmul(queries.float(), keys.transpose(-1, -2)) * ctx.scaling  # [B, H, q, T]
+    B, H, q, D = queries.shape
+    keys = ctx.keys_fp32()  # [B, Hkv, T, D]
     T = keys.shape[2]
+    # query head h reads KV head h // G: group the queries instead of repeating the keys
+    grouped = queries.float().reshape(B, ctx.num_kv_heads, ctx.group_size * q, D)
+    logits = (torch.matmul(grouped, keys.transpose(-1, -2)) * ctx.scaling).view(B, H, q, T)
     query_pos = torch.arange(first_query, first_query + q, device=keys.device)
     causal = torch.arange(T, device=keys.device)[None, :] <= query_pos[:, None]  # [q, T]
     allowed = causal[None, None] & ctx.valid[:, None, None, :]
@@ -127,3 +131,13 @@ def attention_probs(queries: torch.Tensor, ctx: LayerContext, first_query: int) 
     logits = logits.masked_fill(~query_valid[:, None, :, None], 0.0)
     probs = torch.softmax(logits, dim=-1)
     return probs * query_valid[:, None, :, None]
+
+
+def sample_positions(valid: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its own sample, ``[B, T]`` long, from ``valid`` ``[B, T]``.
+
+    0 at a sample's first valid token; padding gets -1. With left padding this is
+    ``t - (T - length)``, so a padded sample sees the positions it has alone.
+    """
+    pos = valid.long().cumsum(-1) - 1
+    return pos.masked_fill(~valid, -1)
