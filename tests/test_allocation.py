@@ -340,16 +340,21 @@ def test_pyramid_pipeline_counts_and_sets_match_naive():
     assert len({t for b, t in distinct if b == 0}) == L  # the schedule really changes per layer
 
 
+def assert_same_selections(first, second, lengths, seed, num_layers=4):
+    """Both pipelines keep the same counts and positions on every layer of random contexts."""
+    for layer in range(num_layers):
+        ctx = make_ctx(lengths, seed=seed + layer, layer_idx=layer, num_layers=num_layers)
+        a, _ = first.compress(ctx)
+        b, _ = second.compress(ctx)
+        assert torch.equal(a.counts, b.counts) and torch.equal(a.indices, b.indices), layer
+
+
 @pytest.mark.parametrize("arithmetic", ["int", "float"])
 def test_e5_pyramid_beta1_pipeline_equals_snapkv(arithmetic):
     W = 4
     snap = Pipeline.from_config(snapkv_config(12, W))
     beta1 = Pipeline.from_config(snapkv_config(12, W, name="pyramid", beta=1, arithmetic=arithmetic))
-    for layer in range(4):
-        ctx = make_ctx([37, 26], seed=30 + layer, layer_idx=layer, num_layers=4)
-        a, _ = snap.compress(ctx)
-        b, _ = beta1.compress(ctx)
-        assert torch.equal(a.counts, b.counts) and torch.equal(a.indices, b.indices)
+    assert_same_selections(snap, beta1, [37, 26], seed=30)
 
 
 def test_e6_pyramid_short_prompt_pipeline_equals_snapkv():
@@ -357,11 +362,7 @@ def test_e6_pyramid_short_prompt_pipeline_equals_snapkv():
     W = 4
     short = Pipeline.from_config(snapkv_config(16, W, name="pyramid"))
     snap = Pipeline.from_config(snapkv_config(16, W))
-    for layer in range(4):
-        ctx = make_ctx([23, 20], seed=40 + layer, layer_idx=layer, num_layers=4)
-        a, _ = short.compress(ctx)
-        b, _ = snap.compress(ctx)
-        assert torch.equal(a.counts, b.counts) and torch.equal(a.indices, b.indices)
+    assert_same_selections(short, snap, [23, 20], seed=40)
 
 
 def test_e6_pyramid_float_fallback_is_snapkv_budget():

@@ -6,28 +6,21 @@ adding its name. (Random weights: plumbing and invariants only, never quality.)
 
 import functools
 
+import e2e
 import pytest
 import torch
 import torch.nn.functional as F
+from e2e import kvlab_model
 from transformers import AttentionInterface, DynamicCache
 
-from kvlab.attention import enable_kvlab_attention
 from kvlab.compression.pipeline import Pipeline
 from kvlab.config import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
-from kvlab.generation import generate
 from kvlab.models import load_model
 
 PRESETS = ["random", "streamingllm", "snapkv", "knorm", "h2o", "pyramidkv"]
 TEXT_MODELS = ["tiny-llama", "tiny-qwen2"]
 NEW_TOKENS = 6
-
-
-@functools.cache
-def tiny(name):
-    loaded = load_model(name)
-    enable_kvlab_attention(loaded.model, loaded.info.vision_language)
-    return loaded
 
 
 def preset_compression(name, **budget):
@@ -50,10 +43,8 @@ def batch_of(loaded, items):
     return loaded.processor.collate(list(items))
 
 
-def run(loaded, pipe, items, **kw):
-    return generate(
-        loaded, pipe, batch_of(loaded, items), max_new_tokens=NEW_TOKENS, return_logits=True, **kw
-    )
+def run(loaded, pipe, items):
+    return e2e.run(loaded, pipe, items, NEW_TOKENS)
 
 
 def window_of(name):
@@ -63,7 +54,7 @@ def window_of(name):
 @pytest.mark.parametrize("model", TEXT_MODELS)
 @pytest.mark.parametrize("preset", PRESETS)
 def test_budget_at_least_the_prompt_is_identical_to_full(model, preset):
-    loaded = tiny(model)
+    loaded = kvlab_model(model)
     full = run(loaded, Pipeline.from_config(None), samples())
     longest = int(full.prompt_lengths.max())
     big = run(loaded, pipeline(preset, tokens=longest), samples())
@@ -75,7 +66,7 @@ def test_budget_at_least_the_prompt_is_identical_to_full(model, preset):
 @pytest.mark.parametrize("model", TEXT_MODELS)
 @pytest.mark.parametrize("preset", PRESETS)
 def test_kept_counts_equal_layer_budgets_and_window_is_kept(model, preset):
-    loaded = tiny(model)
+    loaded = kvlab_model(model)
     budget = 48
     result = run(loaded, pipeline(preset, tokens=budget), samples())
     lengths = result.prompt_lengths
@@ -97,7 +88,7 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(model, preset):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
-    loaded = tiny("tiny-qwen2")
+    loaded = kvlab_model("tiny-qwen2")
     info = loaded.info
     per_token = info.num_layers * info.num_kv_heads * info.head_dim * 2 * 4
     kept = {}
@@ -118,15 +109,10 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
 @pytest.mark.parametrize("model", TEXT_MODELS)
 @pytest.mark.parametrize("preset", ["full", *PRESETS])
 def test_padded_batch_equals_samples_one_by_one(model, preset):
-    loaded = tiny(model)
+    loaded = kvlab_model(model)
     pipe = pipeline(preset, tokens=40) if preset != "full" else Pipeline.from_config(None)
     items = samples(2, 60)[:1] + SyntheticRetrieval(num_samples=1, context_words=35, seed=5).samples()
-    batched = run(loaded, pipe, items)
-    for b, item in enumerate(items):
-        alone = run(loaded, pipe, [item])
-        assert batched.tokens[b] == alone.tokens[0]
-        torch.testing.assert_close(batched.step_logits[b], alone.step_logits[0], atol=1e-4, rtol=1e-4)
-        assert torch.equal(batched.kept[:, b], alone.kept[:, 0])
+    e2e.assert_batch_equals_alone(loaded, pipe, items, NEW_TOKENS)
 
 
 MASK_REFERENCE = {}
@@ -154,7 +140,7 @@ def masked_reference_attention(
 def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
     """Strongest end-to-end check (david.md §4.1.6): positions continue from the prompt length and
     the ragged cache attends to exactly the kept entries."""
-    loaded = tiny("tiny-qwen2")
+    loaded = kvlab_model("tiny-qwen2")
     item = samples(1, 60)
     result = run(loaded, pipeline(preset, tokens=40), item)
     T = int(result.prompt_lengths[0])

@@ -1,27 +1,18 @@
 """Vision-language models: only the language model is compressed, positions stay right, batches
 with different image counts equal their samples one by one."""
 
-import functools
-
+import e2e
 import pytest
 import torch
+from e2e import kvlab_model
 
-from kvlab.attention import enable_kvlab_attention
 from kvlab.compression.pipeline import Pipeline
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
-from kvlab.generation import generate
 from kvlab.models import load_model
 from kvlab.models.base import IMAGE
 
 VLMS = ["tiny-qwen2-vl", "tiny-llava"]
 SNAP = {"budget": {"tokens": 24, "window": 8}, "importance": [{"name": "window_attention", "window": 8}]}
-
-
-@functools.cache
-def vlm(name):
-    loaded = load_model(name)
-    enable_kvlab_attention(loaded.model, vision_language=True)
-    return loaded
 
 
 def mixed_samples():
@@ -33,13 +24,12 @@ def mixed_samples():
 
 
 def run(loaded, config, items, steps=5):
-    batch = loaded.processor.collate(items)
-    return generate(loaded, Pipeline.from_config(config), batch, max_new_tokens=steps, return_logits=True)
+    return e2e.run(loaded, Pipeline.from_config(config), items, steps)
 
 
 @pytest.mark.parametrize("name", VLMS)
 def test_full_cache_matches_transformers_generate(name):
-    loaded = vlm(name)
+    loaded = kvlab_model(name)
     item = mixed_samples()[:1]
     batch = loaded.processor.collate(item)
     ours = run(loaded, None, item)
@@ -60,19 +50,13 @@ def test_full_cache_matches_transformers_generate(name):
 @pytest.mark.parametrize("name", VLMS)
 @pytest.mark.parametrize("config", [None, SNAP], ids=["full", "snapkv"])
 def test_batch_with_different_image_counts_equals_one_by_one(name, config):
-    loaded = vlm(name)
-    items = mixed_samples()
-    batched = run(loaded, config, items)
-    for b, item in enumerate(items):
-        alone = run(loaded, config, [item])
-        assert batched.tokens[b] == alone.tokens[0]
-        torch.testing.assert_close(batched.step_logits[b], alone.step_logits[0], atol=1e-4, rtol=1e-4)
-        assert torch.equal(batched.kept[:, b], alone.kept[:, 0])
+    loaded = kvlab_model(name)
+    e2e.assert_batch_equals_alone(loaded, Pipeline.from_config(config), mixed_samples(), steps=5)
 
 
 @pytest.mark.parametrize("name", VLMS)
 def test_only_language_model_layers_are_compressed_and_image_tokens_found(name):
-    loaded = vlm(name)
+    loaded = kvlab_model(name)
     items = mixed_samples()
     batch = loaded.processor.collate(items)
     image_id = loaded.info.image_token_ids[0]
@@ -86,7 +70,7 @@ def test_only_language_model_layers_are_compressed_and_image_tokens_found(name):
 
 @pytest.mark.parametrize("name", VLMS)
 def test_budget_at_least_the_prompt_is_identical_to_full(name):
-    loaded = vlm(name)
+    loaded = kvlab_model(name)
     items = mixed_samples()
     full = run(loaded, None, items)
     big = run(loaded, {**SNAP, "budget": {"tokens": int(full.prompt_lengths.max()), "window": 8}}, items)

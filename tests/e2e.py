@@ -1,0 +1,34 @@
+"""Helpers shared by the end-to-end generation tests: cached models and batched-vs-alone checks."""
+
+import functools
+
+import torch
+
+from kvlab.attention import enable_kvlab_attention
+from kvlab.compression.pipeline import Pipeline
+from kvlab.generation import GenerationResult, generate
+from kvlab.models import load_model
+
+
+@functools.cache
+def kvlab_model(name):
+    """A built-in model with its language model routed through kvlab attention (loaded once)."""
+    loaded = load_model(name)
+    enable_kvlab_attention(loaded.model, loaded.info.vision_language)
+    return loaded
+
+
+def run(loaded, pipeline: Pipeline, items, steps: int) -> GenerationResult:
+    """Greedy-generate ``steps`` tokens for ``items`` in one padded batch, keeping the logits."""
+    batch = loaded.processor.collate(list(items))
+    return generate(loaded, pipeline, batch, max_new_tokens=steps, return_logits=True)
+
+
+def assert_batch_equals_alone(loaded, pipeline: Pipeline, items, steps: int) -> None:
+    """A padded batch gives each sample the tokens, logits and kept counts it gets alone."""
+    batched = run(loaded, pipeline, items, steps)
+    for b, item in enumerate(items):
+        alone = run(loaded, pipeline, [item], steps)
+        assert batched.tokens[b] == alone.tokens[0]
+        torch.testing.assert_close(batched.step_logits[b], alone.step_logits[0], atol=1e-4, rtol=1e-4)
+        assert torch.equal(batched.kept[:, b], alone.kept[:, 0])
