@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from kvlab.config import preset_names, resolve, split_overrides
-from kvlab.errors import ConfigError
+from kvlab.errors import ConfigError, did_you_mean
 from kvlab.writer import PredictionWriter
-
-USAGE = """usage: kvlab {predict,list} ...
-
-  kvlab predict --config CONFIG [--field.sub VALUE ...]   run a method (see kvlab predict --help)
-  kvlab list                                            components, parameters, defaults, presets
-"""
 
 
 class KVLabCLI(LightningCLI):
@@ -136,20 +131,39 @@ def predict(args: list[str]) -> None:
     )
 
 
+def list_command(args: list[str]) -> None:
+    """``kvlab list``."""
+    print_components()
+
+
+# name -> (handler taking the remaining arguments, one-line help). Each subcommand's code lives
+# in its own module and is imported lazily by its handler, so `kvlab list` stays fast.
+COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
+    "predict": (lambda args: predict(args), "run a method on a dataset (kvlab predict --help)"),
+    "list": (list_command, "components, parameters, defaults, presets"),
+}
+
+
+def usage() -> str:
+    lines = [f"usage: kvlab {{{','.join(COMMANDS)}}} ...", ""]
+    lines += [f"  kvlab {name:<12} {doc}" for name, (_, doc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``kvlab`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         return
     command, args = argv[0], argv[1:]
     try:
-        if command == "list":
-            print_components()
-        elif command == "predict":
-            predict(args)
-        else:
-            raise ConfigError(f"unknown command '{command}'. Commands: predict, list.")
+        if command not in COMMANDS:
+            raise ConfigError(
+                f"unknown command '{command}'.{did_you_mean(command, list(COMMANDS))} "
+                f"Commands: {', '.join(COMMANDS)}."
+            )
+        COMMANDS[command][0](args)
     except ConfigError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         sys.exit(2)
