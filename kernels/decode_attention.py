@@ -1,13 +1,16 @@
 """Decode attention over the ragged :class:`~kvlab.cache.CompressedLayer` layout.
 
-``ragged_decode_attention`` is the entry point the attention function calls; it dispatches to
-the torch reference (a Triton kernel for CUDA tensors comes with the kernels issue and must
-match :func:`ragged_decode_attention_reference`).
+``ragged_decode_attention`` is the entry point the attention function calls; it dispatches
+(:mod:`kvlab.kernels.dispatch`) to the split-K Triton kernel in
+:mod:`kvlab.kernels.tl.decode_attention` on CUDA tensors and to
+:func:`ragged_decode_attention_reference` elsewhere. Both take the same arguments.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvlab.kernels.dispatch import use_triton
 
 
 def ragged_decode_attention_reference(
@@ -20,6 +23,7 @@ def ragged_decode_attention_reference(
     decode_values: torch.Tensor,
     decode_length: int,
     scaling: float,
+    max_prompt_length: int | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over each (sample, KV head)'s kept prompt tokens plus decoded tokens.
 
@@ -30,6 +34,7 @@ def ragged_decode_attention_reference(
         starts / lengths: ``[B, Hkv]`` segment offsets and sizes in the flat buffers.
         decode_keys / decode_values: ``[B, Hkv, C, D]`` decode region (first ``decode_length`` used).
         scaling: softmax scale.
+        max_prompt_length: ``lengths.max()`` if the caller knows it (saves a device sync per call).
 
     Returns:
         ``[B, H, q, D]`` in the query dtype; logits, softmax and the weighted sum run in fp32.
@@ -40,7 +45,9 @@ def ragged_decode_attention_reference(
     G = H // Hkv
     qf = query.float().view(B, Hkv, G * q, D)
 
-    width = int(lengths.max()) if lengths.numel() else 0
+    if max_prompt_length is None:
+        max_prompt_length = int(lengths.max()) if lengths.numel() else 0
+    width = max_prompt_length
     offsets = torch.arange(width, device=query.device)
     present = offsets < lengths[..., None]  # [B, Hkv, width]
     rows = (starts[..., None] + offsets).clamp(max=max(prompt_keys.shape[0] - 1, 0))
@@ -63,6 +70,22 @@ def ragged_decode_attention_reference(
     return out.view(B, H, q, D).to(query.dtype)
 
 
-def ragged_decode_attention(*args, **kwargs) -> torch.Tensor:
-    """Dispatcher (torch reference on every device until the Triton kernel lands)."""
-    return ragged_decode_attention_reference(*args, **kwargs)
+def ragged_decode_attention(
+    query: torch.Tensor,
+    prompt_keys: torch.Tensor,
+    prompt_values: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    decode_keys: torch.Tensor,
+    decode_values: torch.Tensor,
+    decode_length: int,
+    scaling: float,
+    max_prompt_length: int | None = None,
+) -> torch.Tensor:
+    """Dispatcher: the Triton kernel on CUDA tensors, the reference elsewhere (same arguments)."""
+    args = (query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values)
+    if use_triton("ragged_decode_attention", query, prompt_keys, decode_keys):
+        from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton as impl
+    else:
+        impl = ragged_decode_attention_reference
+    return impl(*args, decode_length, scaling, max_prompt_length)

@@ -23,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.compression.selectors import Selection
+from kvlab.kernels.compaction import compact_kv
 from kvlab.kernels.decode_attention import ragged_decode_attention
 
 INDEX_DTYPE = torch.int64
@@ -42,6 +43,7 @@ class CompressedLayer(CacheLayerMixin):
         self.prompt_values: torch.Tensor | None = None
         self.starts: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
+        self.max_prompt_length = 0
         self.decode_keys: torch.Tensor | None = None
         self.decode_values: torch.Tensor | None = None
         self.decode_length = 0
@@ -82,21 +84,22 @@ class CompressedLayer(CacheLayerMixin):
 
     # --- compression -----------------------------------------------------------------------
     def compress(self, selection: Selection) -> None:
-        """Replace the dense prefill K/V by the ragged kept entries of ``selection``."""
+        """Replace the dense prefill K/V by the ragged kept entries of ``selection``.
+
+        One :func:`kvlab.kernels.compaction.compact_kv` call gathers keys and values into the
+        flat buffers (Triton on CUDA).
+        """
         keys, values = self.keys, self.values  # [B, Hkv, T, D]
         B, Hkv, T, D = keys.shape
-        mask = selection.mask()  # [B, Hkv, K]
         if selection.keys is None:
-            index = selection.indices[..., None].expand(-1, -1, -1, D)
-            kept_keys = keys.gather(2, index)
-            kept_values = values.gather(2, index)
+            source_keys, source_values, indices = keys, values, selection.indices
         else:
-            kept_keys, kept_values = selection.keys, selection.values
-        lengths = selection.counts.to(INDEX_DTYPE)
-        self.prompt_keys = kept_keys[mask].contiguous()  # [N, D], ordered by (b, h, position)
-        self.prompt_values = kept_values[mask].contiguous()
-        self.lengths = lengths
-        self.starts = (lengths.flatten().cumsum(0) - lengths.flatten()).view(B, Hkv)
+            source_keys, source_values, indices = selection.keys, selection.values, None
+        # [N, D] ordered by (b, h, position)
+        self.prompt_keys, self.prompt_values, self.starts, self.lengths = compact_kv(
+            source_keys, source_values, indices, selection.counts
+        )
+        self.max_prompt_length = int(self.lengths.max()) if self.lengths.numel() else 0
         self.decode_keys = keys.new_empty(B, Hkv, self.decode_capacity, D)
         self.decode_values = values.new_empty(B, Hkv, self.decode_capacity, D)
         self.decode_length = 0
@@ -132,6 +135,7 @@ class CompressedLayer(CacheLayerMixin):
             self.decode_values,
             self.decode_length,
             scaling,
+            self.max_prompt_length,
         )
 
     # --- inspection --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from kvlab.compression.pipeline import Pipeline
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationResult, generate
 from kvlab.inspect import log_batch
+from kvlab.kernels.dispatch import set_mode as set_kernel_mode
 from kvlab.models.base import LoadedModel
 from kvlab.tasks import score_output
 
@@ -27,6 +28,8 @@ class KVLabModule(L.LightningModule):
         max_new_tokens: greedy decode limit per sample.
         dtype: model dtype.
         record_scores: keep per-layer scores for TensorBoard histograms (costs memory).
+        kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``reference`` (torch everywhere,
+            for debugging) or ``triton``; sets :mod:`kvlab.kernels.dispatch` for the run.
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class KVLabModule(L.LightningModule):
         max_new_tokens: int = 32,
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         record_scores: bool = False,
+        kernels: Literal["auto", "reference", "triton"] = "auto",
     ):
         super().__init__()
         from kvlab.models import validate_model_name
@@ -48,6 +52,7 @@ class KVLabModule(L.LightningModule):
         self.max_new_tokens = max_new_tokens
         self.dtype_name = dtype
         self.record_scores = record_scores
+        set_kernel_mode(kernels)
         self.loaded: LoadedModel | None = None
         self.save_hyperparameters()
 

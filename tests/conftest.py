@@ -1,4 +1,6 @@
-"""Shared test settings: offline, and one torch thread per xdist worker (2 workers on 2 cores)."""
+"""Shared test settings: offline, one torch thread per xdist worker (2 workers on 2 cores), and
+the Triton interpreter when there is no GPU (it must be set before triton is first imported, so
+that ``@triton.jit`` builds interpreted kernels: tests/test_kernels.py runs them on CPU)."""
 
 import os
 
@@ -6,5 +8,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kvlab.kernels.window_scores import window_attention_scores
+
 
 @dataclass
 class LayerContext:
@@ -89,6 +91,20 @@ class LayerContext:
         if key not in self._memo:
             self._memo[key] = attention_probs(
                 self.queries[:, :, -window:], self, first_query=self.seq_len - window
+            )
+        return self._memo[key]
+
+    def window_attention_scores(self, window: int) -> torch.Tensor:
+        """Attention each key receives from the last ``window`` queries, per query head, ``[B, H, T]`` fp32.
+
+        Equals ``window_attention(window).sum(-2)`` but goes through
+        :func:`kvlab.kernels.window_scores.window_attention_scores`, whose Triton kernel (CUDA)
+        never materialises the ``[B, H, W, T]`` probabilities; memoised per window size.
+        """
+        key = ("window_attention_scores", window)
+        if key not in self._memo:
+            self._memo[key] = window_attention_scores(
+                self.queries[:, :, -window:], self.keys, self.valid, self.scaling
             )
         return self._memo[key]
 

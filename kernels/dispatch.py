@@ -1,0 +1,116 @@
+"""Which implementation a kernel call runs: the Triton kernel or its torch reference.
+
+Every kernel module exposes ``<name>_reference`` (pure torch, runs anywhere), ``<name>_triton``
+(the Triton kernel) and a dispatcher ``<name>`` with the same signature that asks
+:func:`use_triton` which one to run. The mode is process-wide (one run, one mode):
+
+- ``auto`` (default): Triton when triton is importable and the tensors are on a CUDA device,
+  the reference otherwise (CPU tensors, no triton installed).
+- ``reference``: always the torch reference (debugging, numerics comparisons).
+- ``triton``: always the Triton kernel. On CPU tensors that only works under the Triton
+  interpreter (``TRITON_INTERPRET=1`` set before triton is imported), which is how the tests
+  run the kernels without a GPU.
+
+``KVLabModule(kernels=...)`` (YAML ``model.kernels``) sets the mode for a run; tests use
+:func:`kernel_mode`. :data:`CALLS` counts which path each kernel took, so a run (or a test) can
+check that the kernels it expects actually ran.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from typing import Literal, get_args
+
+import torch
+
+Mode = Literal["auto", "reference", "triton"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+# (kernel name, "triton" | "reference") -> number of calls in this process
+CALLS: Counter[tuple[str, str]] = Counter()
+
+_mode: Mode = "auto"
+
+
+def set_mode(mode: Mode) -> None:
+    """Set the process-wide dispatch mode (``auto``, ``reference`` or ``triton``)."""
+    global _mode
+    if mode not in MODES:
+        from kvlab.errors import ConfigError
+
+        raise ConfigError(
+            f"model.kernels must be one of {', '.join(MODES)}, got '{mode}'. Use 'auto' (Triton on "
+            "CUDA tensors, the torch reference elsewhere) unless you are debugging a kernel."
+        )
+    _mode = mode
+
+
+def get_mode() -> Mode:
+    """The current dispatch mode."""
+    return _mode
+
+
+@contextmanager
+def kernel_mode(mode: Mode) -> Iterator[None]:
+    """Run a block under ``mode`` and restore the previous mode afterwards."""
+    previous = _mode
+    set_mode(mode)
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
+@cache
+def triton_available() -> bool:
+    """Whether triton can be imported (it is optional at runtime: the references need torch only)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install (e.g. no driver libraries) means: use the reference
+        return False
+    return True
+
+
+def interpreter() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``: numpy on the host)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(name: str, *tensors: torch.Tensor) -> bool:
+    """Decide the path of one call of kernel ``name`` on ``tensors`` and count it in :data:`CALLS`."""
+    if _mode == "reference":
+        chosen = False
+    elif _mode == "triton":
+        if not triton_available():
+            raise RuntimeError(
+                f"kernel mode 'triton' requested for {name} but triton is not installed; "
+                "install it (pip install triton) or use kernels: auto / reference"
+            )
+        if not interpreter() and not all(t.is_cuda for t in tensors):
+            raise RuntimeError(
+                f"kernel mode 'triton' requested for {name} on CPU tensors: Triton kernels need a CUDA "
+                "device, or TRITON_INTERPRET=1 set before triton is imported (slow, for tests)"
+            )
+        chosen = True
+    else:
+        chosen = all(t.is_cuda for t in tensors) and triton_available()
+    CALLS[(name, "triton" if chosen else "reference")] += 1
+    return chosen
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """Whether kernels must cast ``tl.dot`` operands of ``dtype`` to fp32 first.
+
+    The Triton 3.x interpreter computes ``tl.dot`` on bf16 operands wrongly (it multiplies the
+    raw 16-bit storage); natively bf16 goes to the tensor cores with fp32 accumulation. Under
+    the interpreter bf16 operands are therefore upcast (products of 16-bit numbers are exact in
+    fp32 either way, so only the P.V rounding differs from the native path).
+    """
+    return interpreter() and dtype == torch.bfloat16

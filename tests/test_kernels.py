@@ -1,0 +1,287 @@
+"""Triton kernels against their torch references (interpreted on CPU, native on a GPU), dispatch.
+
+tests/conftest.py sets TRITON_INTERPRET=1 when there is no GPU, so the ``*_triton`` launchers run
+the real kernel code on CPU tensors. Shapes are small (the interpreter runs every program in
+numpy) but cover GQA, odd head dims and lengths, several split-K chunks, padding, and a
+(sample, head) with no kept prompt token.
+"""
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvlab.cache import CompressedLayer  # noqa: E402
+from kvlab.compression.context import LayerContext  # noqa: E402
+from kvlab.compression.selectors import Selection, topk_indices  # noqa: E402
+from kvlab.errors import ConfigError  # noqa: E402
+from kvlab.kernels import dispatch  # noqa: E402
+from kvlab.kernels.compaction import compact_kv_reference  # noqa: E402
+from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402
+from kvlab.kernels.merge import merge_scatter, merge_scatter_reference  # noqa: E402
+from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
+from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton  # noqa: E402
+from kvlab.kernels.tl.merge import merge_scatter_triton  # noqa: E402
+from kvlab.kernels.tl.window_scores import window_attention_scores_triton  # noqa: E402
+from kvlab.kernels.window_scores import window_attention_scores_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# fp32 agrees to rounding; 16-bit outputs are rounded once, and the native P.V product takes P
+# in the cache dtype (FlashAttention's choice), hence the looser 16-bit tolerances
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def restore_mode():
+    previous = dispatch.get_mode()
+    yield
+    dispatch.set_mode(previous)
+
+
+def assert_close(got, want, dtype):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def ragged_inputs(B, Hkv, G, q, D, max_len, dtype, decode_length=3, seed=0):
+    """Flat kept K/V with random per-head lengths (head (0, 0) keeps nothing) and a decode region."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len, (B, Hkv), generator=gen)
+    lengths[0, 0] = 0
+    N = int(lengths.sum())
+    starts = (lengths.flatten().cumsum(0) - lengths.flatten()).view(B, Hkv)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+    capacity = decode_length + 2  # unused slots hold garbage the kernel must not read
+    return dict(
+        query=randn(B, Hkv * G, q, D),
+        prompt_keys=randn(N, D),
+        prompt_values=randn(N, D),
+        starts=starts.to(DEVICE),
+        lengths=lengths.to(DEVICE),
+        decode_keys=randn(B, Hkv, capacity, D),
+        decode_values=randn(B, Hkv, capacity, D),
+        decode_length=decode_length,
+        scaling=D**-0.5,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "B, Hkv, G, q, D, max_len, split",
+    [
+        (2, 2, 3, 1, 8, 150, None),  # GQA 3, one split per head
+        (2, 2, 2, 2, 12, 150, 64),  # two-token chunk, odd head dim, several splits per head
+        (1, 3, 1, 1, 16, 70, 64),  # MHA, lengths around one split boundary
+    ],
+)
+def test_ragged_decode_attention_kernel_matches_reference(B, Hkv, G, q, D, max_len, split, dtype):
+    inputs = ragged_inputs(B, Hkv, G, q, D, max_len, dtype)
+    got = ragged_decode_attention_triton(**inputs, split_size=split)
+    want = ragged_decode_attention_reference(**inputs)
+    assert got.dtype == dtype and got.shape == (B, Hkv * G, q, D)
+    assert_close(got, want, dtype)
+
+
+def window_inputs(B, Hkv, G, W, T, D, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    queries = torch.randn(B, Hkv * G, T, D, generator=gen).to(dtype)[:, :, -W:]  # a strided view
+    keys = torch.randn(B, Hkv, T, D, generator=gen).to(dtype)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[-1, : T - W + 2] = False  # the last sample is shorter than its window: padding queries
+    return queries.to(DEVICE), keys.to(DEVICE), valid.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "B, Hkv, G, W, T, D, split",
+    [
+        (2, 2, 2, 5, 37, 8, None),
+        (1, 1, 3, 7, 131, 12, 64),  # odd head dim, three statistics splits
+        (1, 1, 1, 130, 133, 8, None),  # window longer than one 128-row tile
+    ],
+)
+def test_window_scores_kernel_matches_reference(B, Hkv, G, W, T, D, split, dtype):
+    queries, keys, valid = window_inputs(B, Hkv, G, W, T, D, dtype)
+    got = window_attention_scores_triton(queries, keys, valid, D**-0.5, split_size=split)
+    want = window_attention_scores_reference(queries, keys, valid, D**-0.5)
+    assert got.dtype == torch.float32 and got.shape == (B, Hkv * G, T)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # every valid window query distributes exactly one unit of attention
+    valid_queries = valid[:, T - W :].sum(-1).float()[:, None].expand(-1, Hkv * G)
+    torch.testing.assert_close(got.sum(-1), valid_queries, atol=1e-4, rtol=1e-5)
+
+
+def layer_context(B=2, Hkv=2, G=2, T=23, D=8):
+    gen = torch.Generator().manual_seed(3)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, :5] = False
+    return LayerContext(
+        layer_idx=0,
+        num_layers=1,
+        queries=torch.randn(B, Hkv * G, T, D, generator=gen),
+        keys=torch.randn(B, Hkv, T, D, generator=gen),
+        values=torch.randn(B, Hkv, T, D, generator=gen),
+        valid=valid,
+        modality=torch.zeros(B, T, dtype=torch.long),
+        scaling=D**-0.5,
+    )
+
+
+@pytest.mark.parametrize("mode", ["reference", "triton"])
+def test_context_window_scores_equal_summed_window_attention(mode):
+    dispatch.set_mode(mode)
+    ctx = layer_context()
+    want = ctx.window_attention(6).sum(-2)
+    got = ctx.window_attention_scores(6)
+    if mode == "reference":
+        assert torch.equal(got, want)  # the scorer's selections cannot change on the torch path
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert ctx.window_attention_scores(6) is got  # memoised
+
+
+def naive_compaction(keys, indices, counts):
+    """Kept rows of every (b, h) concatenated by a Python loop over heads."""
+    B, Hkv = counts.shape
+    rows = [keys[b, h, indices[b, h, : int(counts[b, h])]] for b in range(B) for h in range(Hkv)]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("merged", [False, True])
+def test_compaction_kernel_matches_reference_exactly(dtype, merged):
+    B, Hkv, T, D = 2, 3, 37, 12
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(B, Hkv, T, D, generator=gen).to(dtype).to(DEVICE)
+    values = torch.randn(B, Hkv, T, D, generator=gen).to(dtype).to(DEVICE)
+    counts = torch.randint(1, T, (B, Hkv), generator=gen)
+    counts[0, 0] = 0
+    indices = topk_indices(torch.rand(B, Hkv, T, generator=gen), counts).to(DEVICE)
+    counts = counts.to(DEVICE)
+    if merged:  # replacement entries: positions 0 .. count-1 of [B, Hkv, K, D]
+        K = int(counts.max())
+        keys, values, indices = keys[:, :, :K], values[:, :, :K], None
+    got = compact_kv_triton(keys, values, indices, counts)
+    want = compact_kv_reference(keys, values, indices, counts)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    positions = indices if indices is not None else torch.arange(T).expand(B, Hkv, T)
+    assert torch.equal(want[0], naive_compaction(keys, positions, counts))
+    assert torch.equal(want[1], naive_compaction(values, positions, counts))
+
+
+def merge_inputs(N=7, M=23, D=12, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kept = torch.randn(N, D, generator=gen).to(dtype)
+    evicted = torch.randn(M, D, generator=gen).to(dtype)
+    target = torch.randint(0, N - 1, (M,), generator=gen)  # row N-1 receives nothing
+    return kept, evicted, target
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("normalize", ["weights", "count"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_merge_kernel_matches_reference(dtype, normalize, weighted):
+    kept, evicted, target = merge_inputs(dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    ew = torch.rand(target.shape[0], generator=gen) + 0.1 if weighted else None
+    kw = torch.rand(kept.shape[0], generator=gen) + 0.5 if weighted else None
+    args = [t.to(DEVICE) if t is not None else None for t in (kept, evicted, target, ew, kw)]
+    got = merge_scatter_triton(*args, normalize)
+    want = merge_scatter_reference(*args, normalize)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+    if kw is None:
+        assert torch.equal(got[-1], args[0][-1])  # a row no evicted entry merges into is unchanged
+
+
+def test_merge_reference_gives_the_three_lookm_rules():
+    """LOOK-M's rules are scatter_reduce(mean, include_self=True) of a rule-specific source."""
+    kept, evicted, target = merge_inputs()
+    sim = torch.rand(target.shape[0]) * 2 - 1  # cosine weights, negative allowed
+
+    def lookm(source):
+        index = target[:, None].expand_as(source)
+        return kept.scatter_reduce(0, index, source, reduce="mean", include_self=True)
+
+    pivot = (evicted + kept[target]) / 2
+    torch.testing.assert_close(merge_scatter(kept, evicted, target), lookm(evicted))
+    torch.testing.assert_close(merge_scatter(kept, pivot, target), lookm(pivot))
+    weighted = merge_scatter(kept, evicted, target, evicted_weight=sim, normalize="count")
+    torch.testing.assert_close(weighted, lookm(sim[:, None] * evicted))
+
+
+def test_reference_mode_never_runs_triton(monkeypatch):
+    import kvlab.kernels.tl.decode_attention as tl_decode
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the Triton kernel ran in reference mode")
+
+    monkeypatch.setattr(tl_decode, "ragged_decode_attention_triton", boom)
+    layer, query = decoded_layer()
+    dispatch.CALLS.clear()
+    dispatch.set_mode("reference")
+    layer.decode_attention(query, 0.3)
+    assert dispatch.CALLS == {("ragged_decode_attention", "reference"): 1}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto picks Triton on CUDA tensors")
+def test_auto_on_cpu_tensors_uses_the_references():
+    dispatch.CALLS.clear()
+    dispatch.set_mode("auto")
+    layer, query = decoded_layer()
+    layer.decode_attention(query, 0.3)
+    merge_scatter(*merge_inputs())
+    assert dispatch.CALLS == {
+        ("compact_kv", "reference"): 1,
+        ("ragged_decode_attention", "reference"): 1,
+        ("merge_scatter", "reference"): 1,
+    }
+
+
+@functools.cache
+def _layer_inputs():
+    gen = torch.Generator().manual_seed(0)
+    B, Hkv, T, D = 2, 2, 30, 8
+    keys, values = torch.randn(B, Hkv, T, D, generator=gen), torch.randn(B, Hkv, T, D, generator=gen)
+    counts = torch.tensor([[0, 9], [30, 4]])
+    selection = Selection(indices=topk_indices(torch.rand(B, Hkv, T, generator=gen), counts), counts=counts)
+    step = torch.randn(B, Hkv, 1, D, generator=gen), torch.randn(B, Hkv, 1, D, generator=gen)
+    return keys, values, selection, step, torch.randn(B, Hkv * 3, 1, D, generator=gen)
+
+
+def decoded_layer():
+    """A compressed layer (head (0, 0) keeps nothing) after one decode step, and its query."""
+    keys, values, selection, step, query = _layer_inputs()
+    layer = CompressedLayer(decode_capacity=2)
+    layer.update(keys, values)
+    layer.compress(selection)
+    layer.update(*step)
+    return layer, query
+
+
+def test_cache_decode_through_the_kernels_equals_the_reference_path():
+    dispatch.set_mode("reference")
+    reference_layer, query = decoded_layer()
+    want = reference_layer.decode_attention(query, 0.3)
+    dispatch.set_mode("triton")
+    dispatch.CALLS.clear()
+    layer, _ = decoded_layer()
+    for name in ("prompt_keys", "prompt_values", "starts", "lengths"):
+        assert torch.equal(getattr(layer, name), getattr(reference_layer, name))
+    torch.testing.assert_close(layer.decode_attention(query, 0.3), want, atol=1e-5, rtol=1e-5)
+    assert dispatch.CALLS == {("compact_kv", "triton"): 1, ("ragged_decode_attention", "triton"): 1}
+
+
+def test_module_kernels_argument_sets_the_mode_and_rejects_unknown_values():
+    from kvlab.module import KVLabModule
+
+    KVLabModule(model="tiny-qwen2", kernels="reference")
+    assert dispatch.get_mode() == "reference"
+    with pytest.raises(ConfigError, match="model.kernels"):
+        KVLabModule(model="tiny-qwen2", kernels="cuda")
