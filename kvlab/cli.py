@@ -11,6 +11,7 @@ Bad configuration exits with status 2 and a one-paragraph message, before any mo
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import warnings
@@ -24,7 +25,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from kvlab.config import preset_names, resolve, split_overrides
 from kvlab.errors import ConfigError, did_you_mean
-from kvlab.writer import PredictionWriter
+from kvlab.metrics.reference import REFERENCE_DIR
+from kvlab.progress import RunProgress, format_summary
+from kvlab.tasks import DEFAULT_TASK_METRICS, validate_task_metrics
+from kvlab.writer import METRICS, PredictionWriter
 
 
 class KVLabCLI(LightningCLI):
@@ -49,9 +53,11 @@ class KVLabCLI(LightningCLI):
         run_dir.mkdir(parents=True, exist_ok=True)
         parser = self._parser("predict")
         parser.save(self.config["predict"], run_dir / "config.yaml", overwrite=True, skip_validation=True)
+        validate_task_metrics(getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS)
+        self.model.reference_dir = str(run_dir.parent / REFERENCE_DIR)
         writer = PredictionWriter(run_dir)
         writer.drop_partial_line()
-        self.trainer.callbacks.append(writer)
+        self.trainer.callbacks.extend([writer, RunProgress()])
         self.trainer.logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="")
         done = writer.completed_ids()
         self.datamodule.skip_ids = done
@@ -59,8 +65,8 @@ class KVLabCLI(LightningCLI):
             print(f"kvlab: resuming {run_dir}: {len(done)} samples already written are skipped")
 
     def after_predict(self) -> None:
-        metrics = (self.run_dir() / "metrics.json").read_text()
-        print(f"kvlab: results in {self.run_dir()}\n{metrics}")
+        metrics = json.loads((self.run_dir() / METRICS).read_text())
+        print(format_summary(metrics, self.run_dir()))
 
 
 def print_components(out=None) -> None:
@@ -102,15 +108,35 @@ def all_registries() -> list[Any]:
 
 
 def predict(args: list[str]) -> None:
-    """Resolve presets and kvlab-merged overrides, then hand over to LightningCLI."""
+    """Resolve presets and kvlab-merged overrides, expand a sweep, then hand each run to LightningCLI."""
+    from kvlab.sweep import expand, pop_run_args
+
+    configs, rest, overrides = split_overrides(args)
+    if not (configs or overrides):
+        run_predict(None, rest)
+        return
+    resolved = resolve(configs, overrides)
+    if configs:
+        resolved.setdefault("run", {}).setdefault("method", Path(configs[-1]).stem)
+    points = expand(resolved, overrides)
+    if len(points) == 1:
+        run_predict(points[0][1], rest)
+        return
+    rest, run_args = pop_run_args(rest)
+    run = {"dir": "runs", "experiment": "default", "method": "method", **resolved.get("run", {}), **run_args}
+    for suffix, cfg in points:
+        run_predict({**cfg, "run": {**run, "method": f"{run['method']}@{suffix}"}}, rest)
+    from kvlab.compare import compare_experiment
+
+    print(compare_experiment(Path(run["dir"]) / run["experiment"]))
+
+
+def run_predict(resolved: dict[str, Any] | None, rest: list[str]) -> None:
+    """One ``kvlab predict`` run of a resolved config (None: LightningCLI's own arguments only)."""
     from kvlab.data import KVLabDataModule
     from kvlab.module import KVLabModule
 
-    configs, rest, overrides = split_overrides(args)
-    if configs or overrides:
-        resolved = resolve(configs, overrides)
-        if configs:
-            resolved.setdefault("run", {}).setdefault("method", Path(configs[-1]).stem)
+    if resolved is not None:
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kvlab-", delete=False) as tmp:
             yaml.safe_dump(resolved, tmp, sort_keys=False)
         rest = ["--config", tmp.name, *rest]
@@ -131,6 +157,13 @@ def predict(args: list[str]) -> None:
     )
 
 
+def compare_command(args: list[str]) -> None:
+    """``kvlab compare runs/<experiment>``."""
+    from kvlab.compare import main as compare_main
+
+    compare_main(args)
+
+
 def list_command(args: list[str]) -> None:
     """``kvlab list``."""
     print_components()
@@ -141,6 +174,10 @@ def list_command(args: list[str]) -> None:
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "predict": (lambda args: predict(args), "run a method on a dataset (kvlab predict --help)"),
     "list": (list_command, "components, parameters, defaults, presets"),
+    "compare": (
+        lambda args: compare_command(args),
+        "table and plots of an experiment's runs (kvlab compare DIR)",
+    ),
 }
 
 

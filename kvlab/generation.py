@@ -96,8 +96,13 @@ def generate(
     return_logits: bool = False,
     record_scores: bool = False,
     calibration: Any = None,
+    teacher_tokens: torch.Tensor | None = None,
 ) -> GenerationResult:
-    """Prefill ``batch`` (a processor's collate output), compress every layer, decode greedily."""
+    """Prefill ``batch`` (a processor's collate output), compress every layer, decode greedily.
+
+    ``teacher_tokens`` ``[B, S]``: feed these tokens instead of the greedy choices (teacher
+    forcing, for fidelity metrics); decoding then runs exactly S steps.
+    """
     model, info = loaded.model, loaded.info
     device = next(model.parameters()).device
     input_ids = batch["input_ids"].to(device)
@@ -136,11 +141,12 @@ def generate(
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         next_pos = positions[:, -1:] + 1
         decode_start = time.perf_counter()
-        for step in range(max_new_tokens):
-            next_token = logits.argmax(-1)
+        steps = max_new_tokens if teacher_tokens is None else teacher_tokens.shape[1]
+        for step in range(steps):
+            next_token = logits.argmax(-1) if teacher_tokens is None else teacher_tokens[:, step].to(device)
             tokens = torch.cat([tokens, next_token[:, None]], dim=1)
             finished |= torch.isin(next_token, eos)
-            if bool(finished.all()) or step == max_new_tokens - 1:
+            if (teacher_tokens is None and bool(finished.all())) or step == steps - 1:
                 break
             out = model(
                 input_ids=next_token[:, None],

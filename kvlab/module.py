@@ -10,11 +10,13 @@ import torch
 from kvlab.attention import enable_kvlab_attention
 from kvlab.compression.pipeline import Pipeline
 from kvlab.errors import ConfigError
+from kvlab.evaluation import batch_fidelity
 from kvlab.generation import GenerationResult, generate
-from kvlab.inspect import log_batch
+from kvlab.inspect import Inspector
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
+from kvlab.metrics.reference import ReferenceStore
 from kvlab.models.base import LoadedModel
-from kvlab.tasks import score_output
+from kvlab.tasks import DEFAULT_TASK_METRICS, score_output, validate_task_metrics
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,7 +29,16 @@ class KVLabModule(L.LightningModule):
         compression: the pipeline (see ``docs/architecture.md``); empty means the full cache.
         max_new_tokens: greedy decode limit per sample.
         dtype: model dtype.
-        record_scores: keep per-layer scores for TensorBoard histograms (costs memory).
+        record_scores: keep per-layer scores of every batch (the first ``inspect_samples``
+            batches always keep them for the TensorBoard histograms).
+        fidelity: compare every sample with the full-cache model (greedy agreement,
+            teacher-forced KL and top-1; ``docs/evaluation.md``). The full-cache reference is
+            cached per sample in :attr:`reference_dir` (set by the CLI to
+            ``<run.dir>/<run.experiment>/reference``).
+        inspect_samples: batches (from the first) whose first sample gets the detailed
+            TensorBoard views (heatmap, score histograms, kept image patches).
+        inspect_layers: layers whose kept image patches are drawn (negative: from the end);
+            default ``[0, -1]``.
         kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``reference`` (torch everywhere,
             for debugging) or ``triton``; sets :mod:`kvlab.kernels.dispatch` for the run.
     """
@@ -39,6 +50,9 @@ class KVLabModule(L.LightningModule):
         max_new_tokens: int = 32,
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         record_scores: bool = False,
+        fidelity: bool = True,
+        inspect_samples: int = 4,
+        inspect_layers: list[int] | None = None,
         kernels: Literal["auto", "reference", "triton"] = "auto",
     ):
         super().__init__()
@@ -46,12 +60,22 @@ class KVLabModule(L.LightningModule):
 
         if max_new_tokens < 1:
             raise ConfigError(f"model.max_new_tokens must be >= 1, got {max_new_tokens}.")
+        if inspect_samples < 0:
+            raise ConfigError(
+                f"model.inspect_samples must be >= 0 (0 = no detailed views), got {inspect_samples}."
+            )
         validate_model_name(model)
         self.model_name = model
         self.pipeline = Pipeline.from_config(compression)
         self.max_new_tokens = max_new_tokens
         self.dtype_name = dtype
         self.record_scores = record_scores
+        self.fidelity = fidelity
+        self.inspect_samples = inspect_samples
+        self.inspect_layers = tuple(inspect_layers) if inspect_layers is not None else (0, -1)
+        self.reference_dir: str | None = None
+        self.task_metrics: tuple[str, ...] = DEFAULT_TASK_METRICS
+        self.inspector: Inspector | None = None
         set_kernel_mode(kernels)
         self.loaded: LoadedModel | None = None
         self.save_hyperparameters()
@@ -66,18 +90,47 @@ class KVLabModule(L.LightningModule):
         enable_kvlab_attention(self.loaded.model, self.loaded.info.vision_language)
         self.language_model = self.loaded.model  # registered so Lightning moves it to the device
 
+    def on_predict_start(self) -> None:
+        """Task metrics from the dataset (``metrics`` attribute) and the TensorBoard inspector."""
+        source = getattr(getattr(self._trainer, "datamodule", None), "source", None)
+        self.task_metrics = validate_task_metrics(getattr(source, "metrics", None) or DEFAULT_TASK_METRICS)
+        if self.logger is not None:
+            self.inspector = Inspector(self.logger.experiment, self.inspect_samples, self.inspect_layers)
+
+    def on_predict_end(self) -> None:
+        if self.inspector is not None:
+            self.inspector.finish()
+
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
         """One batch -> one prediction record per sample (written by the prediction writer)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        detailed = self.inspector is not None and self.inspector.detailed(batch_idx)
         result = generate(
             self.loaded,
             self.pipeline,
             batch,
             max_new_tokens=self.max_new_tokens,
-            record_scores=self.record_scores,
+            return_logits=self.fidelity,
+            record_scores=self.record_scores or detailed,
         )
-        if self.logger is not None:
-            log_batch(self.logger.experiment, result, batch, step=batch_idx)
-        return self.records(result, batch)
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+        records = self.records(result, batch)
+        for record in records:
+            record["kv_bytes_allocated"] = result.kv_bytes_allocated
+            if peak is not None:
+                record["peak_memory_bytes"] = peak
+        if self.fidelity:
+            store = ReferenceStore(self.reference_dir)
+            values = batch_fidelity(
+                self.loaded, self.pipeline, batch, result, store, self.max_new_tokens, self.dtype_name
+            )
+            for record, fidelity in zip(records, values, strict=True):
+                record.update(fidelity)
+        if self.inspector is not None:
+            self.inspector.log_batch(result, batch, step=batch_idx, processor=self.loaded.processor)
+        return records
 
     def records(self, result: GenerationResult, batch: dict[str, Any]) -> list[dict[str, Any]]:
         """Per-sample JSON-ready records of a batch's :class:`GenerationResult`."""
@@ -101,6 +154,6 @@ class KVLabModule(L.LightningModule):
                 "answers": sample.answers,
                 "meta": sample.meta,
             }
-            record.update(score_output(text, sample))
+            record.update(score_output(text, sample, self.task_metrics))
             records.append(record)
         return records

@@ -1,31 +1,119 @@
-"""Per-sample task scores recorded in the predictions (the full metric suite comes with evaluation)."""
+"""Per-sample task scores: the task-metric registry.
+
+A dataset names its metrics with a ``metrics`` attribute (YAML: ``data.dataset: {name: jsonl,
+path: x.jsonl, metrics: [exact_match, token_f1]}``); datasets without one get
+:data:`DEFAULT_TASK_METRICS`. Each metric maps ``(output text, Sample)`` to a score in [0, 1],
+or None when the sample cannot be scored (no answers; no choices for ``choice_accuracy``).
+Definitions (answers are the sample's reference answers; the best answer counts):
+
+- ``exact_match``: normalised output == a normalised answer;
+- ``contains_answer``: a normalised answer occurs in the normalised output;
+- ``token_f1``: SQuAD token F1 of output vs answer words;
+- ``rouge_l``: ROUGE-L F1 of output vs answer words;
+- ``choice_accuracy``: the option the output picks (:func:`picked_choice`) is the answer's option.
+"""
 
 from __future__ import annotations
 
-import re
 import string
+from collections.abc import Callable, Iterable
 
 from kvlab.data.sample import Sample
+from kvlab.errors import ConfigError, did_you_mean
+from kvlab.metrics.text import normalize_answer, rouge_l, token_f1, words
+
+__all__ = [
+    "DEFAULT_TASK_METRICS",
+    "TASK_METRICS",
+    "normalize_answer",
+    "picked_choice",
+    "score_output",
+    "validate_task_metrics",
+]
+
+DEFAULT_TASK_METRICS: tuple[str, ...] = ("exact_match", "contains_answer")
+LETTERS = string.ascii_lowercase
 
 
-def normalize_answer(text: str) -> str:
-    """Lower-case, drop punctuation and articles, collapse whitespace (SQuAD normalisation)."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def score_output(output: str, sample: Sample) -> dict[str, float]:
-    """``exact_match`` and ``contains_answer`` (1.0 or 0.0) against the sample's answers.
-
-    Returns an empty dict for samples without answers.
-    """
+def _best(output: str, sample: Sample, score: Callable[[str, str], float]) -> float | None:
     if not sample.answers:
-        return {}
-    pred = normalize_answer(output)
-    refs = [normalize_answer(a) for a in sample.answers]
-    return {
-        "exact_match": float(any(pred == ref for ref in refs)),
-        "contains_answer": float(any(ref and ref in pred for ref in refs)),
-    }
+        return None
+    return max(score(output, answer) for answer in sample.answers)
+
+
+def choice_index(text: str, choices: list[str]) -> int | None:
+    """Option named by ``text``: a letter label ("B", "(b)", "b.") or an option's text."""
+    norm = [normalize_answer(c) for c in choices]
+    tokens = text.strip().lower().lstrip("(").split()
+    if tokens:
+        head = tokens[0].rstrip(").:,")
+        if len(head) == 1 and head in LETTERS[: len(choices)]:
+            return LETTERS.index(head)
+    target = normalize_answer(text)
+    return norm.index(target) if target in norm else None
+
+
+def picked_choice(output: str, choices: list[str]) -> int | None:
+    """The option an output picks: a leading letter label, else the option text found earliest."""
+    index = choice_index(output, choices)
+    if index is not None:
+        return index
+    text = f" {normalize_answer(output)} "
+    found = [
+        (text.find(f" {normalize_answer(c)} "), i)
+        for i, c in enumerate(choices)
+        if normalize_answer(c) and f" {normalize_answer(c)} " in text
+    ]
+    return min(found)[1] if found else None
+
+
+def _choice_accuracy(output: str, sample: Sample) -> float | None:
+    if not sample.choices or not sample.answers:
+        return None
+    answer = choice_index(sample.answers[0], sample.choices)
+    return float(answer is not None and picked_choice(output, sample.choices) == answer)
+
+
+def _exact(output: str, answer: str) -> float:
+    return float(normalize_answer(output) == normalize_answer(answer))
+
+
+def _contains(output: str, answer: str) -> float:
+    target = normalize_answer(answer)
+    return float(bool(target) and target in normalize_answer(output))
+
+
+def _per_answer(score: Callable[[str, str], float]) -> Callable[[str, Sample], float | None]:
+    """A metric scoring the output against each answer and keeping the best."""
+    return lambda output, sample: _best(output, sample, score)
+
+
+TASK_METRICS: dict[str, Callable[[str, Sample], float | None]] = {
+    "exact_match": _per_answer(_exact),
+    "contains_answer": _per_answer(_contains),
+    "token_f1": _per_answer(lambda o, a: token_f1(words(o), words(a))),
+    "rouge_l": _per_answer(lambda o, a: rouge_l(words(o), words(a))),
+    "choice_accuracy": _choice_accuracy,
+}
+
+
+def validate_task_metrics(names: Iterable[str], where: str = "data.dataset.metrics") -> tuple[str, ...]:
+    """Check metric names against :data:`TASK_METRICS`; returns them as a tuple."""
+    if isinstance(names, str):
+        names = [names]
+    names = tuple(names)
+    for name in names:
+        if name not in TASK_METRICS:
+            raise ConfigError(
+                f"{where}: unknown task metric '{name}'.{did_you_mean(str(name), list(TASK_METRICS))} "
+                f"Task metrics: {', '.join(TASK_METRICS)}."
+            )
+    return names
+
+
+def score_output(
+    output: str, sample: Sample, names: Iterable[str] = DEFAULT_TASK_METRICS
+) -> dict[str, float]:
+    """``{metric: score}`` for the named metrics that apply to the sample (empty without answers)."""
+    scores = {name: TASK_METRICS[name](output, sample) for name in names}
+    return {name: value for name, value in scores.items() if value is not None}

@@ -1,0 +1,77 @@
+"""String and sequence similarity used by the task and fidelity metrics.
+
+- :func:`normalize_answer`: SQuAD normalisation (lower case, no punctuation, no articles,
+  collapsed whitespace); :func:`words` splits the normalised text.
+- :func:`lcs_length`: longest common subsequence of two sequences (dynamic programming,
+  ``O(len(a) * len(b))`` time, ``O(len(b))`` memory).
+- :func:`rouge_l`: ROUGE-L F1 = ``2 P R / (P + R)`` with ``P = LCS / len(pred)`` and
+  ``R = LCS / len(ref)`` (Lin 2004, beta = 1); two empty sequences score 1.
+- :func:`token_f1`: SQuAD token F1 over the multiset of shared words; two empty answers score 1.
+
+All work on any sequence of hashables: words for task metrics, token ids for fidelity.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Hashable, Sequence
+
+_PUNCTUATION = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, drop punctuation and articles, collapse whitespace (SQuAD normalisation)."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def words(text: str) -> list[str]:
+    """The words of the normalised text."""
+    return normalize_answer(text).split()
+
+
+def lcs_length(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """Length of the longest common subsequence of ``a`` and ``b``."""
+    if len(a) < len(b):
+        a, b = b, a
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1]
+
+
+def _f1(overlap: int, n_pred: int, n_ref: int) -> float:
+    if n_pred == 0 and n_ref == 0:
+        return 1.0
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / n_pred, overlap / n_ref
+    return 2 * precision * recall / (precision + recall)
+
+
+def rouge_l(pred: Sequence[Hashable], ref: Sequence[Hashable]) -> float:
+    """ROUGE-L F1 of two sequences (see the module docstring)."""
+    return _f1(lcs_length(pred, ref), len(pred), len(ref))
+
+
+def token_f1(pred: Sequence[Hashable], ref: Sequence[Hashable]) -> float:
+    """SQuAD token F1: overlap of the two multisets of tokens."""
+    overlap = sum((Counter(pred) & Counter(ref)).values())
+    return _f1(overlap, len(pred), len(ref))
+
+
+def position_match(pred: Sequence[Hashable], ref: Sequence[Hashable]) -> float:
+    """Fraction of positions holding the same token: ``#{i: pred[i] == ref[i]} / max(len)``.
+
+    Two empty sequences score 1.
+    """
+    longest = max(len(pred), len(ref))
+    if longest == 0:
+        return 1.0
+    return sum(x == y for x, y in zip(pred, ref, strict=False)) / longest

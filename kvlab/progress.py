@@ -1,0 +1,89 @@
+"""Progress and the end-of-run summary.
+
+:class:`RunProgress` adds ``samples/s`` and the running mean fidelity (greedy token match and
+teacher-forced top-1) to Lightning's predict progress bar; :func:`format_summary` is the
+one-screen summary ``kvlab predict`` prints at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "fidelity to the full cache",
+        ("fidelity_exact", "fidelity_token_match", "fidelity_rouge_l", "fidelity_kl", "fidelity_top1"),
+    ),
+    ("task", ("exact_match", "contains_answer", "token_f1", "rouge_l", "choice_accuracy")),
+    (
+        "memory",
+        ("kv_ratio", "kv_bytes_kept", "kv_bytes_full", "kv_bytes_allocated_peak", "peak_memory_bytes"),
+    ),
+    (
+        "time",
+        (
+            "prefill_seconds",
+            "compression_seconds",
+            "compression_over_prefill",
+            "decode_seconds",
+            "decode_tokens_per_second",
+        ),
+    ),
+)
+
+
+class RunProgress(Callback):
+    """Shows samples/s and the running mean fidelity on the predict progress bar (if there is one)."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.samples = 0
+        self.sums = {"token_match": 0.0, "top1": 0.0}
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self.start, self.samples = time.perf_counter(), 0
+        self.sums = dict.fromkeys(self.sums, 0.0)
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        records = outputs or []
+        self.samples += len(records)
+        for record in records:
+            self.sums["token_match"] += record.get("fidelity_token_match", 0.0)
+            self.sums["top1"] += record.get("fidelity_top1", 0.0)
+        bar = getattr(trainer.progress_bar_callback, "predict_progress_bar", None)
+        if bar is None or not hasattr(bar, "set_postfix"):
+            return
+        postfix = {"samples/s": f"{self.samples / max(time.perf_counter() - self.start, 1e-9):.2f}"}
+        if records and "fidelity_token_match" in records[0]:
+            postfix.update({k: f"{v / max(self.samples, 1):.3f}" for k, v in self.sums.items()})
+        bar.set_postfix(postfix)
+
+
+def _format(key: str, value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if "bytes" in key and isinstance(value, int | float):
+        return f"{value / 2**20:.2f} MiB" if value >= 2**20 else f"{value / 2**10:.1f} KiB"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_summary(metrics: dict[str, Any], run_dir: str | Path) -> str:
+    """The one-screen summary of a run's ``metrics.json`` (sections: fidelity, task, memory, time)."""
+    lines = [f"kvlab: {metrics.get('samples', 0)} samples -> {run_dir}"]
+    for title, keys in SECTIONS:
+        present = [k for k in keys if k in metrics]
+        if present:
+            lines.append(f"  {title}:")
+            lines += [f"    {k:<28} {_format(k, metrics[k])}" for k in present]
+    if "peak_memory_note" in metrics:
+        lines.append(f"  note: {metrics['peak_memory_note']}")
+    lines.append(
+        f"  files: config.yaml predictions.jsonl metrics.json tensorboard/ (tensorboard --logdir {run_dir})"
+    )
+    return "\n".join(lines)

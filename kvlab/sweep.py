@@ -1,0 +1,156 @@
+"""Sweeps: one ``kvlab predict`` command, one run per value (or per combination of values).
+
+Two ways to ask for one:
+
+- a comma list on a kvlab-merged override: ``--model.compression.budget 32,64,128`` (commas
+  inside ``[...]`` or ``{...}`` do not split, so ``--model.compression.importance
+  "[{name: a}, {name: b}]"`` stays one value);
+- a ``sweep:`` block in the YAML config, dotted keys to lists of values (any key of the
+  resolved config: ``model.compression.*``, ``model.max_new_tokens``, ``data.dataset.*``)::
+
+      sweep:
+        model.compression.budget.tokens: [32, 64, 128]
+
+Several swept keys give their cartesian product. Each point runs as its own method
+``<method>@<key>=<value>[,<key>=<value>]`` (``key`` without its ``model.compression.``,
+``data.dataset.`` or ``model.`` prefix), e.g. ``runs/<experiment>/snapkv@budget=32/``, so the
+points sit next to the other methods of the experiment and ``kvlab compare`` reads the swept
+values back from the directory names (:func:`parse_method`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import yaml
+
+from kvlab.config import merge
+from kvlab.errors import ConfigError
+
+SWEEP_KEY = "sweep"
+SHORT_PREFIXES = ("model.compression.", "data.dataset.", "model.")
+
+
+def split_values(text: str) -> list[str]:
+    """Split ``text`` at the commas outside brackets and braces (``"32,64"`` -> ``["32", "64"]``)."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    parts.append(current.strip())
+    return parts
+
+
+def short_key(dotted: str) -> str:
+    """``model.compression.budget.tokens`` -> ``budget.tokens`` (the name used in method names)."""
+    for prefix in SHORT_PREFIXES:
+        if dotted.startswith(prefix):
+            return dotted[len(prefix) :]
+    return dotted
+
+
+def value_text(value: Any) -> str:
+    """A value as written in a method name (scalars as is, others as compact JSON)."""
+    text = (
+        str(value)
+        if isinstance(value, str | int | float | bool)
+        else json.dumps(value, separators=(",", ":"))
+    )
+    return text.replace("/", "_")
+
+
+def set_dotted(cfg: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """``cfg`` with ``dotted = value`` merged in (the same rules as presets and overrides)."""
+    for key in reversed(dotted.split(".")):
+        value = {key: value}
+    return merge(cfg, value)
+
+
+def yaml_sweep(node: Any) -> list[tuple[str, list[Any]]]:
+    """The ``sweep:`` block as ``[(dotted key, values)]`` (validated)."""
+    if not isinstance(node, dict) or not node:
+        raise ConfigError(
+            f"`{SWEEP_KEY}:` must map dotted keys to lists of values, e.g. "
+            "`sweep: {model.compression.budget.tokens: [32, 64, 128]}`; got {node!r}."
+        )
+    out = []
+    for key, values in node.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(
+                f"{SWEEP_KEY}.{key} must be a non-empty list of values, got {values!r}; "
+                f"e.g. `{key}: [32, 64, 128]`."
+            )
+        out.append((str(key), values))
+    return out
+
+
+def cli_sweep(overrides: list[tuple[str, str]]) -> list[tuple[str, list[Any]]]:
+    """The overrides that hold comma lists, as ``[(dotted key, parsed values)]``."""
+    out = []
+    for dotted, text in overrides:
+        parts = split_values(text)
+        if len(parts) > 1:
+            if not all(parts):
+                raise ConfigError(f"--{dotted} {text!r}: a sweep needs a value between every pair of commas.")
+            out.append((dotted, [yaml.safe_load(p) for p in parts]))
+    return out
+
+
+def expand(resolved: dict[str, Any], overrides: list[tuple[str, str]]) -> list[tuple[str, dict[str, Any]]]:
+    """Sweep points of a resolved config: ``[(method suffix, config)]``; ``[("", config)]`` without a sweep.
+
+    ``resolved`` is the config with every override merged (a swept override's comma text is
+    replaced by each value in turn); its ``sweep:`` block is removed.
+    """
+    resolved = dict(resolved)
+    axes = cli_sweep(overrides)
+    if SWEEP_KEY in resolved:
+        axes += yaml_sweep(resolved.pop(SWEEP_KEY))
+    if not axes:
+        return [("", resolved)]
+    points = []
+    for values in itertools.product(*(vals for _, vals in axes)):
+        cfg = resolved
+        for (dotted, _), value in zip(axes, values, strict=True):
+            cfg = set_dotted(cfg, dotted, value)
+        suffix = ",".join(f"{short_key(d)}={value_text(v)}" for (d, _), v in zip(axes, values, strict=True))
+        points.append((suffix, cfg))
+    return points
+
+
+def parse_method(name: str) -> tuple[str, dict[str, str]]:
+    """``snapkv@budget=32,window=8`` -> ``("snapkv", {"budget": "32", "window": "8"})``."""
+    base, _, point = name.partition("@")
+    values: dict[str, str] = {}
+    for part in split_values(point) if point else []:
+        key, _, value = part.partition("=")
+        values[key] = value
+    return base, values
+
+
+def pop_run_args(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Take ``--run.dir/experiment/method`` out of LightningCLI arguments (a sweep sets them per point)."""
+    rest: list[str] = []
+    run: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        key, eq, value = args[i].partition("=")
+        if key.startswith("--run."):
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"{key} needs a value.")
+                value, i = args[i + 1], i + 1
+            run[key[len("--run.") :]] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    return rest, run
