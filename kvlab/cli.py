@@ -12,6 +12,7 @@ Bad configuration exits with status 2 and a one-paragraph message, before any mo
 from __future__ import annotations
 
 import json
+import importlib
 import sys
 import tempfile
 import warnings
@@ -169,11 +170,24 @@ def list_command(args: list[str]) -> None:
     print_components()
 
 
+def lazy_main(module: str) -> Callable[[list[str]], None]:
+    """A command handler that imports ``module`` only when the command runs, then calls its ``main(args)``."""
+
+    def handler(args: list[str]) -> None:
+        importlib.import_module(module).main(args)
+
+    return handler
+
+
 # name -> (handler taking the remaining arguments, one-line help). Each subcommand's code lives
 # in its own module and is imported lazily by its handler, so `kvlab list` stays fast.
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "predict": (lambda args: predict(args), "run a method on a dataset (kvlab predict --help)"),
     "list": (list_command, "components, parameters, defaults, presets"),
+    "calibrate": (
+        lazy_main("kvlab.calibration.command"),
+        "measure per-model statistics into a calibration artefact (kvlab calibrate --help)",
+    ),
     "compare": (
         lambda args: compare_command(args),
         "table and plots of an experiment's runs (kvlab compare DIR)",

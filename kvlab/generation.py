@@ -104,6 +104,7 @@ def generate(
     forcing, for fidelity metrics); decoding then runs exactly S steps.
     """
     model, info = loaded.model, loaded.info
+    pipeline.bind_model(info.name)
     device = next(model.parameters()).device
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device)

@@ -67,6 +67,7 @@ class KVLabModule(L.LightningModule):
         validate_model_name(model)
         self.model_name = model
         self.pipeline = Pipeline.from_config(compression)
+        self.pipeline.bind_model(model)  # a calibration artefact of another model fails here, before loading
         self.max_new_tokens = max_new_tokens
         self.dtype_name = dtype
         self.record_scores = record_scores

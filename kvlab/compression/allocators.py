@@ -14,7 +14,9 @@ from typing import Literal
 
 import torch
 
+from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.context import LayerContext
+from kvlab.errors import ConfigError
 from kvlab.registry import Registry
 
 
@@ -38,9 +40,15 @@ class LayerAllocator:
 
 
 class HeadAllocator:
-    """Base class: override :meth:`allocate`."""
+    """Base class: override :meth:`allocate`.
+
+    ``signal`` says which score the allocator compares across heads: ``mixed`` (the pipeline's
+    final score) or ``importance`` (the first importance scorer's raw score, e.g. SnapKV's
+    pooled window attention ``s_ex`` when MixKV mixes in diversity: MixKV spec A11).
+    """
 
     registry_name: str = ""
+    signal: str = "mixed"
 
     def allocate(self, scores: torch.Tensor, free: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """Split each sample's free budget across KV heads.
@@ -163,3 +171,156 @@ class NoModalityAllocator(ModalityAllocator):
 
     def allocate(self, scores, counts, ctx):
         return None
+
+
+def round_to_total(real: torch.Tensor, total: int) -> torch.Tensor:
+    """Round non-negative ``real`` (any shape) to integers summing to ``total`` (largest remainder).
+
+    Each entry is its floor or its ceiling; ties in the remainder go to the lower flat index.
+    """
+    flat = real.reshape(-1).double()
+    base = torch.floor(flat)
+    short = int(total - base.sum().item())
+    if short > 0:
+        order = torch.sort(flat - base, descending=True, stable=True).indices[:short]
+        base[order] += 1
+    return base.long().view(real.shape)
+
+
+@HEAD_ALLOCATORS.register("adakv")
+@dataclass
+class AdaKVHeadAllocator(HeadAllocator):
+    """AdaKV (Feng et al. 2025): heads of a layer compete for the layer's budget.
+
+    Per sample, with ``B'`` the free budget per head and ``P`` the candidate tokens (david spec
+    Sec. 2.4), over the ``signal`` scores ``[Hkv, P]``:
+
+    - ``variant: linear_mix`` (the original ``AdaptiveSnapKVCluster``): sort each head's scores
+      (``normalize`` multiplies head h's by ``sum(top-B') / sum(all)``), take the global top
+      ``Hkv B'`` of the flattened layer, count winners per head ``c_h``, and keep
+      ``c_h (1 - alpha) + alpha B'`` tokens. ``rounding: nearest`` is the released code's
+      ``round(c_h (1 - alpha) + floor(alpha B'))`` (the total may miss ``Hkv B'`` by up to
+      1.5 per head); ``exact_total`` (default) rounds the same real numbers by largest
+      remainder so the layer keeps exactly ``Hkv B'`` (each head within one token of it).
+    - ``variant: guarantee_topk`` (kvpress ``AdaKVPress``): every head keeps its top
+      ``floor(alpha B')`` first; the rest of ``Hkv B'`` goes to a global competition.
+      kvpress only masks the evicted keys; kvlab stores the ragged result, so memory falls.
+
+    Both coincide at ``alpha = 0`` (pure global top-k) and ``alpha = 1`` (uniform). Layers
+    below ``skip`` are uniform. Ties go to the lower (head, rank) index. ``signal: importance``
+    (default) allocates from the first importance score (MixKV spec A11).
+
+    Returns ``[B, Hkv]`` ragged counts.
+    """
+
+    alpha: float = 0.2
+    variant: Literal["linear_mix", "guarantee_topk"] = "linear_mix"
+    normalize: bool = False
+    rounding: Literal["exact_total", "nearest"] = "exact_total"
+    skip: int = 0
+    signal: Literal["importance", "mixed"] = "importance"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+
+    def allocate(self, scores, free, ctx):
+        Hkv = ctx.num_kv_heads
+        counts = free[:, None].expand(-1, Hkv).clone()
+        if ctx.layer_idx < self.skip:
+            return counts
+        candidates = (scores > float("-inf")).sum(-1).amax(-1)  # [B]
+        for b in range(scores.shape[0]):
+            P, budget = int(candidates[b]), int(free[b])
+            if budget >= P or budget <= 0:
+                continue
+            counts[b] = self._allocate_one(scores[b], budget, P)
+        return counts
+
+    def _allocate_one(self, scores: torch.Tensor, budget: int, P: int) -> torch.Tensor:
+        """One sample: ``scores [Hkv, T]`` (-inf on non-candidates), ``0 < budget < P`` -> ``[Hkv]``."""
+        Hkv = scores.shape[0]
+        ranked = torch.sort(scores.double(), dim=-1, descending=True, stable=True).values[:, :P]  # [Hkv, P]
+        floor = int(self.alpha * budget)
+        if self.variant == "guarantee_topk":
+            ranked = ranked.clone()
+            ranked[:, :floor] = float("inf")
+            return self._global_winners(ranked, Hkv * budget)
+        if self.normalize:
+            ranked = ranked * (ranked[:, :budget].sum(-1, keepdim=True) / ranked.sum(-1, keepdim=True))
+        winners = self._global_winners(ranked, Hkv * budget).double()
+        if self.rounding == "nearest":
+            return torch.round(winners * (1 - self.alpha) + floor).long()
+        return round_to_total(winners * (1 - self.alpha) + self.alpha * budget, Hkv * budget)
+
+    @staticmethod
+    def _global_winners(ranked: torch.Tensor, k: int) -> torch.Tensor:
+        """Per-head counts of the global top ``k`` of ``ranked [Hkv, P]`` (ties: lower flat index)."""
+        Hkv, P = ranked.shape
+        order = torch.sort(ranked.reshape(-1), descending=True, stable=True).indices[:k]
+        return torch.bincount(order // P, minlength=Hkv)
+
+
+@HEAD_ALLOCATORS.register("sparsemm")
+@dataclass
+class SparseMMHeadAllocator(HeadAllocator, UsesArtefact):
+    """SparseMM (Wang et al. 2025): static head budgets skewed to offline "visual heads".
+
+    From a ``visual_heads`` calibration artefact (``scores [L, H]``, mean over calibration
+    samples; see docs/calibration.md), with ``B'`` the free budget per head (david spec 2.5)::
+
+        s = scores / scores.sum()                    # over all L * H query heads
+        s_kv[l, j] = gqa_j(s[l, j G : (j + 1) G])    # sum (default) or mean over the group
+        min_cache = floor(ratio B') ; remain = (B' - min_cache) L Hkv
+        cap[l, j] = s_kv[l, j] remain + min_cache    # rounded (see ``rounding``)
+
+    The allocation is global over layers and heads and prompt-independent; the total over the
+    model is ``L Hkv B'``. ``rounding: exact_total`` (default) rounds by largest remainder so
+    the total is exact (with ``gqa: mean`` the caps are first rescaled to that total);
+    ``nearest`` is the released code's ``round``. A cap above a head's
+    candidate count is clamped (the released code silently truncates; kvlab's per-head kept
+    counts in the predictions show it). ``artefact: auto`` finds the model's artefact in
+    ``$KVLAB_CACHE/calibration`` or among the shipped ones.
+
+    Returns ``[B, Hkv]`` ragged counts.
+    """
+
+    artefact: str = "auto"
+    ratio: float = 0.1
+    gqa: Literal["sum", "mean"] = "sum"
+    rounding: Literal["exact_total", "nearest"] = "exact_total"
+
+    artefact_kind = "visual_heads"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+        self._caps: dict[int, torch.Tensor] = {}
+
+    def capacities(self, head_scores: torch.Tensor, num_kv_heads: int, budget: int) -> torch.Tensor:
+        """``[L, Hkv]`` free-token caps for a free budget ``budget`` from ``head_scores [L, H]``."""
+        L, H = head_scores.shape
+        total = head_scores.double().sum()
+        if not total > 0:
+            raise ConfigError(
+                f"{self._where()}: the visual-head scores are all zero (no answer token attended to its "
+                "image region during calibration), so they cannot skew budgets. Calibrate on more samples."
+            )
+        s = head_scores.double() / total
+        grouped = s.view(L, num_kv_heads, H // num_kv_heads)
+        s_kv = grouped.sum(-1) if self.gqa == "sum" else grouped.mean(-1)
+        min_cache = int(budget * self.ratio)
+        remain = (budget - min_cache) * L * num_kv_heads
+        real = s_kv * remain + min_cache
+        if self.rounding == "nearest":
+            return torch.round(real).long()
+        return round_to_total(real * (L * num_kv_heads * budget) / real.sum(), L * num_kv_heads * budget)
+
+    def allocate(self, scores, free, ctx):
+        head_scores = self.artefact_for(ctx).tensors["scores"]
+        counts = torch.empty(scores.shape[0], ctx.num_kv_heads, dtype=torch.long, device=scores.device)
+        for b, budget in enumerate(free.tolist()):
+            if budget not in self._caps:
+                self._caps[budget] = self.capacities(head_scores, ctx.num_kv_heads, budget)
+            counts[b] = self._caps[budget][ctx.layer_idx].to(scores.device)
+        return counts

@@ -31,6 +31,8 @@ class LayerContext:
         calibration: calibration statistics loaded for this model (or None).
         state: per-prompt scratch space shared across layers (reset every prefill), for
             components that carry state from one layer to the next.
+        protected: ``[B, T]`` bool, tokens the budget always keeps (window, sinks); set by the
+            pipeline before any scorer runs (None outside a pipeline: nothing protected).
     """
 
     layer_idx: int
@@ -43,6 +45,7 @@ class LayerContext:
     scaling: float
     calibration: Any = None
     state: dict[str, Any] = field(default_factory=dict)
+    protected: torch.Tensor | None = None
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -73,6 +76,31 @@ class LayerContext:
     def positions(self) -> torch.Tensor:
         """Position of each token within its own sample, ``[B, T]`` (see :func:`sample_positions`)."""
         return sample_positions(self.valid)
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        """``[B, T]`` bool: the tokens that compete for the budget (valid and not protected).
+
+        Per-head statistics of the MixKV family (min, max and mean of a score) are taken over
+        these tokens: the "prefix" ``P = T - W`` of the spec, padding excluded.
+        """
+        if self.protected is None:
+            return self.valid
+        return self.valid & ~self.protected
+
+    def unit_key_mean(self) -> torch.Tensor:
+        """Mean of the unit-normalised keys over each sample's valid tokens, ``[B, Hkv, D]`` fp32.
+
+        ``mean_t k_t / ||k_t||`` (window included, padding excluded), shared by MixKV's key
+        diversity and its head redundancy; memoised.
+        """
+        if "unit_key_mean" not in self._memo:
+            keys = self.keys_fp32()
+            unit = keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            weight = self.valid[:, None, :, None].float()
+            count = self.lengths.clamp(min=1)[:, None, None].float()
+            self._memo["unit_key_mean"] = (unit * weight).sum(2) / count
+        return self._memo["unit_key_mean"]
 
     def keys_fp32(self) -> torch.Tensor:
         """The keys in fp32, ``[B, Hkv, T, D]`` (cast once, shared by the attention helpers)."""

@@ -38,3 +38,22 @@ class KeyDiffScorer(DiversityScorer):
         weight = ctx.valid[:, None, :, None].float()
         anchor = (keys * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True).clamp(min=1)
         return -F.cosine_similarity(keys, anchor, dim=-1)
+
+
+@DIVERSITY.register("mean_key_diversity")
+@dataclass
+class MeanKeyDiversityScorer(DiversityScorer):
+    """MixKV's key diversity (Liu et al. 2025, Sec. 3.2): ``s_t = -k̂_t · mean_j k̂_j``.
+
+    ``k̂ = k / ||k||`` are unit keys of one (sample, KV head); the mean runs over every valid
+    token of the sample, the observation window included, and is *not* re-normalised (so
+    ``s_t = -||mean k̂|| cos(k_t, mean k̂)``; the per-head factor cancels in MixKV's min-max).
+    Differs from ``keydiff`` only in the anchor: the mean of unit keys instead of raw keys.
+
+    Shapes: keys ``[B, Hkv, T, D]`` -> scores ``[B, Hkv, T]`` fp32.
+    """
+
+    def score(self, ctx: LayerContext) -> torch.Tensor:
+        keys = ctx.keys_fp32()
+        unit = keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return -(unit @ ctx.unit_key_mean()[..., None]).squeeze(-1)

@@ -161,6 +161,23 @@ class Pipeline:
                     "Lower the window or raise the budget."
                 )
 
+    def components(self) -> list[Any]:
+        """Every configured component (scorers, mixer, allocators, selector, decode policy)."""
+        parts = [*self.importance, *self.diversity, self.mixer, self.layer_allocator, self.head_allocator]
+        return [*parts, self.modality_allocator, self.selector, self.decode_policy]
+
+    def bind_model(self, model: str) -> None:
+        """Tell components that load per-model artefacts which model runs; fails fast on a mismatch.
+
+        Called before the model loads (``KVLabModule``) and again by ``generate`` (idempotent).
+        """
+        if getattr(self, "_bound_model", None) == model:
+            return
+        for component in self.components():
+            if hasattr(component, "bind_model"):
+                component.bind_model(model)
+        self._bound_model = model
+
     @property
     def compresses(self) -> bool:
         """False for the full cache (no scorer configured)."""
@@ -182,16 +199,20 @@ class Pipeline:
         layer_budget = self.layer_allocator.allocate(budget, lengths, protected_counts, ctx)
         layer_budget = torch.clamp(torch.as_tensor(layer_budget, device=lengths.device), min=protected_counts)
 
+        protected = self.budget.protected_mask(valid)  # [B, T]
+        ctx.protected = protected
         importance = [scorer.score(ctx) for scorer in self.importance]
         diversity = [scorer.score(ctx) for scorer in self.diversity]
         mixed = self.mixer.mix(importance, diversity, ctx).float()  # [B, Hkv, T]
 
-        protected = self.budget.protected_mask(valid)  # [B, T]
         candidates = (valid & ~protected)[:, None, :]
         candidate_scores = mixed.masked_fill(~candidates, float("-inf"))
         available = candidates.sum(-1)  # [B, 1]
         free = layer_budget - protected_counts
-        head_counts = self.head_allocator.allocate(candidate_scores, free, ctx)
+        signal = candidate_scores
+        if self.head_allocator.signal == "importance" and importance:
+            signal = importance[0].float().masked_fill(~candidates, float("-inf"))
+        head_counts = self.head_allocator.allocate(signal, free, ctx)
         head_counts = torch.minimum(torch.clamp(head_counts, min=0), available)
         uncompressed = layer_budget >= lengths  # [B]
         head_counts = torch.where(uncompressed[:, None], available, head_counts)

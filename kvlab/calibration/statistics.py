@@ -1,0 +1,166 @@
+"""Calibration statistics: what ``kvlab calibrate`` measures per (layer, head) over a calibration set.
+
+A statistic sees every layer's :class:`~kvlab.compression.context.LayerContext` during prefill
+(the full cache is kept; nothing is compressed) through :class:`Recorder`, and returns named
+tensors for the artefact. Registered statistics:
+
+- ``visual_heads`` (SparseMM): how often each query head's strongest attention, from the
+  tokens of the reference answer, lands on the image tokens of the region the answer is about.
+- ``redundancy`` (MixKV offline r̄): each KV head's key redundancy, averaged over samples.
+
+PrefixKV/HybridKV statistics register here the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvlab.compression.context import LayerContext, attention_probs
+from kvlab.compression.mixers import head_redundancy
+from kvlab.registry import Registry
+
+
+@dataclass
+class CalibrationBatch:
+    """What a statistic may know about the batch beyond the layer context.
+
+    Attributes:
+        answer_tokens: ``[B]`` how many trailing tokens of each sample are the teacher-forced
+            reference answer (0 when the statistic does not need answers).
+        targets: ``[B, T]`` bool, the prompt tokens the answer is about (e.g. the image tokens
+            of the asked region), or None.
+    """
+
+    answer_tokens: torch.Tensor
+    targets: torch.Tensor | None = None
+
+
+class CalibrationStatistic:
+    """Base class: accumulate with :meth:`observe`, return the artefact tensors from :meth:`result`."""
+
+    registry_name: str = ""
+    needs_answers: bool = False
+    needs_targets: bool = False
+
+    def start(self, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
+        """Reset the accumulators for a model of this shape."""
+        raise NotImplementedError
+
+    def observe(self, ctx: LayerContext, batch: CalibrationBatch) -> None:
+        """Add one layer of one batch."""
+        raise NotImplementedError
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The artefact tensors (documented per statistic)."""
+        raise NotImplementedError
+
+
+CALIBRATIONS: Registry[CalibrationStatistic] = Registry("calibration statistic", "calibration")
+
+
+@CALIBRATIONS.register("visual_heads")
+@dataclass
+class VisualHeadScores(CalibrationStatistic):
+    """SparseMM visual-head scores, ``scores [L, H]`` fp32 (mean over samples).
+
+    For every reference-answer token t of a sample and every (layer, query head): if the key
+    with the highest attention from t (causal, over the whole prompt) is one of the sample's
+    target tokens R (the image tokens of the region the answer is about), add ``1 / |R|``
+    (SparseMM's "hit" rule, david spec Sec. 2.5). A sample's score is its sum over answer
+    tokens; the artefact holds the mean over samples.
+
+    Deviation, documented in docs/calibration.md: SparseMM decodes OCR text greedily and
+    matches generated tokens to OCR boxes; kvlab teacher-forces the reference answer of a
+    grounded question (the answer depends on one image region), so calibration does not need a
+    model that can already read.
+    """
+
+    needs_answers = True
+    needs_targets = True
+
+    def start(self, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
+        self._sum = torch.zeros(num_layers, num_heads, dtype=torch.float64)
+        self._samples = 0
+
+    def observe(self, ctx: LayerContext, batch: CalibrationBatch) -> None:
+        T = ctx.seq_len
+        n = int(batch.answer_tokens.max())
+        if n == 0 or batch.targets is None:
+            return
+        probs = attention_probs(ctx.queries[:, :, T - n :], ctx, first_query=T - n)  # [B, H, n, T]
+        top = probs.argmax(-1)  # [B, H, n]
+        for b in range(ctx.batch_size):
+            region = batch.targets[b].to(top.device)
+            size = int(region.sum())
+            answer = int(batch.answer_tokens[b])
+            if size == 0 or answer == 0:
+                continue
+            hits = region[top[b, :, n - answer :]].double().sum(-1)  # [H]
+            self._sum[ctx.layer_idx] += hits.cpu() / size
+        if ctx.layer_idx == 0:
+            self._samples += int((batch.answer_tokens > 0).sum())
+
+    def result(self) -> dict[str, torch.Tensor]:
+        return {"scores": (self._sum / max(self._samples, 1)).float()}
+
+
+@CALIBRATIONS.register("redundancy")
+@dataclass
+class KeyRedundancy(CalibrationStatistic):
+    """MixKV's offline head redundancy, ``redundancy [L, Hkv]`` fp32: r̄ (spec Eq. 4) averaged over samples."""
+
+    def start(self, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
+        self._sum = torch.zeros(num_layers, num_kv_heads, dtype=torch.float64)
+        self._samples = torch.zeros(num_layers, dtype=torch.long)
+
+    def observe(self, ctx: LayerContext, batch: CalibrationBatch) -> None:
+        self._sum[ctx.layer_idx] += head_redundancy(ctx).double().sum(0).cpu()
+        self._samples[ctx.layer_idx] += ctx.batch_size
+
+    def result(self) -> dict[str, torch.Tensor]:
+        return {"redundancy": (self._sum / self._samples.clamp(min=1)[:, None]).float()}
+
+
+class Recorder:
+    """A stand-in for a :class:`~kvlab.compression.pipeline.Pipeline` that keeps the full cache
+    and shows every prefill layer to a statistic. Everything else is the full pipeline's."""
+
+    def __init__(self, statistic: CalibrationStatistic, full_pipeline: Any):
+        self.statistic = statistic
+        self.full = full_pipeline
+        self.batch: CalibrationBatch | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.full, name)
+
+    def compress(self, ctx: LayerContext, record_scores: bool = False):
+        assert self.batch is not None, "set Recorder.batch before running a batch"
+        self.statistic.observe(ctx, self.batch)
+        return self.full.compress(ctx, record_scores)
+
+
+def region_targets(modality: torch.Tensor, meta: dict[str, Any], tokens_per_image: int) -> torch.Tensor:
+    """``[T]`` bool: the image tokens of the region a ``synthetic_image_qa`` question asks about.
+
+    ``meta`` names the ``image_index`` and the ``region`` (``top left`` ... ``bottom right``);
+    image tokens are laid out row-major on a square grid of ``tokens_per_image`` cells
+    (LLaVA patches, Qwen2-VL merged patches), so the region is one quadrant of that grid.
+    """
+    side = math.isqrt(tokens_per_image)
+    if side * side != tokens_per_image:
+        raise ValueError(f"region targets need a square token grid, got {tokens_per_image} tokens per image")
+    image_positions = torch.nonzero(modality == 1).flatten()
+    first = int(meta.get("image_index", 0)) * tokens_per_image
+    positions = image_positions[first : first + tokens_per_image]
+    rows = torch.arange(tokens_per_image) // side
+    cols = torch.arange(tokens_per_image) % side
+    region = str(meta["region"])
+    in_rows = rows >= side / 2 if region.startswith("bottom") else rows < side / 2
+    in_cols = cols >= side / 2 if region.endswith("right") else cols < side / 2
+    targets = torch.zeros_like(modality, dtype=torch.bool)
+    targets[positions[(in_rows & in_cols)[: len(positions)]]] = True
+    return targets
