@@ -1,0 +1,252 @@
+"""Routing: send each layer (per sample) to one of several sub-pipelines by a rule.
+
+A ``route`` node in ``model.compression`` names its branches (partial pipelines merged over
+the parent node) and a rule that picks one branch per sample at every layer::
+
+    route:
+      rule: {name: latch, metric: {name: ncar, window: 32}, test: delta_lt, threshold: 0.3,
+             before: decoupled, after: unified}
+      branches:
+        decoupled: {allocate: {modality: {name: decoupled, rho: 2.0}}}
+        unified: {}
+
+Rules may read runtime layer metrics (:data:`LAYER_METRICS`) of the current and earlier layers
+(state lives in ``LayerContext.state``, one prompt at a time), which is how DAVID's "decouple
+until the NCAR drop falls below a threshold" is plain YAML. Which branch each sample took at
+each layer, the metric and the switch are reported per layer (:class:`RouteDecision`) and end
+up in the predictions (``route_switch_layer``, ``route_metric``) and TensorBoard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kvlab.compression.context import LayerContext
+from kvlab.compression.modality import VISION_GROUP, modality_groups
+from kvlab.compression.selectors import Selection
+from kvlab.registry import Registry
+
+# ---------------------------------------------------------------------------------------------
+# layer metrics
+
+
+class LayerMetric:
+    """Base class: override :meth:`measure` (one value per sample for the current layer)."""
+
+    registry_name: str = ""
+
+    def measure(self, ctx: LayerContext) -> torch.Tensor:
+        """``[B]`` float32; NaN where the metric is undefined for a sample."""
+        raise NotImplementedError
+
+
+LAYER_METRICS: Registry[LayerMetric] = Registry("layer metric", "model.compression.route.rule.metric")
+
+
+@LAYER_METRICS.register("ncar")
+@dataclass
+class NCARMetric(LayerMetric):
+    """DAVID's normalised cross-attention rate (Gu et al. 2026, Eq. 6).
+
+    With A the window attention ``[B, H, r, T]`` of the last ``r = min(window, T_b)`` queries,
+    V the vision tokens of sample b (image and video), ``n_V = |V|`` and ``T_b`` its length::
+
+        theta_{b,h} = T_b / (n_V r) * sum_{i<r} sum_{j in V} A[b, h, i, j]      theta_b = mean_h theta_{b,h}
+
+    The sum over j covers every key, window included; the 1/r of Eq. 6 is kept (Alg. 1 drops
+    it, which would tie theta to r). theta = 1 when vision gets exactly its share of the
+    attention. NaN for a sample without vision tokens (text-only prompts). Shares the memoised
+    window attention with SnapKV-style scorers of the same window.
+    """
+
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+    def measure(self, ctx: LayerContext) -> torch.Tensor:
+        window = min(self.window, ctx.seq_len)
+        probs = ctx.window_attention(window)  # [B, H, W, T]
+        vision = (modality_groups(ctx.modality) == VISION_GROUP).float()  # [B, T]
+        mass = torch.einsum("bhwt,bt->bh", probs, vision).mean(-1)  # [B]
+        lengths = ctx.lengths.float()
+        rows = torch.clamp(lengths, max=window)
+        n_vision = vision.sum(-1)
+        theta = lengths * mass / (n_vision * rows)
+        return theta.masked_fill(n_vision == 0, float("nan"))
+
+
+# ---------------------------------------------------------------------------------------------
+# rules
+
+
+@dataclass
+class RouteDecision:
+    """What a route did at one layer.
+
+    Attributes:
+        branches: branch name per sample (``[B]`` strings).
+        switched: ``[B]`` bool, True once the rule has switched to its ``after`` branch.
+        metric: ``[B]`` the rule's metric at this layer (NaN where not evaluated), or None.
+    """
+
+    branches: list[str]
+    switched: torch.Tensor
+    metric: torch.Tensor | None = None
+
+
+class RouteRule:
+    """Base class: override :meth:`decide`; ``branch_names`` lists the branches a rule refers to."""
+
+    registry_name: str = ""
+    before: str = ""
+    after: str = ""
+
+    @property
+    def branch_names(self) -> tuple[str, ...]:
+        return (self.before, self.after)
+
+    def decide(self, ctx: LayerContext) -> RouteDecision:
+        """The branch of every sample at layer ``ctx.layer_idx``."""
+        raise NotImplementedError
+
+    def _decision(self, switched: torch.Tensor, metric: torch.Tensor | None = None) -> RouteDecision:
+        names = [self.after if s else self.before for s in switched.tolist()]
+        return RouteDecision(names, switched, metric)
+
+
+ROUTE_RULES: Registry[RouteRule] = Registry("route rule", "model.compression.route.rule")
+
+
+@ROUTE_RULES.register("layers")
+@dataclass
+class LayerSplitRule(RouteRule):
+    """Static split: layers ``< split`` use ``before``, the others ``after`` (DAVID's ``fixed_split``)."""
+
+    split: int = 0
+    before: str = "before"
+    after: str = "after"
+
+    def decide(self, ctx: LayerContext) -> RouteDecision:
+        switched = torch.full((ctx.batch_size,), ctx.layer_idx >= self.split, dtype=torch.bool)
+        return self._decision(switched)
+
+
+@ROUTE_RULES.register("latch")
+@dataclass
+class MetricLatchRule(RouteRule):
+    """Use ``before`` until a layer metric trips the test, then ``after`` for that layer and all deeper ones.
+
+    DAVID's gate (Alg. 1 lines 15-22), per sample: ``prev = initial`` before layer 0; at each
+    layer while not switched, ``m = metric``, ``delta = prev - m``, then ``prev = m``; switch when
+
+    - ``delta_lt``: delta < threshold (Alg. 1, the default: the NCAR drop has levelled off);
+    - ``theta_lt``: m < threshold (Fig. 2 caption);
+    - ``delta_gt``: delta > threshold ("abrupt drop").
+
+    A sample whose metric is NaN (no vision tokens for NCAR) switches at once, so a text-only
+    prompt runs the ``after`` branch everywhere. Once switched, a sample never switches back
+    and its metric is not computed again (NaN in the report).
+    """
+
+    metric: dict[str, Any] = field(default_factory=lambda: {"name": "ncar"})
+    test: Literal["delta_lt", "theta_lt", "delta_gt"] = "delta_lt"
+    threshold: float = 0.3
+    initial: float = 1.0
+    before: str = "decoupled"
+    after: str = "unified"
+
+    def __post_init__(self) -> None:
+        self._metric = LAYER_METRICS.build(self.metric, "model.compression.route.rule.metric")
+
+    def decide(self, ctx: LayerContext) -> RouteDecision:
+        key = ("route_latch", id(self))
+        B = ctx.batch_size
+        if key not in ctx.state:
+            ctx.state[key] = (torch.zeros(B, dtype=torch.bool), torch.full((B,), float(self.initial)))
+        switched, prev = ctx.state[key]
+        metric = torch.full((B,), float("nan"))
+        if not bool(switched.all()):
+            value = self._metric.measure(ctx).float().cpu()
+            metric = value.masked_fill(switched, float("nan"))
+            delta = prev - value
+            if self.test == "delta_lt":
+                trip = delta < self.threshold
+            elif self.test == "theta_lt":
+                trip = value < self.threshold
+            else:
+                trip = delta > self.threshold
+            switched = switched | trip | torch.isnan(value)
+            prev = torch.where(torch.isnan(value), prev, value)
+            ctx.state[key] = (switched, prev)
+        return self._decision(switched.clone(), metric)
+
+
+# ---------------------------------------------------------------------------------------------
+# combining the branches' selections row by row
+
+
+def pick_rows(tensors: list[torch.Tensor | None], choice: torch.Tensor) -> torch.Tensor | None:
+    """Row b of ``tensors[choice[b]]`` for every b (tensors share shapes; None if any is None)."""
+    if any(t is None for t in tensors):
+        return None
+    stacked = torch.stack(tensors)  # [branches, B, ...]
+    return stacked[choice.to(stacked.device), torch.arange(stacked.shape[1], device=stacked.device)]
+
+
+def combine_selections(selections: list[Selection], choice: torch.Tensor, ctx: LayerContext) -> Selection:
+    """One :class:`Selection` whose sample b comes from ``selections[choice[b]]``.
+
+    Index lists are padded to the longest; when some branch merges (carries keys/values) the
+    others' kept entries are gathered from the prefill K/V so every row has replacements.
+    """
+    K = max(s.indices.shape[-1] for s in selections)
+    merged = any(s.keys is not None for s in selections)
+    indices, keys, values = [], [], []
+    for s in selections:
+        pad = K - s.indices.shape[-1]
+        idx = torch.nn.functional.pad(s.indices, (0, pad))
+        indices.append(idx)
+        if merged:
+            k, v = s.keys, s.values
+            if k is None:
+                gather = s.indices[..., None].expand(-1, -1, -1, ctx.keys.shape[-1])
+                k, v = ctx.keys.gather(2, gather), ctx.values.gather(2, gather)
+            keys.append(torch.nn.functional.pad(k, (0, 0, 0, pad)))
+            values.append(torch.nn.functional.pad(v, (0, 0, 0, pad)))
+    return Selection(
+        indices=pick_rows(indices, choice),
+        counts=pick_rows([s.counts for s in selections], choice),
+        keys=pick_rows(keys, choice) if merged else None,
+        values=pick_rows(values, choice) if merged else None,
+    )
+
+
+def switch_layers(reports: list[Any]) -> list[int | None] | None:
+    """Per sample, the first layer whose route had switched (None: never); None when nothing was routed.
+
+    ``reports`` are the per-layer reports (``layer_idx`` and ``route``: a :class:`RouteDecision` or None).
+    """
+    routed = [r for r in reports if getattr(r, "route", None) is not None]
+    if not routed:
+        return None
+    out: list[int | None] = [None] * len(routed[0].route.branches)
+    for report in routed:
+        for b, switched in enumerate(report.route.switched.tolist()):
+            if switched and out[b] is None:
+                out[b] = report.layer_idx
+    return out
+
+
+def route_metric(report: Any, b: int) -> float | None:
+    """The route metric of sample ``b`` in one layer report (None when not routed, not evaluated or NaN)."""
+    route = getattr(report, "route", None)
+    if route is None or route.metric is None:
+        return None
+    value = float(route.metric[b])
+    return None if math.isnan(value) else value
