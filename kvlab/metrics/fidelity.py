@@ -83,14 +83,14 @@ def teacher_forced_sums(ref: Reference, logits: torch.Tensor) -> tuple[float, fl
     ``logits``: the compressed model's ``[>= n, V]`` logits when fed ``ref.tokens``.
     """
     n = ref.positions
-    q_all = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, V]
-    log_p = ref.logprobs.float()
+    q_all = torch.log_softmax(logits[:n].double(), dim=-1)  # [n, V]; float64: KL is a small difference
+    log_p = ref.logprobs.double()
     log_q = q_all.gather(-1, ref.ids)  # [n, K]
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-    p_other = (1 - log_p.exp().sum(-1)).clamp(min=0)
-    q_other = (1 - log_q.exp().sum(-1)).clamp(min=1e-30)
-    has_other = p_other > 1e-7
-    kl = kl + torch.where(has_other, p_other * (p_other.clamp(min=1e-30).log() - q_other.log()), 0.0)
+    if ref.ids.shape[-1] < q_all.shape[-1]:  # the rest of the vocabulary is one "other" outcome
+        p_other = (1 - log_p.exp().sum(-1)).clamp(min=0)
+        q_other = (1 - log_q.exp().sum(-1)).clamp(min=1e-300)
+        kl = kl + torch.where(p_other > 0, p_other * (p_other.clamp(min=1e-300).log() - q_other.log()), 0.0)
     top1 = q_all.argmax(-1) == ref.ids[:, 0]
     return float(kl.clamp(min=0).sum()), float(top1.sum())
 
