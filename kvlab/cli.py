@@ -192,6 +192,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
         lambda args: compare_command(args),
         "table and plots of an experiment's runs (kvlab compare DIR)",
     ),
+    "bench": (lazy_main("kvlab.bench"), "kernel benchmarks that print tables (kvlab bench --help)"),
 }
 
 

@@ -285,3 +285,35 @@ def test_module_kernels_argument_sets_the_mode_and_rejects_unknown_values():
     assert dispatch.get_mode() == "reference"
     with pytest.raises(ConfigError, match="model.kernels"):
         KVLabModule(model="tiny-qwen2", kernels="cuda")
+
+
+SMALL = ["--contexts", "300", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--repeat", "1"]
+
+
+@pytest.mark.parametrize(
+    "bench, extra", [("decode", ["--budgets", "0.1,0.5"]), ("window", ["--window", "8"])]
+)
+def test_bench_commands_print_a_table(bench, extra, capsys):
+    from kvlab.cli import main
+
+    main(["bench", bench, *SMALL, *extra])
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| 300 ")]
+    assert len(table) == (2 if bench == "decode" else 1)
+    if not torch.cuda.is_available():
+        assert "need a CUDA device" in out
+
+
+def test_unknown_bench_exits_2_and_a_registered_bench_runs(capsys, monkeypatch):
+    from kvlab import bench
+    from kvlab.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "decod"])
+    assert exc.value.code == 2 and "did you mean 'decode'" in capsys.readouterr().err.lower()
+    monkeypatch.setattr(bench, "BENCHES", dict(bench.BENCHES))  # the registration is undone afterwards
+    bench.register_bench("window2", "kvlab.bench.window", "the window bench under another name")
+    main(["bench", "--help"])
+    assert "window2" in capsys.readouterr().out
+    main(["bench", "window2", *SMALL, "--window", "4"])
+    assert "| 300 " in capsys.readouterr().out
