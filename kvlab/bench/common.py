@@ -112,7 +112,6 @@ def resolve(opts: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     """Apply ``--quick`` to ``opts`` and pick the device and dtype."""
     if opts.quick:
         opts.contexts, opts.heads, opts.kv_heads, opts.head_dim = "1k,4k", 8, 2, 64
-        opts.repeat = min(opts.repeat, 3)
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return device, DTYPES[opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
 
