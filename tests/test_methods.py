@@ -18,20 +18,54 @@ from kvlab.config import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.models import load_model
 
-PRESETS = ["random", "streamingllm", "snapkv", "knorm", "h2o", "pyramidkv"]
+PRESETS = [
+    "random",
+    "streamingllm",
+    "snapkv",
+    "knorm",
+    "h2o",
+    "pyramidkv",
+    "adakv",
+    "sparsemm",
+    "keydiff",
+    "mixkv_snapkv",
+    "mixkv_adakv",
+    "mixkv_pyramidkv",
+    "mixkv_sparsemm",
+]
+RAGGED = {"adakv", "sparsemm", "mixkv_adakv", "mixkv_sparsemm"}  # per-head budgets differ
+LAYERWISE = {"pyramidkv", "mixkv_pyramidkv"}  # per-layer budgets differ
 TEXT_MODELS = ["tiny-llama", "tiny-qwen2"]
 NEW_TOKENS = 6
 
 
-def preset_compression(name, **budget):
+@functools.cache
+def visual_heads_artefact(model: str) -> str:
+    """A seeded, skewed visual-head artefact for a tiny model (SparseMM presets need one)."""
+    import tempfile
+
+    from kvlab.calibration import Artefact
+
+    info = kvlab_model(model).info
+    scores = torch.rand(info.num_layers, info.num_heads, generator=torch.Generator().manual_seed(0)) ** 4
+    path = f"{tempfile.mkdtemp(prefix='kvlab-vh-')}/{model}.safetensors"
+    artefact = Artefact("visual_heads", model, info.num_layers, info.num_heads, info.num_kv_heads, {})
+    artefact.tensors = {"scores": scores}
+    return str(artefact.save(path))
+
+
+def preset_compression(name, model="tiny-qwen2", **budget):
     node = resolve([name], [])["model"]["compression"]
     if budget:
         node["budget"] = {**node["budget"], **budget}
+    head = node.get("allocate", {}).get("head", {})
+    if head.get("name") == "sparsemm":
+        head["artefact"] = visual_heads_artefact(model)
     return node
 
 
-def pipeline(name, **budget):
-    return Pipeline.from_config(preset_compression(name, **budget))
+def pipeline(name, model="tiny-qwen2", **budget):
+    return Pipeline.from_config(preset_compression(name, model, **budget))
 
 
 @functools.cache
@@ -57,7 +91,7 @@ def test_budget_at_least_the_prompt_is_identical_to_full(model, preset):
     loaded = kvlab_model(model)
     full = run(loaded, Pipeline.from_config(None), samples())
     longest = int(full.prompt_lengths.max())
-    big = run(loaded, pipeline(preset, tokens=longest), samples())
+    big = run(loaded, pipeline(preset, model, tokens=longest), samples())
     assert big.tokens == full.tokens
     assert torch.equal(big.step_logits, full.step_logits)
     assert torch.equal(big.kept, full.kept)
@@ -68,13 +102,20 @@ def test_budget_at_least_the_prompt_is_identical_to_full(model, preset):
 def test_kept_counts_equal_layer_budgets_and_window_is_kept(model, preset):
     loaded = kvlab_model(model)
     budget = 48
-    result = run(loaded, pipeline(preset, tokens=budget), samples())
+    pipe = pipeline(preset, model, tokens=budget)
+    result = run(loaded, pipe, samples())
     lengths = result.prompt_lengths
     T = batch_of(loaded, samples())["input_ids"].shape[1]
     window = window_of(preset)
+    Hkv = loaded.info.num_kv_heads
     for report in result.reports:
         expected = torch.minimum(report.budget, lengths)
-        assert torch.equal(report.kept, expected[:, None].expand_as(report.kept)), report.layer_idx
+        if preset in RAGGED:  # heads differ; the layer (AdaKV) or the model (SparseMM) sums to the budget
+            assert len(set(report.kept.flatten().tolist())) > 1, report.layer_idx
+        else:
+            assert torch.equal(report.kept, expected[:, None].expand_as(report.kept)), report.layer_idx
+        if "adakv" in preset:
+            assert torch.equal((report.kept - window).sum(-1), Hkv * (expected - window))
         for b in range(len(lengths)):
             pad = T - int(lengths[b])
             for h in range(report.kept.shape[1]):
@@ -82,8 +123,27 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(model, preset):
                 assert len(set(kept)) == len(kept)
                 assert all(pad <= p < T for p in kept)  # padding never kept
                 assert set(range(T - window, T)) <= set(kept)  # recent window kept
-    if preset != "pyramidkv":
+    if preset not in LAYERWISE:
         assert all(int(r.budget.max()) == budget for r in result.reports)
+    if (
+        "sparsemm" in preset
+    ):  # global over layers and heads: sum of caps, less what short heads could not hold
+        free = budget - window
+        allocator = pipe.head_allocator
+        head_scores = allocator.artefact_for(result_ctx(loaded)).tensors["scores"]
+        caps = allocator.capacities(head_scores, Hkv, free)  # [L, Hkv]
+        assert int(caps.sum()) == loaded.info.num_layers * Hkv * free
+        kept = torch.stack([r.kept for r in result.reports]) - window  # [L, B, Hkv]
+        for b in range(len(lengths)):
+            available = int(lengths[b]) - window
+            assert torch.equal(kept[:, b], caps.clamp(max=available))
+
+
+def result_ctx(loaded):
+    """A stand-in layer context with the model's shape (for artefact shape checks)."""
+    info = loaded.info
+    return type("Shape", (), {"num_layers": info.num_layers, "num_heads": info.num_heads,
+                              "num_kv_heads": info.num_kv_heads})()  # fmt: skip
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -96,7 +156,9 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
         result = run(loaded, pipeline(preset, tokens=budget), samples())
         kept[budget] = result.kv_bytes_kept
         assert torch.equal(result.kv_bytes_full, result.prompt_lengths * per_token)
-        if preset != "pyramidkv":
+        if "sparsemm" in preset:  # caps above a short head's candidates are clamped
+            assert bool((result.kv_bytes_kept <= budget * per_token).all())
+        elif preset not in LAYERWISE:
             assert torch.equal(
                 result.kv_bytes_kept, torch.full_like(result.kv_bytes_kept, budget * per_token)
             )
@@ -110,7 +172,7 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
 @pytest.mark.parametrize("preset", ["full", *PRESETS])
 def test_padded_batch_equals_samples_one_by_one(model, preset):
     loaded = kvlab_model(model)
-    pipe = pipeline(preset, tokens=40) if preset != "full" else Pipeline.from_config(None)
+    pipe = pipeline(preset, model, tokens=40) if preset != "full" else Pipeline.from_config(None)
     items = samples(2, 60)[:1] + SyntheticRetrieval(num_samples=1, context_words=35, seed=5).samples()
     e2e.assert_batch_equals_alone(loaded, pipe, items, NEW_TOKENS)
 
@@ -136,7 +198,7 @@ def masked_reference_attention(
     return out.transpose(1, 2), None
 
 
-@pytest.mark.parametrize("preset", ["snapkv", "h2o", "pyramidkv", "streamingllm"])
+@pytest.mark.parametrize("preset", ["snapkv", "h2o", "pyramidkv", "streamingllm", "adakv", "mixkv_sparsemm"])
 def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
     """Strongest end-to-end check (david.md §4.1.6): positions continue from the prompt length and
     the ragged cache attends to exactly the kept entries."""
@@ -163,3 +225,39 @@ def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
             logits.append(out.logits[:, -1])
     want = torch.stack(logits, 1)[0]
     torch.testing.assert_close(result.step_logits[0, : want.shape[0]], want, atol=1e-4, rtol=1e-4)
+
+
+HOSTS = {"mixkv_snapkv": "snapkv", "mixkv_adakv": "adakv", "mixkv_pyramidkv": "pyramidkv",
+         "mixkv_sparsemm": "sparsemm"}  # fmt: skip
+
+
+@pytest.mark.parametrize("mixkv, host", HOSTS.items())
+def test_mixkv_without_diversity_and_intrinsic_term_keeps_the_hosts_tokens(mixkv, host):
+    """MixKV spec Sec. 8: r = 0 and no VNorm term reduce MixKV to its host exactly (any allocator)."""
+    loaded = kvlab_model("tiny-qwen2")
+    node = preset_compression(mixkv)
+    node["importance"] = node["importance"][:1]
+    node["mixer"] = {**node["mixer"], "redundancy": "fixed", "fixed_redundancy": 0.0}
+    got = run(loaded, Pipeline.from_config(node), samples())
+    want = run(loaded, pipeline(host), samples())
+    assert got.tokens == want.tokens and torch.equal(got.kept, want.kept)
+    for mine, theirs in zip(got.reports, want.reports, strict=True):
+        assert torch.equal(mine.selection.indices, theirs.selection.indices)
+    full_mixkv = run(loaded, pipeline(mixkv), samples())  # and the real MixKV does change the choice
+    assert any(
+        not torch.equal(a.selection.indices, b.selection.indices)
+        for a, b in zip(full_mixkv.reports, want.reports, strict=True)
+    )
+
+
+def test_scores_are_aggregated_to_kv_heads_as_configured():
+    """GQA (tiny-qwen2: 4 query heads on 2 KV heads): one budget per KV head; mean vs max groups differ."""
+    loaded = kvlab_model("tiny-qwen2")
+    chosen = {}
+    for gqa in ("mean", "max"):
+        node = preset_compression("mixkv_adakv")
+        node["importance"][0]["gqa"] = gqa
+        result = run(loaded, Pipeline.from_config(node), samples())
+        assert result.kept.shape[-1] == loaded.info.num_kv_heads
+        chosen[gqa] = torch.cat([r.selection.indices.flatten() for r in result.reports])
+    assert not torch.equal(chosen["mean"], chosen["max"])

@@ -300,6 +300,8 @@ class SparseMMHeadAllocator(HeadAllocator, UsesArtefact):
     def capacities(self, head_scores: torch.Tensor, num_kv_heads: int, budget: int) -> torch.Tensor:
         """``[L, Hkv]`` free-token caps for a free budget ``budget`` from ``head_scores [L, H]``."""
         L, H = head_scores.shape
+        if budget <= 0:
+            return torch.zeros(L, num_kv_heads, dtype=torch.long)
         total = head_scores.double().sum()
         if not total > 0:
             raise ConfigError(
