@@ -47,6 +47,12 @@ class CompressedLayer(CacheLayerMixin):
         self.decode_keys: torch.Tensor | None = None
         self.decode_values: torch.Tensor | None = None
         self.decode_length = 0
+        # accumulated attention per entry, only while a decode policy tracks it (track_attention)
+        self.entry_scores: torch.Tensor | None = None
+        self.entry_positions: torch.Tensor | None = None
+        self.decode_scores: torch.Tensor | None = None
+        self.decode_positions: torch.Tensor | None = None
+        self.attention_reduce = "mean"
 
     # --- transformers CacheLayerMixin API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -125,7 +131,7 @@ class CompressedLayer(CacheLayerMixin):
         The queries' own K/V must already be appended (``update``). Dispatches to
         :func:`kvlab.kernels.decode_attention.ragged_decode_attention`.
         """
-        return ragged_decode_attention(
+        out = ragged_decode_attention(
             query,
             self.prompt_keys,
             self.prompt_values,
@@ -137,6 +143,94 @@ class CompressedLayer(CacheLayerMixin):
             scaling,
             self.max_prompt_length,
         )
+        if self.entry_scores is not None:
+            self._accumulate_attention(query, scaling)
+        return out
+
+    # --- decode-time eviction (decode policies) ------------------------------------------------
+    def track_attention(self, scores: torch.Tensor, positions: torch.Tensor, reduce: str = "mean") -> None:
+        """Start accumulating decode attention per entry, from prefill ``scores [N]`` at ``positions [N]``.
+
+        ``reduce`` (mean | sum) folds the query heads of a GQA group into their KV head.
+        Positions are padded-batch coordinates (decode tokens continue at ``T``, ``T + 1``, ...).
+        """
+        self.entry_scores = scores.float().clone()
+        self.entry_positions = positions.long().clone()
+        shape = self.decode_keys.shape[:3]
+        self.decode_scores = torch.zeros(shape, dtype=torch.float32, device=self.decode_keys.device)
+        self.decode_positions = torch.zeros(shape, dtype=torch.long, device=self.decode_keys.device)
+        self.attention_reduce = reduce
+
+    def _slot_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt rows of each (sample, head), padded to the longest: ``[B, Hkv, K]`` rows and valid."""
+        K = int(self.lengths.max()) if self.lengths.numel() else 0
+        slot = torch.arange(K, device=self.lengths.device)
+        valid = slot < self.lengths[..., None]
+        rows = (self.starts[..., None] + slot).clamp(max=max(self.prompt_keys.shape[0] - 1, 0))
+        return rows, valid
+
+    def _accumulate_attention(self, query: torch.Tensor, scaling: float) -> None:
+        """Add the new queries' attention ``[B, H, q, D]`` over every cached entry to its score."""
+        B, H, q, D = query.shape
+        Hkv, dl = self.lengths.shape[1], self.decode_length
+        if self.decode_scores.shape[2] < self.decode_keys.shape[2]:  # the decode region grew
+            grow = self.decode_keys.shape[2] - self.decode_scores.shape[2]
+            self.decode_scores = torch.nn.functional.pad(self.decode_scores, (0, grow))
+            self.decode_positions = torch.nn.functional.pad(self.decode_positions, (0, grow))
+        self.decode_positions[:, :, dl - q : dl] = torch.arange(
+            self.cumulative_length - q, self.cumulative_length, device=query.device
+        )
+        rows, valid = self._slot_rows()
+        keys = torch.cat([self.prompt_keys[rows], self.decode_keys[:, :, :dl]], 2).float()
+        valid = torch.cat([valid, valid.new_ones(B, Hkv, dl)], -1)
+        grouped = query.float().reshape(B, Hkv, (H // Hkv) * q, D)
+        logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling
+        probs = torch.softmax(logits.masked_fill(~valid[:, :, None], float("-inf")), -1)
+        probs = probs.view(B, Hkv, H // Hkv, q, -1).sum(3)
+        per_entry = probs.mean(2) if self.attention_reduce == "mean" else probs.sum(2)
+        K = rows.shape[-1]
+        self.entry_scores += per_entry[..., :K][valid[..., :K]]
+        self.decode_scores[:, :, :dl] += per_entry[..., K:]
+
+    def entry_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scores, positions and validity of every entry, ``[B, Hkv, K + decode_length]`` each.
+
+        Slots ``< K`` are the (sample, head)'s prompt rows (valid below its length), then the
+        decode region; the last slot is the newest token. Needs :meth:`track_attention`.
+        """
+        rows, valid = self._slot_rows()
+        dl = self.decode_length
+        scores = torch.cat([self.entry_scores[rows], self.decode_scores[:, :, :dl]], -1)
+        positions = torch.cat([self.entry_positions[rows], self.decode_positions[:, :, :dl]], -1)
+        valid = torch.cat([valid, valid.new_ones(*valid.shape[:2], dl)], -1)
+        return scores, positions, valid
+
+    def evict_one(self, victim: torch.Tensor) -> None:
+        """Evict slot ``victim [B, Hkv]`` (:meth:`entry_view` indexing) of every (sample, head).
+
+        The newest decode token moves into the victim's slot (nothing moves when it is the
+        victim) and the decode region shrinks by one, so each head keeps its size and no
+        buffer is reallocated.
+        """
+        K = int(self.lengths.max()) if self.lengths.numel() else 0
+        new = self.decode_length - 1
+        b, h = torch.meshgrid(
+            torch.arange(victim.shape[0], device=victim.device),
+            torch.arange(victim.shape[1], device=victim.device),
+            indexing="ij",
+        )
+        in_prompt = victim < K
+        pb, ph = b[in_prompt], h[in_prompt]
+        row = self.starts[pb, ph] + victim[in_prompt]
+        self.prompt_keys[row] = self.decode_keys[pb, ph, new]
+        self.prompt_values[row] = self.decode_values[pb, ph, new]
+        self.entry_scores[row] = self.decode_scores[pb, ph, new]
+        self.entry_positions[row] = self.decode_positions[pb, ph, new]
+        db, dh, slot = b[~in_prompt], h[~in_prompt], victim[~in_prompt] - K
+        for buffer in (self.decode_keys, self.decode_values, self.decode_scores, self.decode_positions):
+            buffer[db, dh, slot] = buffer[db, dh, new]
+        self.decode_scores[:, :, new] = 0
+        self.decode_length = new
 
     # --- inspection --------------------------------------------------------------------------
     def kv_bytes(self) -> int:

@@ -136,6 +136,7 @@ def generate(
             **extra,
         )
         prefill_total = time.perf_counter() - start
+        pipeline.decode_policy.start(cache, session.state)
         logits = out.logits[:, -1].float()
         step_logits = [logits] if return_logits else []
         tokens = torch.empty(B, 0, dtype=torch.long, device=device)

@@ -9,6 +9,7 @@ import torch
 
 from kvlab.attention import enable_kvlab_attention
 from kvlab.compression.pipeline import Pipeline
+from kvlab.compression.routing import route_metric, switch_layers
 from kvlab.errors import ConfigError
 from kvlab.evaluation import batch_fidelity
 from kvlab.generation import GenerationResult, generate
@@ -137,6 +138,7 @@ class KVLabModule(L.LightningModule):
         """Per-sample JSON-ready records of a batch's :class:`GenerationResult`."""
         records = []
         B = len(batch["ids"])
+        switch = switch_layers(result.reports)  # routed pipelines (DAVID): first layer switched
         for b, sample in enumerate(batch["samples"]):
             text = self.loaded.processor.decode(result.tokens[b])
             record = {
@@ -156,5 +158,8 @@ class KVLabModule(L.LightningModule):
                 "meta": sample.meta,
             }
             record.update(score_output(text, sample, self.task_metrics))
+            if switch is not None:
+                record["route_switch_layer"] = switch[b]
+                record["route_metric"] = [route_metric(r, b) for r in result.reports]
             records.append(record)
         return records

@@ -12,6 +12,9 @@ Schema of ``model.compression`` (every field optional; no scorer at all means th
       modality: {name: none}
     select: {name: topk}
     decode: {name: none}                             # decode-time policy
+    route:                                           # optional: per-layer branches (see routing.py)
+      rule: {name: latch, metric: {name: ncar}, before: decoupled, after: unified}
+      branches: {decoupled: {allocate: {modality: {name: decoupled}}}, unified: {}}
 
 One layer's compression (:meth:`Pipeline.compress`):
 
@@ -20,8 +23,15 @@ One layer's compression (:meth:`Pipeline.compress`):
 3. importance and diversity scores ``[B, Hkv, T]`` -> mixer -> one score;
 4. protected tokens (window, sinks) are taken out; the head allocator splits the remaining
    budget across KV heads ``[B, Hkv]`` (ragged allowed);
-5. the modality allocator may split each head's budget by modality;
-6. the selector picks the tokens (protected ones always in).
+5. the modality allocator may split each head's budget by modality (text / vision groups):
+   the top candidates of each group are taken within the group (see modality.py);
+6. the selector picks the tokens (protected ones always in);
+7. the decode policy sees the selection (e.g. to seed decode-time scores).
+
+With ``route``, each branch is the parent node with the branch's fields merged over it (the
+preset rules of ``kvlab.config.merge``: lists and renamed components replaced whole); the rule
+picks a branch per sample at every layer and the branches' selections are combined row by row.
+``decode`` and ``schedule`` belong to the parent only.
 """
 
 from __future__ import annotations
@@ -37,13 +47,18 @@ from kvlab.compression.context import LayerContext
 from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.importance import IMPORTANCE, WindowAttentionScorer
+from kvlab.compression.merge import MergeSelector  # noqa: F401  (registers the merge selector)
 from kvlab.compression.mixers import MIXERS
+from kvlab.compression.modality import group_topk_mask
+from kvlab.compression.routing import ROUTE_RULES, RouteDecision, combine_selections, pick_rows
 from kvlab.compression.selectors import SELECTORS, Selection
+from kvlab.config import merge
 from kvlab.errors import ConfigError, did_you_mean
 from kvlab.registry import to_plain
 
 WHERE = "model.compression"
-FIELDS = ("budget", "importance", "diversity", "mixer", "allocate", "select", "decode", "schedule")
+FIELDS = ("budget", "importance", "diversity", "mixer", "allocate", "select", "decode", "schedule", "route")
+ROUTE_FIELDS = ("rule", "branches")
 ALLOCATE_FIELDS = ("layer", "head", "modality")
 
 
@@ -72,7 +87,8 @@ class LayerReport:
 
     ``kept`` is ``[B, Hkv]`` (tokens kept per head), ``budget`` the layer budget ``[B]``,
     ``selection`` which positions were kept, and ``scores`` the mixed ``[B, Hkv, T]`` score (only
-    when the pipeline is asked to record scores).
+    when the pipeline is asked to record scores). ``route`` says which branch each sample took
+    when the pipeline routes.
     """
 
     layer_idx: int
@@ -81,6 +97,7 @@ class LayerReport:
     selection: Selection | None = None
     seconds: float = 0.0
     scores: torch.Tensor | None = None
+    route: RouteDecision | None = None
 
 
 @dataclass
@@ -97,6 +114,8 @@ class Pipeline:
     selector: Any = None
     decode_policy: DecodePolicy | None = None
     schedule: str = "layerwise"
+    route_rule: Any = None
+    branches: dict[str, Pipeline] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, node: Any) -> Pipeline:
@@ -105,6 +124,8 @@ class Pipeline:
         if not isinstance(node, dict):
             raise ConfigError(f"{WHERE} must be a mapping (see docs/architecture.md), got {node!r}.")
         _check_fields(node, FIELDS, WHERE)
+        if node.get("route") is not None:
+            return cls._routed(node)
         allocate = node.get("allocate") or {}
         if not isinstance(allocate, dict):
             raise ConfigError(f"{WHERE}.allocate must be a mapping with keys {', '.join(ALLOCATE_FIELDS)}.")
@@ -143,7 +164,11 @@ class Pipeline:
                 allocate.get("modality") or "none", f"{WHERE}.allocate.modality"
             ),
             selector=SELECTORS.build(node.get("select") or "topk", f"{WHERE}.select"),
-            decode_policy=DECODE_POLICIES.build(node.get("decode") or "none", f"{WHERE}.decode"),
+            decode_policy=DECODE_POLICIES.build(
+                node.get("decode") or "none",
+                f"{WHERE}.decode",
+                **({"recent": budget.window} if budget else {}),  # h2o's default recent window
+            ),
             schedule=schedule,
         )
         pipeline._check_window()
@@ -164,7 +189,8 @@ class Pipeline:
     def components(self) -> list[Any]:
         """Every configured component (scorers, mixer, allocators, selector, decode policy)."""
         parts = [*self.importance, *self.diversity, self.mixer, self.layer_allocator, self.head_allocator]
-        return [*parts, self.modality_allocator, self.selector, self.decode_policy]
+        branches = [c for branch in self.branches.values() for c in branch.components()]
+        return [*parts, self.modality_allocator, self.selector, self.decode_policy, *branches]
 
     def bind_model(self, model: str) -> None:
         """Tell components that load per-model artefacts which model runs; fails fast on a mismatch.
@@ -180,11 +206,18 @@ class Pipeline:
 
     @property
     def compresses(self) -> bool:
-        """False for the full cache (no scorer configured)."""
-        return bool(self.importance or self.diversity)
+        """False for the full cache (no scorer configured, in no branch)."""
+        return bool(self.importance or self.diversity) or any(b.compresses for b in self.branches.values())
 
     def compress(self, ctx: LayerContext, record_scores: bool = False) -> tuple[Selection, LayerReport]:
         """Choose what layer ``ctx.layer_idx`` keeps. See the module docstring for the steps."""
+        selection, report = self._select(ctx, record_scores)
+        self.decode_policy.on_compress(ctx, selection)
+        return selection, report
+
+    def _select(self, ctx: LayerContext, record_scores: bool) -> tuple[Selection, LayerReport]:
+        if self.route_rule is not None:
+            return self._select_routed(ctx, record_scores)
         lengths = ctx.lengths
         valid = ctx.valid
         if not self.compresses:
@@ -218,8 +251,10 @@ class Pipeline:
         head_counts = torch.where(uncompressed[:, None], available, head_counts)
 
         quota = self.modality_allocator.allocate(candidate_scores, head_counts, ctx)
-        if quota is not None:
-            raise ConfigError("modality quotas need a modality-aware selector (coming with DAVID/LOOK-M)")
+        if quota is not None:  # keep exactly the per-group top candidates
+            chosen = group_topk_mask(candidate_scores, quota.groups, quota.quota)
+            head_counts = chosen.sum(-1)
+            candidate_scores = torch.where(chosen, float("inf"), float("-inf"))
 
         final = candidate_scores.masked_fill(protected[:, None, :], float("inf"))
         counts = head_counts + protected_counts[:, None]
@@ -227,4 +262,64 @@ class Pipeline:
         report = LayerReport(
             ctx.layer_idx, selection.counts, layer_budget, selection, scores=mixed if record_scores else None
         )
+        return selection, report
+
+    # --- routing -------------------------------------------------------------------------------
+    @classmethod
+    def _routed(cls, node: dict[str, Any]) -> Pipeline:
+        """A pipeline whose layers go to branches (parent node + branch fields) chosen by a rule."""
+        where = f"{WHERE}.route"
+        route = node["route"]
+        if not isinstance(route, dict) or not isinstance(route.get("branches"), dict) or "rule" not in route:
+            raise ConfigError(
+                f"{where} must be a mapping with 'rule' (e.g. {{name: latch, metric: {{name: ncar}}}}) and "
+                "'branches' (branch name -> fields merged over the parent, e.g. {unified: {}})."
+            )
+        _check_fields(route, ROUTE_FIELDS, where)
+        rule = ROUTE_RULES.build(route["rule"], f"{where}.rule")
+        parent = {k: v for k, v in node.items() if k != "route"}
+        branches = {}
+        for name, branch in route["branches"].items():
+            branch = branch or {}
+            if not isinstance(branch, dict):
+                raise ConfigError(
+                    f"{where}.branches.{name} must be a mapping of pipeline fields, got {branch!r}."
+                )
+            for key in ("decode", "schedule"):
+                if key in branch:
+                    raise ConfigError(
+                        f"{where}.branches.{name}.{key}: '{key}' applies to the whole pipeline; set it on "
+                        f"{WHERE}.{key} instead of inside a branch."
+                    )
+            branches[name] = cls.from_config(merge(parent, branch))
+        for name in rule.branch_names:
+            if name not in branches:
+                raise ConfigError(
+                    f"{where}.rule refers to branch '{name}', which {where}.branches does not define "
+                    f"(it defines: {', '.join(branches) or 'none'}).{did_you_mean(name, list(branches))}"
+                )
+        pipeline = cls.from_config(parent)
+        pipeline.route_rule = rule
+        pipeline.branches = branches
+        return pipeline
+
+    def _select_routed(self, ctx: LayerContext, record_scores: bool) -> tuple[Selection, LayerReport]:
+        """Run the branch each sample is routed to; combine the selections row by row."""
+        decision = self.route_rule.decide(ctx)
+        names = sorted(set(decision.branches))
+        runs = [self.branches[name]._select(ctx, record_scores) for name in names]
+        if len(runs) == 1:
+            selection, report = runs[0]
+        else:
+            choice = torch.tensor([names.index(n) for n in decision.branches], device=ctx.keys.device)
+            selection = combine_selections([s for s, _ in runs], choice, ctx)
+            reports = [r for _, r in runs]
+            report = LayerReport(
+                ctx.layer_idx,
+                selection.counts,
+                pick_rows([r.budget for r in reports], choice),
+                selection,
+                scores=pick_rows([r.scores for r in reports], choice),
+            )
+        report.route = decision
         return selection, report
