@@ -90,6 +90,8 @@ def all_registries() -> list[Any]:
     from kvlab.compression.diversity import DIVERSITY
     from kvlab.compression.importance import IMPORTANCE
     from kvlab.compression.mixers import MIXERS
+    from kvlab.compression.pipeline import Pipeline  # noqa: F401  (imports every component module)
+    from kvlab.compression.routing import LAYER_METRICS, ROUTE_RULES
     from kvlab.compression.selectors import SELECTORS
     from kvlab.data import DATASETS
     from kvlab.models import MODELS
@@ -103,6 +105,8 @@ def all_registries() -> list[Any]:
         MODALITY_ALLOCATORS,
         SELECTORS,
         DECODE_POLICIES,
+        ROUTE_RULES,
+        LAYER_METRICS,
         DATASETS,
         MODELS,
     ]
