@@ -29,6 +29,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -102,8 +103,8 @@ def patch_overlay(image: Image.Image, kept_share: torch.Tensor, cell: int = 16) 
     ``0.2 + 0.8 * kept_share[row, col]`` (``kept_share`` ``[rows, cols]`` in [0, 1])."""
     rows, cols = kept_share.shape
     cell = max(cell, 128 // max(rows, cols))
-    pixels = torch.tensor(list(image.convert("RGB").resize((cols * cell, rows * cell)).getdata()))
-    pixels = pixels.float().view(rows * cell, cols * cell, 3).permute(2, 0, 1) / 255
+    pixels = torch.from_numpy(np.asarray(image.convert("RGB").resize((cols * cell, rows * cell))).copy())
+    pixels = pixels.float().permute(2, 0, 1) / 255
     scale = kept_share.float().repeat_interleave(cell, 0).repeat_interleave(cell, 1)
     return (pixels * (0.2 + 0.8 * scale)).clamp(0, 1)
 
