@@ -69,7 +69,8 @@ class ModalityAllocator:
     registry_name: str = ""
 
     def allocate(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> torch.Tensor | None:
-        """``[B, Hkv, 3]`` candidates kept per modality (text, image, video), or None."""
+        """A :class:`~kvlab.compression.modality.ModalityQuota` (groups ``[B, T]``, quotas
+        ``[B, Hkv, G]``), or None for a modality-blind budget (see ``modality.py``)."""
         raise NotImplementedError
 
 
