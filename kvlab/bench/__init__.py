@@ -18,6 +18,8 @@ from kvlab.errors import ConfigError, did_you_mean
 BENCHES: dict[str, tuple[str, str]] = {
     "decode": ("kvlab.bench.decode", "ragged decode attention: Triton, torch reference, SDPA full/padded"),
     "window": ("kvlab.bench.window", "window-attention scoring: Triton two-pass kernel vs naive reference"),
+    "memory": ("kvlab.bench.memory", "KV bytes and decode time: ragged head budgets vs full vs masking"),
+    "scoring": ("kvlab.bench.scoring", "compression time of MixKV scoring vs its host (SnapKV)"),
 }
 
 

@@ -95,12 +95,17 @@ class LayerContext:
         diversity and its head redundancy; memoised.
         """
         if "unit_key_mean" not in self._memo:
-            keys = self.keys_fp32()
-            unit = keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            weight = self.valid[:, None, :, None].float()
+            weight = self.valid.float()[:, None, None, :] / self.key_norms()[:, :, None, :]  # [B, Hkv, 1, T]
             count = self.lengths.clamp(min=1)[:, None, None].float()
-            self._memo["unit_key_mean"] = (unit * weight).sum(2) / count
+            # sum_t k_t / ||k_t|| as one matrix-vector product: the unit keys are never materialised
+            self._memo["unit_key_mean"] = (weight @ self.keys_fp32()).squeeze(2) / count
         return self._memo["unit_key_mean"]
+
+    def key_norms(self) -> torch.Tensor:
+        """``||k_t||_2`` per (sample, KV head, token), ``[B, Hkv, T]`` fp32, floored at 1e-12 (memoised)."""
+        if "key_norms" not in self._memo:
+            self._memo["key_norms"] = self.keys_fp32().norm(dim=-1).clamp_min(1e-12)
+        return self._memo["key_norms"]
 
     def keys_fp32(self) -> torch.Tensor:
         """The keys in fp32, ``[B, Hkv, T, D]`` (cast once, shared by the attention helpers)."""

@@ -54,6 +54,5 @@ class MeanKeyDiversityScorer(DiversityScorer):
     """
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
-        keys = ctx.keys_fp32()
-        unit = keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        return -(unit @ ctx.unit_key_mean()[..., None]).squeeze(-1)
+        projection = (ctx.keys_fp32() @ ctx.unit_key_mean()[..., None]).squeeze(-1)  # k_t . mean
+        return -projection / ctx.key_norms()
