@@ -224,3 +224,39 @@ def test_wheel_ships_configs_and_kernels(tmp_path):
         text=True,
     ).stdout
     assert str(target) in out
+
+
+def test_predict_prints_a_one_screen_summary_and_uses_the_datasets_task_metrics(
+    tmp_path, capsys, monkeypatch
+):
+    from kvlab.data.datasets import JsonlDataset
+
+    monkeypatch.setattr(JsonlDataset, "metrics", ("token_f1", "rouge_l"), raising=False)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "word " * 30, "answers": ["word"]}])
+    predict(tmp_path, "--config", "snapkv", *TINY, "--data.dataset", f"{{name: jsonl, path: {data}}}",
+            "--model.compression.budget", "{tokens: 16, window: 4}",
+            "--model.compression.importance", "[{name: window_attention, window: 4}]")  # fmt: skip
+    out = capsys.readouterr().out
+    summary = out[out.index("kvlab: 1 samples") :]
+    assert len(summary.splitlines()) < 40
+    for line in (
+        "fidelity to the full cache",
+        "fidelity_top1",
+        "token_f1",
+        "kv_ratio",
+        "compression_over_prefill",
+    ):
+        assert line in summary
+    record = json.loads((tmp_path / "runs" / "exp" / "snapkv" / "predictions.jsonl").read_text())
+    assert {"token_f1", "rouge_l"} <= set(record) and "contains_answer" not in record
+
+
+def test_unknown_task_metric_exits_2_before_the_model_loads(tmp_path, capsys, monkeypatch, no_model_load):
+    from kvlab.data.datasets import JsonlDataset
+
+    monkeypatch.setattr(JsonlDataset, "metrics", ("rouge",), raising=False)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "hi"}])
+    with pytest.raises(SystemExit) as exit_info:
+        predict(tmp_path, "--config", "snapkv", "--data.dataset", f"{{name: jsonl, path: {data}}}")
+    assert exit_info.value.code == 2
+    assert "unknown task metric 'rouge'" in capsys.readouterr().err
