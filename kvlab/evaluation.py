@@ -16,6 +16,7 @@ Definitions and the caching rules: ``docs/evaluation.md``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.compression.pipeline import Pipeline
@@ -25,63 +26,64 @@ from kvlab.metrics.reference import ReferenceStore, reference_key
 from kvlab.models.base import LoadedModel
 
 
-def batch_references(
-    loaded: LoadedModel,
-    pipeline: Pipeline,
-    batch: dict[str, Any],
-    result: GenerationResult,
-    store: ReferenceStore,
-    max_new_tokens: int,
-    dtype: str,
-    **generate_kwargs: Any,
-) -> list[Reference]:
-    """One full-cache :class:`Reference` per sample of ``batch`` (loaded, or computed and stored)."""
-    valid = batch["attention_mask"].bool()
-    keys = [
-        reference_key(loaded.info.name, dtype, max_new_tokens, sample, batch["input_ids"][b][valid[b]])
-        for b, sample in enumerate(batch["samples"])
-    ]
-    refs = [store.load(key) for key in keys]
-    if all(ref is not None for ref in refs):
-        return refs  # type: ignore[return-value]
-    full = result if not pipeline.compresses else None
-    if full is None:
-        full = generate(
-            loaded, Pipeline.from_config(None), batch, max_new_tokens, return_logits=True, **generate_kwargs
-        )
-    for b, key in enumerate(keys):
-        if refs[b] is None:
-            refs[b] = Reference.from_logits(full.tokens[b], full.step_logits[b])
-            store.save(key, refs[b])
-    return refs  # type: ignore[return-value]
+@dataclass
+class FidelityEvaluator:
+    """Fidelity of batches of one model (see the module docstring).
 
-
-def batch_fidelity(
-    loaded: LoadedModel,
-    pipeline: Pipeline,
-    batch: dict[str, Any],
-    result: GenerationResult,
-    store: ReferenceStore,
-    max_new_tokens: int,
-    dtype: str,
-    **generate_kwargs: Any,
-) -> list[dict[str, float]]:
-    """Per-sample fidelity fields of ``result`` (generated with ``return_logits=True``).
-
-    ``generate_kwargs`` (e.g. ``calibration``) go to every extra :func:`generate` call.
+    Args:
+        loaded: the model.
+        store: where references are cached (``ReferenceStore(None)``: not cached).
+        max_new_tokens: the runs' decode limit (part of the reference key).
+        dtype: the model dtype name (part of the reference key).
+        generate_kwargs: passed to every extra :func:`generate` call (e.g. ``calibration``).
     """
-    refs = batch_references(loaded, pipeline, batch, result, store, max_new_tokens, dtype, **generate_kwargs)
-    if all(tokens == ref.tokens for tokens, ref in zip(result.tokens, refs, strict=True)):
-        forced = result.step_logits
-    else:
-        pad = loaded.processor.eos_token_ids[0]
-        forced = generate(
-            loaded,
+
+    loaded: LoadedModel
+    store: ReferenceStore
+    max_new_tokens: int
+    dtype: str
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def references(self, batch: dict[str, Any], own: GenerationResult | None = None) -> list[Reference]:
+        """One full-cache :class:`Reference` per sample (loaded, or computed and stored).
+
+        ``own``: the batch's result with a pipeline that does not compress (used as the reference).
+        """
+        valid = batch["attention_mask"].bool()
+        name = self.loaded.info.name
+        keys = [
+            reference_key(name, self.dtype, self.max_new_tokens, sample, batch["input_ids"][b][valid[b]])
+            for b, sample in enumerate(batch["samples"])
+        ]
+        refs = [self.store.load(key) for key in keys]
+        if all(ref is not None for ref in refs):
+            return refs  # type: ignore[return-value]
+        full = own or self._generate(Pipeline.from_config(None), batch)
+        for b, key in enumerate(keys):
+            if refs[b] is None:
+                refs[b] = Reference.from_logits(full.tokens[b], full.step_logits[b])
+                self.store.save(key, refs[b])
+        return refs  # type: ignore[return-value]
+
+    def evaluate(
+        self, pipeline: Pipeline, batch: dict[str, Any], result: GenerationResult
+    ) -> list[dict[str, float]]:
+        """Per-sample fidelity fields of ``result`` (``pipeline``'s run, with ``return_logits=True``)."""
+        refs = self.references(batch, None if pipeline.compresses else result)
+        if all(tokens == ref.tokens for tokens, ref in zip(result.tokens, refs, strict=True)):
+            forced = result.step_logits
+        else:
+            pad = self.loaded.processor.eos_token_ids[0]
+            forced = self._generate(pipeline, batch, teacher_tokens=teacher_tokens(refs, pad)).step_logits
+        return [fidelity_values(ref, result.tokens[b], forced[b]) for b, ref in enumerate(refs)]
+
+    def _generate(self, pipeline: Pipeline, batch: dict[str, Any], **kwargs: Any) -> GenerationResult:
+        return generate(
+            self.loaded,
             pipeline,
             batch,
-            max_new_tokens,
+            self.max_new_tokens,
             return_logits=True,
-            teacher_tokens=teacher_tokens(refs, pad),
-            **generate_kwargs,
-        ).step_logits
-    return [fidelity_values(ref, result.tokens[b], forced[b]) for b, ref in enumerate(refs)]
+            **kwargs,
+            **self.generate_kwargs,
+        )

@@ -11,7 +11,7 @@ from kvlab.attention import enable_kvlab_attention
 from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.routing import route_metric, switch_layers
 from kvlab.errors import ConfigError
-from kvlab.evaluation import batch_fidelity
+from kvlab.evaluation import FidelityEvaluator
 from kvlab.generation import GenerationResult, generate
 from kvlab.inspect import Inspector
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
@@ -124,10 +124,10 @@ class KVLabModule(L.LightningModule):
             if peak is not None:
                 record["peak_memory_bytes"] = peak
         if self.fidelity:
-            store = ReferenceStore(self.reference_dir)
-            values = batch_fidelity(
-                self.loaded, self.pipeline, batch, result, store, self.max_new_tokens, self.dtype_name
+            evaluator = FidelityEvaluator(
+                self.loaded, ReferenceStore(self.reference_dir), self.max_new_tokens, self.dtype_name
             )
+            values = evaluator.evaluate(self.pipeline, batch, result)
             for record, fidelity in zip(records, values, strict=True):
                 record.update(fidelity)
         if self.inspector is not None:

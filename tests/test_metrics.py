@@ -13,7 +13,7 @@ from e2e import kvlab_model, run
 from kvlab.compression.pipeline import Pipeline
 from kvlab.data.sample import Sample
 from kvlab.errors import ConfigError
-from kvlab.evaluation import batch_fidelity
+from kvlab.evaluation import FidelityEvaluator
 from kvlab.generation import generate
 from kvlab.metrics.cost import MAX_FIELDS, SUM_FIELDS, CostMetrics
 from kvlab.metrics.fidelity import Reference, fidelity_values, teacher_forced_sums, teacher_tokens
@@ -226,7 +226,7 @@ def test_full_cache_is_perfectly_faithful():
     batch = loaded.processor.collate(samples)
     full = Pipeline.from_config(None)
     result = generate(loaded, full, batch, 5, return_logits=True)
-    for values in batch_fidelity(loaded, full, batch, result, ReferenceStore(None), 5, "float32"):
+    for values in FidelityEvaluator(loaded, ReferenceStore(None), 5, "float32").evaluate(full, batch, result):
         assert values["fidelity_exact"] == 1.0 and values["fidelity_top1"] == 1.0
         assert values["fidelity_kl"] == pytest.approx(0.0, abs=1e-6)
 
