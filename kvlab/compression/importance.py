@@ -46,7 +46,9 @@ class WindowAttentionScorer(ImportanceScorer):
     pool_then_group`` reproduces kvpress. Sum vs mean over the window never changes the
     selection (every head has the same window).
 
-    Shapes: window attention ``[B, H, W, T]`` -> ``[B, H, T]`` -> ``[B, Hkv, T]``.
+    Shapes: column sums of the window attention ``[B, H, T]`` (from
+    :meth:`LayerContext.window_attention_scores`: the Triton kernel on CUDA never materialises the
+    ``[B, H, W, T]`` probabilities) -> GQA / pooling -> ``[B, Hkv, T]``.
     """
 
     window: int = 32
@@ -65,8 +67,9 @@ class WindowAttentionScorer(ImportanceScorer):
     def score(self, ctx: LayerContext) -> torch.Tensor:
         T = ctx.seq_len
         window = min(self.window, T)
-        probs = ctx.window_attention(window)  # [B, H, W, T]
-        scores = probs.sum(-2) if self.agg == "sum" else probs.mean(-2)  # [B, H, T]
+        scores = ctx.window_attention_scores(window)  # [B, H, T]: sum over the window (kernel on CUDA)
+        if self.agg == "mean":
+            scores = scores / window
         past = scores[..., : T - window]
         if self.gqa_order == "group_then_pool":
             past = pool_tokens(reduce_groups(past, ctx.num_kv_heads, self.gqa), self.pool, self.kernel)
