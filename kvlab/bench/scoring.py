@@ -10,10 +10,11 @@ The issue's target: MixKV scoring adds less than 10% to SnapKV's compression tim
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
-from kvlab.bench.common import context_label, parse_list, print_table, time_call
+from kvlab.bench.common import context_label, parse_list, print_table
 
 PAIRS = {"snapkv": "mixkv_snapkv", "adakv": "mixkv_adakv", "pyramidkv": "mixkv_pyramidkv"}
 
@@ -54,9 +55,24 @@ def layer_context(T: int, opts: argparse.Namespace, device: torch.device):
     return fresh
 
 
-def compress_fresh(pipe, fresh) -> None:
-    """One timed call: compress a new layer context (no memoised attention carried over)."""
+def min_time(pipe, fresh, device: torch.device, repeat: int) -> float:
+    """Fastest of ``repeat`` calls compressing a new layer context (after one warm-up call).
+
+    The minimum, not the median: on a shared machine it is the figure least disturbed by other
+    processes, and both methods are measured the same way in the same run.
+    """
     pipe.compress(fresh())
+    best = float("inf")
+    for _ in range(repeat):
+        ctx = fresh()  # outside the timed region: no memoised attention is carried over
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        pipe.compress(ctx)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def run(args: list[str]) -> None:
@@ -78,7 +94,7 @@ def run(args: list[str]) -> None:
             times = {}
             for name in (host, PAIRS[host]):
                 pipe = pipeline(name)
-                times[name] = time_call(compress_fresh, (pipe, fresh), device, warmup=1, repeat=opts.repeat)
+                times[name] = min_time(pipe, fresh, device, opts.repeat)
             ratio = times[PAIRS[host]] / times[host]
             host_ms, mixkv_ms = times[host] * 1e3, times[PAIRS[host]] * 1e3
             row = [context_label(T), host, f"{host_ms:.2f}", f"{mixkv_ms:.2f}", f"{ratio:.3f}"]
@@ -89,6 +105,6 @@ def run(args: list[str]) -> None:
     title = (
         f"kvlab bench scoring on {where}: one layer, {opts.heads}/{opts.kv_heads} heads, "
         f"dim {opts.head_dim}, "
-        f"budget {opts.budget}; compress time in ms (median of {opts.repeat})"
+        f"budget {opts.budget}; compress time in ms (fastest of {opts.repeat})"
     )
     print_table(title, ["context", "host", "host ms", "+MixKV ms", "ratio", "overhead"], rows)
