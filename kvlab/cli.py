@@ -11,8 +11,8 @@ Bad configuration exits with status 2 and a one-paragraph message, before any mo
 
 from __future__ import annotations
 
-import json
 import importlib
+import json
 import sys
 import tempfile
 import warnings
@@ -85,6 +85,7 @@ def print_components(out=None) -> None:
 
 
 def all_registries() -> list[Any]:
+    from kvlab.calibration.statistics import CALIBRATIONS
     from kvlab.compression.allocators import HEAD_ALLOCATORS, LAYER_ALLOCATORS, MODALITY_ALLOCATORS
     from kvlab.compression.decode import DECODE_POLICIES
     from kvlab.compression.diversity import DIVERSITY
@@ -109,6 +110,7 @@ def all_registries() -> list[Any]:
         LAYER_METRICS,
         DATASETS,
         MODELS,
+        CALIBRATIONS,
     ]
 
 
@@ -188,13 +190,13 @@ def lazy_main(module: str) -> Callable[[list[str]], None]:
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "predict": (lambda args: predict(args), "run a method on a dataset (kvlab predict --help)"),
     "list": (list_command, "components, parameters, defaults, presets"),
-    "calibrate": (
-        lazy_main("kvlab.calibration.command"),
-        "measure per-model statistics into a calibration artefact (kvlab calibrate --help)",
-    ),
     "compare": (
         lambda args: compare_command(args),
         "table and plots of an experiment's runs (kvlab compare DIR)",
+    ),
+    "calibrate": (
+        lazy_main("kvlab.calibration.command"),
+        "measure per-model statistics into a calibration artefact (kvlab calibrate --help)",
     ),
     "bench": (lazy_main("kvlab.bench"), "kernel benchmarks that print tables (kvlab bench --help)"),
 }
