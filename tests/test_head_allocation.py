@@ -118,7 +118,7 @@ def naive_sparsemm_caps(scores: list[list[float]], kv_heads: int, budget: int, r
     L, H = len(scores), len(scores[0])
     G = H // kv_heads
     total = sum(sum(row) for row in scores)
-    s_kv = [[sum(scores[l][j * G + g] / total for g in range(G)) for j in range(kv_heads)] for l in range(L)]
+    s_kv = [[sum(row[j * G + g] / total for g in range(G)) for j in range(kv_heads)] for row in scores]
     min_cache = int(budget * ratio)
     remain = (budget - min_cache) * L * kv_heads
     reals = [s * remain + min_cache for row in s_kv for s in row]
@@ -126,7 +126,7 @@ def naive_sparsemm_caps(scores: list[list[float]], kv_heads: int, budget: int, r
         flat = [round(x) for x in reals]
     else:
         flat = naive_round_to_total(reals, L * kv_heads * budget)
-    return [flat[l * kv_heads : (l + 1) * kv_heads] for l in range(L)]
+    return [flat[layer * kv_heads : (layer + 1) * kv_heads] for layer in range(L)]
 
 
 @pytest.mark.parametrize("rounding", ["exact_total", "nearest"])
