@@ -226,14 +226,10 @@ def test_wheel_ships_configs_and_kernels(tmp_path):
     assert str(target) in out
 
 
-def test_predict_prints_a_one_screen_summary_and_uses_the_datasets_task_metrics(
-    tmp_path, capsys, monkeypatch
-):
-    from kvlab.data.datasets import JsonlDataset
-
-    monkeypatch.setattr(JsonlDataset, "metrics", ("token_f1", "rouge_l"), raising=False)
+def test_predict_prints_a_one_screen_summary_and_uses_the_datasets_task_metrics(tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "word " * 30, "answers": ["word"]}])
-    predict(tmp_path, "--config", "snapkv", *TINY, "--data.dataset", f"{{name: jsonl, path: {data}}}",
+    dataset = f"{{name: jsonl, path: {data}, metrics: [token_f1, rouge_l]}}"
+    predict(tmp_path, "--config", "snapkv", *TINY, "--data.dataset", dataset,
             "--model.compression.budget", "{tokens: 16, window: 4}",
             "--model.compression.importance", "[{name: window_attention, window: 4}]")  # fmt: skip
     out = capsys.readouterr().out
@@ -251,12 +247,15 @@ def test_predict_prints_a_one_screen_summary_and_uses_the_datasets_task_metrics(
     assert {"token_f1", "rouge_l"} <= set(record) and "contains_answer" not in record
 
 
-def test_unknown_task_metric_exits_2_before_the_model_loads(tmp_path, capsys, monkeypatch, no_model_load):
-    from kvlab.data.datasets import JsonlDataset
-
-    monkeypatch.setattr(JsonlDataset, "metrics", ("rouge",), raising=False)
+def test_unknown_task_metric_exits_2_before_the_model_loads(tmp_path, capsys, no_model_load):
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "hi"}])
     with pytest.raises(SystemExit) as exit_info:
-        predict(tmp_path, "--config", "snapkv", "--data.dataset", f"{{name: jsonl, path: {data}}}")
+        predict(
+            tmp_path,
+            "--config",
+            "snapkv",
+            "--data.dataset",
+            f"{{name: jsonl, path: {data}, metrics: [rouge]}}",
+        )
     assert exit_info.value.code == 2
     assert "unknown task metric 'rouge'" in capsys.readouterr().err
