@@ -317,3 +317,27 @@ def test_unknown_bench_exits_2_and_a_registered_bench_runs(capsys, monkeypatch):
     assert "window2" in capsys.readouterr().out
     main(["bench", "window2", *SMALL, "--window", "4"])
     assert "| 300 " in capsys.readouterr().out
+
+
+def test_generation_through_the_triton_kernels_equals_the_torch_path():
+    """A whole compressed run (prefill, compaction, decode) gives the same tokens and logits."""
+    from e2e import kvlab_model, run
+
+    from kvlab.compression.pipeline import Pipeline
+    from kvlab.data.synthetic import SyntheticRetrieval
+
+    loaded = kvlab_model("tiny-qwen2")
+    pipeline = Pipeline.from_config(
+        {"budget": {"tokens": 40, "window": 8}, "importance": [{"name": "window_attention", "window": 8}]}
+    )
+    items = SyntheticRetrieval(num_samples=2, context_words=40, seed=1).samples()
+    dispatch.set_mode("reference")
+    want = run(loaded, pipeline, items, 3)
+    dispatch.set_mode("triton")
+    dispatch.CALLS.clear()
+    got = run(loaded, pipeline, items, 3)
+    assert {path for _, path in dispatch.CALLS} == {"triton"}
+    assert {"ragged_decode_attention", "compact_kv"} <= {name for name, _ in dispatch.CALLS}
+    assert got.tokens == want.tokens
+    for b in range(2):
+        torch.testing.assert_close(got.step_logits[b], want.step_logits[b], atol=1e-4, rtol=1e-4)
