@@ -140,3 +140,21 @@ def test_calibrate_unknown_statistic_and_field(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["calibrate", "--config", str(bad)])
     assert "no field 'outptu'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "model, kind, shape",
+    [("smollm2-qwen2-vl", "visual_heads", (30, 9)), ("smollm2-llava", "visual_heads", (30, 9)),
+     ("smollm2-135m", "redundancy", (30, 3))],
+)  # fmt: skip
+def test_shipped_artefacts_are_found_by_auto_and_fit_their_model(tmp_path, monkeypatch, model, kind, shape):
+    from kvlab.calibration.artefact import PACKAGED, resolve_path
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))  # nothing calibrated locally
+    path = resolve_path("auto", model, kind, "artefact")
+    assert path.parent == PACKAGED
+    artefact = Artefact.load(path).check(kind, "artefact", model=model)
+    tensor = next(iter(artefact.tensors.values()))
+    assert tuple(tensor.shape) == shape and float(tensor.sum()) > 0
+    with pytest.raises(ConfigError, match="no 'visual_heads' artefact for model 'tiny-llama'"):
+        resolve_path("auto", "tiny-llama", "visual_heads", "artefact")

@@ -75,6 +75,7 @@ class Artefact:
         tmp = path.with_name(path.name + ".tmp")
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
         save_file(tensors, str(tmp), metadata={"kvlab": json.dumps(self.header())})
+        tmp.chmod(0o644)  # safetensors creates the file private; artefacts are meant to be shared
         os.replace(tmp, path)
         return path
 
