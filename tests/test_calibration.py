@@ -1,5 +1,7 @@
 """Calibration artefacts and ``kvlab calibrate``: format, model checks, statistics vs naive loops, CLI."""
 
+import json
+
 import pytest
 import torch
 from naive import dot, make_ctx, softmax
@@ -106,6 +108,16 @@ def test_calibrate_cli_writes_a_versioned_artefact_that_sparsemm_loads(tmp_path,
     assert artefact.tensors["scores"].shape == (artefact.num_layers, artefact.num_heads)
     assert artefact.settings["samples"] == 8 and artefact.settings["calibration"] == {"name": "visual_heads"}
     assert float(artefact.tensors["scores"].sum()) > 0
+    # MixKV on SparseMM's budgets runs end to end through the CLI with it: ragged heads recorded
+    main(["predict", "--config", "mixkv_sparsemm", "--model.model", "tiny-qwen2-vl",
+          "--run.dir", str(tmp_path), "--model.compression.allocate.head.artefact", str(out),
+          "--model.max_new_tokens", "2",
+          "--model.compression.budget", "{ratio: 0.5, window: 4}", "--data.dataset.num_samples", "2",
+          "--model.compression.importance", "[{name: window_attention, window: 4}, {name: value_norm}]",
+          "--trainer.enable_progress_bar", "false"])  # fmt: skip
+    records = [json.loads(line) for line in (tmp_path / "default/mixkv_sparsemm/predictions.jsonl").open()]
+    assert len(records) == 2
+    assert all(len({n for layer in r["kept_per_layer_head"] for n in layer}) > 1 for r in records)
     # a SparseMM run on another model refuses the artefact before that model loads
     with pytest.raises(SystemExit) as exit_info:
         main(["predict", "--config", "sparsemm", "--model.model", "tiny-llava", "--run.dir", str(tmp_path),
