@@ -186,15 +186,19 @@ def test_integrated_importance_is_window_attention_plus_scaled_vnorm():
             torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-5, rtol=1e-5)
 
 
-def test_mixkv_needs_both_score_kinds_and_checks_its_range():
-    ctx = make_ctx(LENGTHS, seed=37)
-    mixer = build(MIXERS, name="mixkv")
-    with pytest.raises(ValueError, match="importance and one diversity"):
-        mixer.mix([torch.zeros(2, 2, ctx.seq_len)], [], ctx)
+def test_mixer_inputs_and_ranges_are_checked_when_the_config_is_read():
     from kvlab.errors import ConfigError
 
+    no_diversity = mixkv_config(12)
+    no_diversity["diversity"] = []
+    with pytest.raises(ConfigError, match="'mixkv' needs importance scorers.*at least one diversity"):
+        Pipeline.from_config(no_diversity)
     with pytest.raises(ConfigError, match="fixed_redundancy"):
         build(MIXERS, name="mixkv", fixed_redundancy=1.5)
+    two_weights = mixkv_config(12)
+    two_weights["mixer"] = {"name": "weighted_sum", "weights": [1.0, 2.0]}
+    with pytest.raises(ConfigError, match="weights has 2 entries for 3 scores"):
+        Pipeline.from_config(two_weights)
 
 
 def test_mixkv_batch_equals_each_sample_alone():

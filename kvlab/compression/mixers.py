@@ -9,6 +9,7 @@ import torch
 
 from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.context import LayerContext
+from kvlab.errors import ConfigError
 from kvlab.registry import Registry
 
 
@@ -22,6 +23,9 @@ class Mixer:
     ) -> torch.Tensor:
         """Each input is ``[B, Hkv, T]``; return ``[B, Hkv, T]`` (higher means keep)."""
         raise NotImplementedError
+
+    def check_inputs(self, num_importance: int, num_diversity: int, where: str) -> None:
+        """Raise :class:`ConfigError` (at config time) if this mixer cannot take these scorer counts."""
 
 
 MIXERS: Registry[Mixer] = Registry("mixer", "model.compression.mixer")
@@ -81,6 +85,14 @@ class WeightedSumMixer(Mixer):
 
     weights: tuple[float, ...] = ()
     normalize: Literal["none", "minmax", "scale_to_first"] = "none"
+
+    def check_inputs(self, num_importance: int, num_diversity: int, where: str) -> None:
+        count = num_importance + num_diversity
+        if self.weights and len(self.weights) != count:
+            raise ConfigError(
+                f"{where}.weights has {len(self.weights)} entries for {count} scores ({num_importance} "
+                f"importance + {num_diversity} diversity); give one weight per scorer, in YAML order."
+            )
 
     def mix(
         self, importance: list[torch.Tensor], diversity: list[torch.Tensor], ctx: LayerContext
@@ -153,6 +165,14 @@ class MixKVMixer(Mixer, UsesArtefact):
     def __post_init__(self) -> None:
         if not 0.0 <= self.fixed_redundancy <= 1.0:
             raise ValueError(f"fixed_redundancy must be in [0, 1], got {self.fixed_redundancy}")
+
+    def check_inputs(self, num_importance: int, num_diversity: int, where: str) -> None:
+        if num_importance < 1 or num_diversity < 1:
+            raise ConfigError(
+                f"{where} 'mixkv' needs importance scorers (the first is the window attention s_ex, "
+                "e.g. [window_attention, value_norm]) and at least one diversity scorer (e.g. "
+                f"[mean_key_diversity]); got {num_importance} importance and {num_diversity} diversity."
+            )
 
     def bind_model(self, model: str) -> None:
         if self.redundancy == "offline":

@@ -172,6 +172,7 @@ class Pipeline:
             schedule=schedule,
         )
         pipeline._check_window()
+        pipeline.mixer.check_inputs(len(importance), len(diversity), f"{WHERE}.mixer")
         return pipeline
 
     def _check_window(self) -> None:
