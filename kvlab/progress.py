@@ -54,13 +54,25 @@ class RunProgress(Callback):
         for record in records:
             self.sums["token_match"] += record.get("fidelity_token_match", 0.0)
             self.sums["top1"] += record.get("fidelity_top1", 0.0)
-        bar = getattr(trainer.progress_bar_callback, "predict_progress_bar", None)
-        if bar is None or not hasattr(bar, "set_postfix"):
-            return
         postfix = {"samples/s": f"{self.samples / max(time.perf_counter() - self.start, 1e-9):.2f}"}
         if records and "fidelity_token_match" in records[0]:
             postfix.update({k: f"{v / max(self.samples, 1):.3f}" for k, v in self.sums.items()})
+        show(trainer.progress_bar_callback, postfix)
+
+
+def show(progress_bar: Any, postfix: dict[str, str]) -> None:
+    """Put ``postfix`` on Lightning's predict bar: TQDM's postfix, or the Rich task's description."""
+    bar = getattr(progress_bar, "predict_progress_bar", None)
+    if bar is not None and hasattr(bar, "set_postfix"):  # TQDMProgressBar
         bar.set_postfix(postfix)
+        return
+    progress, task = (
+        getattr(progress_bar, "progress", None),
+        getattr(progress_bar, "predict_progress_bar_id", None),
+    )
+    if progress is not None and task is not None:  # RichProgressBar
+        text = " ".join(f"{k}={v}" for k, v in postfix.items())
+        progress.update(task, description=f"Predicting {text}")
 
 
 def _format(key: str, value: Any) -> str:
