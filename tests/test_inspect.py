@@ -46,6 +46,7 @@ def test_event_files_hold_every_view(vlm_run):
     for layer in (0, layers - 1):
         assert f"patches/layer_{layer}/image_0" in tags["images"]
         assert f"scores/layer_{layer}" in tags["histograms"]
+        assert f"scores/window_attention/layer_{layer}" in tags["histograms"]  # per-scorer histograms
     for name in ("text", "image"):
         fractions = acc.Scalars(f"modality/kept_fraction_{name}")
         assert [e.step for e in fractions] == list(range(layers))

@@ -87,8 +87,9 @@ class LayerReport:
 
     ``kept`` is ``[B, Hkv]`` (tokens kept per head), ``budget`` the layer budget ``[B]``,
     ``selection`` which positions were kept, and ``scores`` the mixed ``[B, Hkv, T]`` score (only
-    when the pipeline is asked to record scores). ``route`` says which branch each sample took
-    when the pipeline routes.
+    when the pipeline is asked to record scores). ``scorer_scores`` then also holds each
+    scorer's own ``[B, Hkv, T]`` output by name (non-candidate positions -inf) for the per-scorer
+    TensorBoard histograms. ``route`` says which branch each sample took when the pipeline routes.
     """
 
     layer_idx: int
@@ -98,6 +99,7 @@ class LayerReport:
     seconds: float = 0.0
     scores: torch.Tensor | None = None
     route: RouteDecision | None = None
+    scorer_scores: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -263,7 +265,21 @@ class Pipeline:
         report = LayerReport(
             ctx.layer_idx, selection.counts, layer_budget, selection, scores=mixed if record_scores else None
         )
+        if record_scores:
+            report.scorer_scores = self._scorer_scores(importance, diversity, candidates)
         return selection, report
+
+    def _scorer_scores(
+        self, importance: list[torch.Tensor], diversity: list[torch.Tensor], candidates: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Each scorer's output by name (a name used twice gets its position: ``key_norm_2``)."""
+        scorers = [*self.importance, *self.diversity]
+        named: dict[str, torch.Tensor] = {}
+        for i, (scorer, scores) in enumerate(zip(scorers, [*importance, *diversity], strict=True)):
+            name = scorer.registry_name
+            name = f"{name}_{i}" if name in named else name
+            named[name] = scores.float().masked_fill(~candidates, float("-inf"))
+        return named
 
     # --- routing -------------------------------------------------------------------------------
     @classmethod
