@@ -199,6 +199,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
         "measure per-model statistics into a calibration artefact (kvlab calibrate --help)",
     ),
     "bench": (lazy_main("kvlab.bench"), "kernel benchmarks that print tables (kvlab bench --help)"),
+    "reference-table": (
+        lazy_main("kvlab.data.reference"),
+        "methods x budgets on the synthetic tasks with smollm2-135m (docs/evaluation.md)",
+    ),
 }
 
 

@@ -146,10 +146,33 @@ def test_retrieval_length_grows_with_context_words() -> None:
     assert 2000 <= lengths[2] < 2200  # approximate control: filler + facts + question
 
 
+def test_retrieval_context_tokens_with_smollm2_tokenizer() -> None:
+    processor = kvlab.models.load_processor("smollm2-135m")  # tokenizer only (cached conversion)
+    for tokens, pairs in ((512, 1), (2048, 4), (4096, 1)):
+        samples = SyntheticRetrieval(num_samples=2, context_tokens=tokens, num_pairs=pairs, seed=7).samples()
+        lengths = processor.collate(samples)["attention_mask"].sum(dim=1).tolist()
+        assert all(abs(n - tokens) <= 0.06 * tokens for n in lengths), (tokens, lengths)
+
+
+def test_retrieval_word_values_and_defaults() -> None:
+    default = SyntheticRetrieval()
+    assert (default.num_pairs, default.value, default.metrics) == (
+        1,
+        "number",
+        ("contains_answer", "exact_match"),
+    )
+    for s in SyntheticRetrieval(num_samples=4, value="word", num_pairs=3, context_words=120).samples():
+        (answer,) = s.answers
+        assert answer.isalpha() and s.prompt.count(answer) == 1
+        assert f"The secret word for {s.meta['key']} is {answer}." in s.prompt
+        assert s.prompt.count("The secret word for") == 3 and not re.search(r"\d", s.prompt)
+        assert s.prompt.endswith(f"What is the secret word for {s.meta['key']}? Answer with the word only.")
+
+
 @pytest.mark.parametrize(
     ("param", "value"),
     [("needle_depth", 1.5), ("needle_depth", -0.1), ("num_pairs", 0), ("num_pairs", 1000),
-     ("num_samples", 0), ("context_words", 0)],
+     ("num_samples", 0), ("context_words", 0), ("context_tokens", 100), ("value", "colour")],
 )  # fmt: skip
 def test_retrieval_validation(param: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=param):
@@ -368,3 +391,87 @@ def test_datamodule_errors_before_model_load(tmp_path: Path, fake_models: dict[s
     with pytest.raises(ConfigError, match="data.num_workers"):
         KVLabDataModule(num_workers=-1)
     assert fake_models["loaded"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# hf (Hugging Face datasets), on a dataset built and saved here (no network)
+
+
+@pytest.fixture(scope="module")
+def saved_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import datasets
+
+    rows = {
+        "qid": ["a", "b", "c"],
+        "question": ["What?", "Which?", "Who?"],
+        "passage": ["ctx one", "ctx two", "ctx three"],
+        "answer": [{"text": ["x", "y"]}, {"text": ["z"]}, {"text": ["w"]}],
+        "options": [["p", "q"], ["r", "s"], ["t", "u"]],
+        "label": [1, 0, 1],
+        "img": [Image.new("RGB", (4, 4), (255, 0, 0)), Image.new("L", (4, 4), 9), Image.new("RGB", (5, 5))],
+        "extra": [1, 2, 3],
+    }
+    table = datasets.Dataset.from_dict(rows).cast_column("img", datasets.Image())
+    path = tmp_path_factory.mktemp("hf") / "saved"
+    datasets.DatasetDict({"test": table, "train": table}).save_to_disk(str(path))
+    return path
+
+
+def test_hf_field_mapping(saved_hf: Path) -> None:
+    fields = {"prompt": "question", "context": "passage", "answers": "answer.text", "image": "img",
+              "id": "qid", "choices": "options"}  # fmt: skip
+    ds = DATASETS.build({"name": "hf", "path": str(saved_hf), "fields": fields, "limit": 2})
+    first, second = ds.samples()
+    assert (first.id, first.prompt) == ("a", "ctx one\n\nWhat?")
+    assert (first.answers, first.choices) == (["x", "y"], ["p", "q"])
+    assert first.meta == {"label": 1, "extra": 1}  # unmapped scalar columns
+    assert first.images[0].getpixel((0, 0)) == (255, 0, 0)
+    assert second.images[0].mode == "RGB" and second.images[0].getpixel((0, 0)) == (9, 9, 9)
+    assert ds.metrics == ("contains_answer",)
+
+
+def test_hf_template_answer_index_and_alias(saved_hf: Path) -> None:
+    fields = {"prompt": "question", "answers": "label", "choices": "options"}
+    node = {"name": "huggingface", "path": str(saved_hf), "split": "train", "template": "{prompt}\n{choices}",
+            "answer_is_index": True, "fields": fields,
+            "metrics": ["choice_accuracy", "exact_match"]}  # fmt: skip
+    ds = DATASETS.build(node)
+    samples = ds.samples()
+    assert [s.id for s in samples] == ["train-0", "train-1", "train-2"]  # no id column: split-row
+    assert samples[0].prompt == "What?\nA. p\nB. q" and samples[0].answers == ["q"]
+    assert [s.answers for s in samples] == [["q"], ["r"], ["u"]]
+    assert ds.metrics == ("choice_accuracy", "exact_match")
+
+
+def test_hf_data_file(tmp_path: Path) -> None:
+    file = _write_jsonl(tmp_path / "rows.jsonl", [{"q": "one", "a": 1}, {"q": "two", "a": 2}])
+    node = {"name": "hf", "path": str(file), "fields": {"prompt": "q", "answers": "a"}}
+    samples = DATASETS.build(node).samples()
+    assert [(s.prompt, s.answers) for s in samples] == [("one", ["1"]), ("two", ["2"])]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [({"fields": {"prompt": "quest"}}, r"fields\.prompt: column 'quest'.*Available columns: qid, question"),
+     ({"split": "validation"}, r"'validation' is not a split.*Available splits: test, train"),
+     ({"fields": {"answers": "answer"}}, r"no 'prompt' key"),
+     ({"fields": {"prompt": "question", "question": "x"}}, r"unknown keys \['question'\]"),
+     ({"fields": {"prompt": "question", "answers": "options"}, "answer_is_index": True}, "not indices"),
+     ({"template": "{prompt} {passage}"}, r"unknown keys \['passage'\]"),
+     ({"metrics": ["exact_mach"]}, "unknown task metric 'exact_mach'"),
+     ({"path": "./no/such/dir"}, "neither a data file nor a directory")],
+)  # fmt: skip
+def test_hf_errors(saved_hf: Path, change: dict[str, Any], match: str) -> None:
+    node = {"name": "hf", "path": str(saved_hf), "fields": {"prompt": "question"}, **change}
+    with pytest.raises(ConfigError, match=match):
+        DATASETS.build(node).samples()
+
+
+def test_dataset_metrics_parameter(tmp_path: Path) -> None:
+    file = _write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "p", "answers": "x"}])
+    jsonl = DATASETS.build({"name": "jsonl", "path": str(file), "metrics": ["token_f1"]})
+    assert jsonl.metrics == ("token_f1",)
+    for name in ("synthetic_retrieval", "synthetic_image_qa"):
+        assert DATASETS.build({"name": name, "metrics": ["rouge_l"]}).metrics == ("rouge_l",)
+        with pytest.raises(ConfigError, match="unknown task metric 'f1'"):
+            DATASETS.build({"name": name, "metrics": ["f1"]})

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvlab.data.datasets import DATASETS, JsonlDataset, SampleSource, build_dataset
+from kvlab.data.hf import HFDataset
 from kvlab.data.sample import Sample
 from kvlab.data.synthetic import PALETTE, REGIONS, SyntheticImageQA, SyntheticRetrieval
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DATASETS",
+    "HFDataset",
     "PALETTE",
     "REGIONS",
     "JsonlDataset",

@@ -36,6 +36,16 @@ def build_dataset(node: Any, where: str = "data.dataset") -> SampleSource:
     return DATASETS.build(node, where)
 
 
+def check_metrics(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Validate a dataset's ``metrics`` against the task-metric registry (:mod:`kvlab.tasks`)."""
+    from kvlab.tasks import validate_task_metrics  # lazy: keeps `kvlab list` free of metric imports
+
+    names = validate_task_metrics(names, "data.dataset.metrics")
+    if not names:
+        raise ConfigError("data.dataset.metrics is empty; name at least one task metric, e.g. [exact_match].")
+    return names
+
+
 @dataclass
 class _Record:
     """One parsed JSONL line, images resolved (not yet loaded)."""
@@ -57,7 +67,7 @@ def _scalar_text(value: Any) -> bool:
 @DATASETS.register("jsonl")
 @dataclass
 class JsonlDataset:
-    """Samples from a JSON-lines file, one JSON object per line.
+    """Samples from a JSON-lines file, one JSON object per line (text, images, answers, choices).
 
     Each line holds the prompt text (``text_field``) and optionally an id (default: the line
     number), images (a path or a list of paths), reference answers (a string or a list),
@@ -74,9 +84,11 @@ class JsonlDataset:
     choices_field: str = "choices"
     system_field: str = "system"
     image_root: str | None = None
+    metrics: tuple[str, ...] = ("exact_match", "contains_answer")
     _records: list[_Record] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.metrics = check_metrics(self.metrics)
         file = Path(self.path).expanduser().resolve()
         if not file.is_file():
             what = "is a directory, not a file" if file.is_dir() else "does not exist"

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 from PIL import Image
 
-from kvlab.data.datasets import DATASETS
+from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
 from kvlab.errors import ConfigError
 
@@ -47,7 +48,24 @@ _KEYS = (
     "Umber", "Yarrow",
 )  # fmt: skip
 
+# Word values: nouns that appear nowhere in the filler, the key names or the instructions.
+_WORD_VALUES = (
+    "lantern", "harvest", "compass", "velvet", "thunder", "pebble", "saddle", "meadow", "copper",
+    "blossom", "anchor", "marble", "tunnel", "beacon", "candle", "glacier", "parrot", "violin",
+    "walnut", "pepper", "canyon", "feather", "helmet", "island", "jacket", "kettle", "ladder",
+    "mirror", "needle", "oyster",
+)  # fmt: skip
+
 MAX_PAIRS = len(_KEYS)
+#: SmolLM2 tokens per filler word, of the rest of the prompt (default system turn, chat markup,
+#: instructions, question, the needle) and of each distractor fact, fitted with its tokenizer on
+#: 300..3000-word prompts; ``context_tokens`` uses them.
+TOKENS_PER_WORD = 1.11
+PROMPT_OVERHEAD_TOKENS = 70
+FACT_TOKENS = 14
+#: what a fact calls its value, per value kind
+_NOUNS = {"number": "code", "word": "word"}
+_ANSWER_HINTS = {"number": "Answer with the 5-digit number only.", "word": "Answer with the word only."}
 
 
 def filler_sentence(rng: random.Random) -> str:
@@ -55,9 +73,9 @@ def filler_sentence(rng: random.Random) -> str:
     return f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
 
 
-def fact_sentence(key: str, value: str) -> str:
-    """The sentence stating one key's value."""
-    return f"The secret code for {key} is {value}."
+def fact_sentence(key: str, value: str, noun: str = "code") -> str:
+    """The sentence stating one key's value ("The secret code for Orion is 12345.")."""
+    return f"The secret {noun} for {key} is {value}."
 
 
 def check_num_samples(num_samples: int) -> None:
@@ -71,32 +89,47 @@ def check_num_samples(num_samples: int) -> None:
 @DATASETS.register("synthetic_retrieval")
 @dataclass
 class SyntheticRetrieval:
-    """Needle-in-a-haystack key-value retrieval in text (answer: a 5-digit number).
+    """Needle-in-a-haystack key-value retrieval in text (answer: a 5-digit number or a word).
 
-    Each prompt is about ``context_words`` words of filler sentences with ``num_pairs`` facts
-    "The secret code for <key> is <number>." inserted at sentence boundaries; the question asks
-    for one key (the needle), placed at relative depth ``needle_depth`` (0 = start, 1 = end).
-    With ``needle_depth: null`` the depths are spread evenly over [0, 1] across the samples (in a
-    seeded shuffled order). ``Sample.meta`` records ``key``, ``needle_depth`` (the requested
-    depth) and ``needle_word_fraction`` (the share of context words before the needle).
+    Each prompt is filler sentences with ``num_pairs`` facts "The secret code for <key> is
+    <value>." inserted at sentence boundaries; the question, after the text, asks for one key
+    (the needle), placed at relative depth ``needle_depth`` (0 = start, 1 = end). With
+    ``needle_depth: null`` the depths are spread evenly over [0, 1] across the samples (in a
+    seeded shuffled order). Length: ``context_words`` filler words, or, when ``context_tokens`` is
+    set, about that many prompt tokens with SmolLM2's tokenizer (within ~5% from 256 to 8k).
+    ``value: word`` asks for "the secret word" (a common noun) instead of a 5-digit code.
+    ``Sample.meta`` records ``key``, ``needle_depth`` (requested) and ``needle_word_fraction``
+    (the share of context words before the needle).
     """
 
     num_samples: int = 8
     context_words: int = 400
-    num_pairs: int = 4
+    context_tokens: int | None = None
+    num_pairs: int = 1
     needle_depth: float | None = None
+    value: Literal["number", "word"] = "number"
+    metrics: tuple[str, ...] = ("contains_answer", "exact_match")
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_num_samples(self.num_samples)
+        self.metrics = check_metrics(self.metrics)
         if self.context_words < 1:
             raise ConfigError(
                 f"context_words must be >= 1, got {self.context_words}. Set "
                 f"data.dataset.context_words to the approximate prompt length in words."
             )
-        if not 1 <= self.num_pairs <= MAX_PAIRS:
+        least = 2 * PROMPT_OVERHEAD_TOKENS + FACT_TOKENS * self.num_pairs
+        if self.context_tokens is not None and self.context_tokens < least:
             raise ConfigError(
-                f"num_pairs must be between 1 and {MAX_PAIRS} (one needle plus distractors), got "
+                f"context_tokens must be >= {least} with {self.num_pairs} pairs (the prompt without filler "
+                f"is about {least // 2} tokens), got {self.context_tokens}. Raise it, or set it to null and "
+                f"use context_words."
+            )
+        pool = len(_WORD_VALUES) if self.value == "word" else MAX_PAIRS
+        if not 1 <= self.num_pairs <= min(MAX_PAIRS, pool):
+            raise ConfigError(
+                f"num_pairs must be between 1 and {min(MAX_PAIRS, pool)} (one needle plus distractors), got "
                 f"{self.num_pairs}. Fix data.dataset.num_pairs."
             )
         if self.needle_depth is not None and not 0.0 <= self.needle_depth <= 1.0:
@@ -104,6 +137,14 @@ class SyntheticRetrieval:
                 f"needle_depth must be in [0, 1] (0 = start of the context, 1 = end) or null to vary "
                 f"it across samples, got {self.needle_depth}. Fix data.dataset.needle_depth."
             )
+
+    @property
+    def filler_words(self) -> int:
+        """Filler words per prompt: ``context_words``, or derived from ``context_tokens``."""
+        if self.context_tokens is None:
+            return self.context_words
+        fixed = PROMPT_OVERHEAD_TOKENS + FACT_TOKENS * (self.num_pairs - 1)
+        return max(1, round((self.context_tokens - fixed) / TOKENS_PER_WORD))
 
     def depths(self) -> list[float]:
         """The needle depth of each sample."""
@@ -118,31 +159,37 @@ class SyntheticRetrieval:
         """``num_samples`` retrieval prompts."""
         return [self._sample(i, depth) for i, depth in enumerate(self.depths())]
 
+    def _values(self, rng: random.Random) -> list[str]:
+        if self.value == "word":
+            return rng.sample(_WORD_VALUES, self.num_pairs)
+        return [str(v) for v in rng.sample(range(10000, 100000), self.num_pairs)]
+
     def _sample(self, index: int, depth: float) -> Sample:
         rng = random.Random(f"{self.seed}:{index}")
         filler: list[str] = []
         words = 0
-        while words < self.context_words:
+        while words < self.filler_words:
             sentence = filler_sentence(rng)
             filler.append(sentence)
             words += len(sentence.split())
         keys = rng.sample(_KEYS, self.num_pairs)
-        values = [str(v) for v in rng.sample(range(10000, 100000), self.num_pairs)]
+        values = self._values(rng)
+        noun = _NOUNS[self.value]
         slots = len(filler) + 1  # a fact goes before filler[slot] (slot == len(filler): at the end)
         needle_slot = round(depth * (slots - 1))
         others = [s for s in range(slots) if s != needle_slot] or [needle_slot]
-        facts: dict[int, list[str]] = {needle_slot: [fact_sentence(keys[0], values[0])]}
+        needle = fact_sentence(keys[0], values[0], noun)
+        facts: dict[int, list[str]] = {needle_slot: [needle]}
         for key, value in zip(keys[1:], values[1:], strict=True):
-            facts.setdefault(rng.choice(others), []).append(fact_sentence(key, value))
+            facts.setdefault(rng.choice(others), []).append(fact_sentence(key, value, noun))
         parts: list[str] = []
         for slot in range(slots):
             parts.extend(facts.get(slot, []))
             if slot < len(filler):
                 parts.append(filler[slot])
         context = " ".join(parts)
-        needle = fact_sentence(keys[0], values[0])
         before = context[: context.index(needle)]
-        question = f"What is the secret code for {keys[0]}? Answer with the 5-digit number only."
+        question = f"What is the secret {noun} for {keys[0]}? {_ANSWER_HINTS[self.value]}"
         return Sample(
             id=f"retrieval-{index:04d}",
             prompt=f"Read the text below and answer the question after it.\n\n{context}\n\n{question}",
@@ -206,10 +253,12 @@ class SyntheticImageQA:
     num_samples: int = 8
     image_size: int = 56
     images_per_sample: int = 1
+    metrics: tuple[str, ...] = ("exact_match", "choice_accuracy")
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_num_samples(self.num_samples)
+        self.metrics = check_metrics(self.metrics)
         if not 2 <= self.image_size <= 4096:
             raise ConfigError(
                 f"image_size must be between 2 and 4096 pixels, got {self.image_size}. Fix "
