@@ -371,3 +371,23 @@ def test_e6_pyramid_float_fallback_is_snapkv_budget():
     for T, C, w, L in ((640, 128, 64, 32), (4096, 512, 64, 32), (1000, 100, 16, 8)):
         assert all(naive_kvpress_total(C, w, T, L, layer) == C for layer in range(L))  # the fallback fires
         assert [pyramid_alloc(allocator, C, w, [T], L, layer)[0] for layer in range(L)] == [C] * L
+
+
+def test_ratio_window_protects_a_fraction_of_each_prompt():
+    """``window: 0.1`` (LOOK-M's alpha1): the last floor(0.1 n) tokens of each sample, inside the budget."""
+    ctx = make_ctx(LENGTHS, seed=22)
+    pipe = Pipeline.from_config(
+        {"budget": {"ratio": 0.3, "window": 0.1}, "importance": [{"name": "key_norm"}]}
+    )
+    selection, _ = pipe.compress(ctx)
+    T = ctx.seq_len
+    for b, n in enumerate(LENGTHS):
+        _, off, _, k, _ = sample_lists(ctx, b)
+        window, budget = math.floor(0.1 * n), math.floor(0.3 * n)
+        for h in range(2):
+            scores = [-math.sqrt(sum(x * x for x in k[h][t])) for t in range(n - window)]
+            want = sorted(naive_rank(scores, budget - window) + list(range(n - window, n)))
+            assert selection.kept_positions(b, h) == [off + p for p in want]
+            assert set(range(T - window, T)) <= set(selection.kept_positions(b, h))
+    with pytest.raises(ConfigError, match="fraction of the prompt"):
+        Pipeline.from_config({"budget": {"ratio": 0.3, "window": 1.5}, "importance": ["key_norm"]})

@@ -6,10 +6,13 @@ YAML forms (all under ``model.compression.budget``)::
     budget: 0.2                               # fraction of each prompt kept (float in [0, 1])
     budget: {tokens: 128, window: 32, sinks: 0}
     budget: {ratio: 0.2, window: 32}
+    budget: {ratio: 0.2, window: 0.1}         # window as a fraction of each prompt (LOOK-M's alpha1)
 
 The budget counts every kept prompt token of a head, protected ones included ("budget
 includes the window", as SnapKV, MixKV and kvpress count it). Protected tokens are the last
-``window`` and the first ``sinks`` valid tokens of each sample; they are always kept. A ratio
+``window`` and the first ``sinks`` valid tokens of each sample; they are always kept. A window
+written as a float in [0, 1) is a fraction of each prompt: ``floor(window * prompt length)``
+tokens (LOOK-M's recent ratio alpha1; ``int(T * ratio)`` as its code). A ratio
 budget is ``floor(ratio * prompt length)`` per sample (kvpress' ``int(T * (1 - cr))``), raised
 to the number of protected tokens if it falls below. A sample whose budget is at least its
 prompt length is not compressed at all.
@@ -35,7 +38,7 @@ class Budget:
 
     tokens: int | None = None
     ratio: float | None = None
-    window: int = 32
+    window: int | float = 32
     sinks: int = 0
 
     @classmethod
@@ -67,6 +70,11 @@ class Budget:
             )
         if self.window < 0 or self.sinks < 0:
             raise ConfigError(f"{WHERE}.window and .sinks must be >= 0, got {self.window} and {self.sinks}.")
+        if isinstance(self.window, float) and self.window >= 1.0:
+            raise ConfigError(
+                f"{WHERE}.window = {self.window}: a float window is a fraction of the prompt and must be in "
+                "[0, 1); write an integer (e.g. 32) for a number of tokens."
+            )
         if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
             raise ConfigError(
                 f"{WHERE}.ratio must be in [0, 1] (the fraction of prompt tokens kept), got {self.ratio}. "
@@ -80,8 +88,20 @@ class Budget:
             )
 
     @property
+    def window_is_ratio(self) -> bool:
+        """True when ``window`` is a fraction of each prompt rather than a token count."""
+        return isinstance(self.window, float)
+
+    @property
     def protected(self) -> int:
-        return self.window + self.sinks
+        """Protected tokens known from the config alone (the sinks only, for a ratio window)."""
+        return self.sinks if self.window_is_ratio else int(self.window) + self.sinks
+
+    def window_counts(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Recent-window tokens of each sample, ``[B]`` long (a ratio window is floored per sample)."""
+        if self.window_is_ratio:
+            return torch.floor(lengths.double() * self.window).long()
+        return torch.full_like(lengths, int(self.window))
 
     def per_sample(self, lengths: torch.Tensor) -> torch.Tensor:
         """Per-head budget of each sample, ``[B]`` long, from prompt lengths ``[B]``."""
@@ -93,12 +113,12 @@ class Budget:
 
     def protected_counts(self, lengths: torch.Tensor) -> torch.Tensor:
         """Protected tokens per sample, ``[B]`` (never more than the prompt)."""
-        return torch.clamp(torch.full_like(lengths, self.protected), max=lengths)
+        return torch.clamp(self.window_counts(lengths) + self.sinks, max=lengths)
 
     def protected_mask(self, valid: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` bool: the last ``window`` and first ``sinks`` valid tokens of each sample."""
         pos = sample_positions(valid)
         lengths = valid.sum(-1, keepdim=True)
-        recent = pos >= lengths - self.window
+        recent = pos >= lengths - self.window_counts(lengths[:, 0])[:, None]
         sink = pos < self.sinks
         return valid & (recent | sink)

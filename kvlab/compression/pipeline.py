@@ -169,7 +169,8 @@ class Pipeline:
             decode_policy=DECODE_POLICIES.build(
                 node.get("decode") or "none",
                 f"{WHERE}.decode",
-                **({"recent": budget.window} if budget else {}),  # h2o's default recent window
+                # h2o's default recent window (a token count; a ratio window leaves the policy's default)
+                **({"recent": budget.window} if budget and not budget.window_is_ratio else {}),
             ),
             schedule=schedule,
         )
