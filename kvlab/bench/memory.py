@@ -40,6 +40,12 @@ def parse(args: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=16, help="decode steps timed")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3, help="decode runs per method; the fastest is reported")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (default 1: on a shared machine, multi-threaded small ops stall on busy cores)",
+    )
     return p.parse_args(args)
 
 
@@ -143,6 +149,7 @@ def run(args: list[str]) -> None:
     from kvlab.models import load_model
 
     opts = parse(args)
+    torch.set_num_threads(opts.threads)
     loaded = load_model(opts.model)
     enable_kvlab_attention(loaded.model, loaded.info.vision_language)
     info = loaded.info

@@ -29,6 +29,12 @@ def parse(args: list[str]) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=30, help="layer count (PyramidKV's schedule needs it)")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (default 1: on a shared machine, multi-threaded small ops stall on busy cores)",
+    )
     return p.parse_args(args)
 
 
@@ -80,6 +86,7 @@ def run(args: list[str]) -> None:
     from kvlab.config import resolve
 
     opts = parse(args)
+    torch.set_num_threads(opts.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def pipeline(name: str) -> Pipeline:

@@ -192,14 +192,41 @@ class MixKVMixer(Mixer, UsesArtefact):
     ) -> torch.Tensor:
         if not importance or not diversity:
             raise ValueError("mixer 'mixkv' needs at least one importance and one diversity scorer")
-        mask = ctx.candidates
+        candidates = ctx.candidates[:, None, :]  # [B, 1, T]
+        count = candidates.sum(-1, keepdim=True).clamp(min=1)
         s_ex = importance[0].float()
-        s_imp = s_ex
+        s_imp, mean_imp = s_ex, self._mean(s_ex, candidates, count)
+        mean_ex = mean_imp
         for extra in importance[1:]:
-            s_imp = s_imp + scale_to(minmax(extra.float(), mask, self.eps), s_ex, mask, self.eps)
-        s_div = sum(d.float() for d in diversity)
-        reference = s_ex if self.diversity_scale == "ex" else s_imp
-        s_div = scale_to(minmax(s_div, mask, self.eps), reference, mask, self.eps)
+            scaled, mean_scaled = self._minmax_scaled(extra.float(), mean_ex, candidates, count)
+            s_imp, mean_imp = s_imp + scaled, mean_imp + mean_scaled
+        reference = mean_ex if self.diversity_scale == "ex" else mean_imp
+        s_div, _ = self._minmax_scaled(sum(d.float() for d in diversity), reference, candidates, count)
         r = self.redundancy_of(ctx)[..., None]  # [B, Hkv, 1]
         mixed = (1.0 - r) * s_imp + r * s_div
-        return mixed.masked_fill(~mask[:, None, :], float("-inf"))
+        return mixed.masked_fill(~candidates, float("-inf"))
+
+    @staticmethod
+    def _mean(scores: torch.Tensor, candidates: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """Mean over the candidates, ``[B, Hkv, 1]``."""
+        return scores.masked_fill(~candidates, 0.0).sum(-1, keepdim=True) / count
+
+    def _minmax_scaled(
+        self,
+        scores: torch.Tensor,
+        reference_mean: torch.Tensor,
+        candidates: torch.Tensor,
+        count: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``scale_to(minmax(scores), reference)`` in one pass of statistics, and its mean.
+
+        Same result as the general :func:`minmax` + :func:`scale_to` (up to float rounding): the
+        mean of the min-max normalised score is ``(mean - lo) / (hi - lo + eps)``, so it needs
+        no second pass over the tokens (MixKV's overhead stays a few passes over ``[B, Hkv, T]``).
+        """
+        lo = scores.masked_fill(~candidates, float("inf")).amin(-1, keepdim=True)
+        hi = scores.masked_fill(~candidates, float("-inf")).amax(-1, keepdim=True)
+        span = hi - lo + self.eps
+        normalised_mean = (self._mean(scores, candidates, count) - lo) / span
+        factor = reference_mean / (normalised_mean + self.eps)
+        return (scores - lo) * (factor / span), normalised_mean * factor
