@@ -96,7 +96,7 @@ class SyntheticRetrieval:
     (the needle), placed at relative depth ``needle_depth`` (0 = start, 1 = end). With
     ``needle_depth: null`` the depths are spread evenly over [0, 1] across the samples (in a
     seeded shuffled order). Length: ``context_words`` filler words, or, when ``context_tokens`` is
-    set, about that many prompt tokens with SmolLM2's tokenizer (within ~5% from 256 to 8k).
+    set, about that many prompt tokens with SmolLM2's tokenizer (within 6% from 512 to 4k).
     ``value: word`` asks for "the secret word" (a common noun) instead of a 5-digit code.
     ``Sample.meta`` records ``key``, ``needle_depth`` (requested) and ``needle_word_fraction``
     (the share of context words before the needle).
