@@ -475,3 +475,21 @@ def test_dataset_metrics_parameter(tmp_path: Path) -> None:
         assert DATASETS.build({"name": name, "metrics": ["rouge_l"]}).metrics == ("rouge_l",)
         with pytest.raises(ConfigError, match="unknown task metric 'f1'"):
             DATASETS.build({"name": name, "metrics": ["f1"]})
+
+
+def test_hf_through_kvlab_predict(saved_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvlab.cli import main
+
+    fields = "{prompt: question, context: passage, answers: answer.text, id: qid}"
+    common = ["predict", "--config", "full", "--model.model", "tiny-llama", "--model.max_new_tokens", "3",
+              "--run.dir", str(tmp_path), "--run.experiment", "hf"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:  # a bad column: exit 2 naming the columns
+        main([*common, "--data.dataset", f"{{name: hf, path: {saved_hf}, fields: {{prompt: q}}}}"])
+    assert info.value.code == 2 and "Available columns: qid, question" in capsys.readouterr().err
+    node = f"{{name: hf, path: {saved_hf}, split: train, fields: {fields}, metrics: [token_f1]}}"
+    main([*common, "--data.dataset", node])
+    lines = (tmp_path / "hf" / "full" / "predictions.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["id"] for r in records] == ["a", "b", "c"]
+    assert [r["answers"] for r in records] == [["x", "y"], ["z"], ["w"]]
+    assert all("token_f1" in r and "contains_answer" not in r for r in records)
