@@ -456,6 +456,7 @@ def test_hf_data_file(tmp_path: Path) -> None:
      ({"split": "validation"}, r"'validation' is not a split.*Available splits: test, train"),
      ({"fields": {"answers": "answer"}}, r"no 'prompt' key"),
      ({"fields": {"prompt": "question", "question": "x"}}, r"unknown keys \['question'\]"),
+     ({"fields": {"prompt": 3}}, r"\['prompt'\] must name columns"),
      ({"fields": {"prompt": "question", "answers": "options"}, "answer_is_index": True}, "not indices"),
      ({"template": "{prompt} {passage}"}, r"unknown keys \['passage'\]"),
      ({"metrics": ["exact_mach"]}, "unknown task metric 'exact_mach'"),

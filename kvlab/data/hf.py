@@ -103,8 +103,13 @@ class HFDataset:
     def __post_init__(self) -> None:
         self.metrics = check_metrics(self.metrics)
         unknown = [k for k in self.fields if k not in FIELDS]
-        if unknown or "prompt" not in self.fields:
-            problem = f"unknown keys {unknown}" if unknown else "no 'prompt' key"
+        not_names = [k for k, v in self.fields.items() if not isinstance(v, str) or not v]
+        if unknown or not_names or "prompt" not in self.fields:
+            problem = (
+                f"unknown keys {unknown}" if unknown
+                else f"{not_names} must name columns (strings)" if not_names
+                else "no 'prompt' key"
+            )  # fmt: skip
             raise ConfigError(
                 f"data.dataset.fields: {problem}. Map kvlab's sample fields ({', '.join(FIELDS)}; "
                 f"'prompt' is required) to column names, e.g. {{prompt: question, answers: answer}}."
