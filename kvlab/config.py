@@ -25,7 +25,8 @@ from kvlab.errors import ConfigError, did_you_mean
 
 PRESET_KEY = "preset"
 MERGED_PREFIXES = ("model.compression", "data.dataset")
-EXCLUSIVE_FIELDS = (("tokens", "ratio"),)
+# fields of which a node holds at most one: an override naming one drops the others
+EXCLUSIVE_FIELDS = (("tokens", "ratio"), ("context_words", "context_tokens"))
 
 
 def presets_dir() -> Path:

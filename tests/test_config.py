@@ -5,7 +5,7 @@ import yaml
 
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.compression.pipeline import Pipeline
-from kvlab.config import find_config, load_config, preset_names, resolve, split_overrides
+from kvlab.config import find_config, load_config, merge, preset_names, resolve, split_overrides
 from kvlab.errors import ConfigError
 
 SNAP = {"budget": {"tokens": 64, "window": 16}, "importance": [{"name": "window_attention", "window": 16}]}
@@ -151,3 +151,11 @@ def test_preset_cycle_is_reported(tmp_path):
     (tmp_path / "b.yaml").write_text("preset: a.yaml\n")
     with pytest.raises(ConfigError, match="preset cycle"):
         load_config(str(tmp_path / "a.yaml"))
+
+
+def test_exclusive_fields_an_override_drops_its_alternatives():
+    base = {"data": {"dataset": {"name": "synthetic_retrieval", "context_words": 400, "seed": 0}}}
+    merged = merge(base, {"data": {"dataset": {"context_tokens": 1024}}})
+    assert merged["data"]["dataset"] == {"name": "synthetic_retrieval", "seed": 0, "context_tokens": 1024}
+    merged = merge({"budget": {"tokens": 64, "window": 8}}, {"budget": {"ratio": 0.2}})
+    assert merged["budget"] == {"window": 8, "ratio": 0.2}
