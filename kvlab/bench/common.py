@@ -123,3 +123,12 @@ def context_label(T: int) -> str:
 def triton_note(has_triton: bool) -> None:
     if not has_triton:
         print("\nThe Triton columns need a CUDA device (on CPU the kernels are only interpreter-checked).")
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """``--threads`` (default 1): CPU intra-op threads; apply with ``torch.set_num_threads``.
+
+    On a shared machine multi-threaded small ops stall on busy cores, so one thread gives the
+    steadier figures.
+    """
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")

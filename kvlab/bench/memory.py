@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvlab.bench.common import context_label, parse_list, print_table
+from kvlab.bench.common import add_threads_option, context_label, parse_list, print_table
 
 _MASKS: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, T] kept mask, for the masked baseline
 
@@ -40,12 +40,7 @@ def parse(args: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=16, help="decode steps timed")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3, help="decode runs per method; the fastest is reported")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="CPU threads (default 1: on a shared machine, multi-threaded small ops stall on busy cores)",
-    )
+    add_threads_option(p)
     return p.parse_args(args)
 
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kvlab.bench.common import context_label, parse_list, print_table
+from kvlab.bench.common import add_threads_option, context_label, parse_list, print_table
 
 PAIRS = {"snapkv": "mixkv_snapkv", "adakv": "mixkv_adakv", "pyramidkv": "mixkv_pyramidkv"}
 
@@ -29,12 +29,7 @@ def parse(args: list[str]) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=30, help="layer count (PyramidKV's schedule needs it)")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="CPU threads (default 1: on a shared machine, multi-threaded small ops stall on busy cores)",
-    )
+    add_threads_option(p)
     return p.parse_args(args)
 
 
