@@ -198,7 +198,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
         lazy_main("kvlab.calibration.command"),
         "measure per-model statistics into a calibration artefact (kvlab calibrate --help)",
     ),
-    "bench": (lazy_main("kvlab.bench"), "kernel benchmarks that print tables (kvlab bench --help)"),
+    "bench": (lazy_main("kvlab.bench"), "benchmarks printing tables: kernels, memory, scoring"),
     "reference-table": (
         lazy_main("kvlab.data.reference"),
         "methods x budgets on the synthetic tasks with smollm2-135m (docs/evaluation.md)",
@@ -208,7 +208,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
 
 def usage() -> str:
     lines = [f"usage: kvlab {{{','.join(COMMANDS)}}} ...", ""]
-    lines += [f"  kvlab {name:<12} {doc}" for name, (_, doc) in COMMANDS.items()]
+    lines += [f"  kvlab {name:<16} {doc}" for name, (_, doc) in COMMANDS.items()]
     return "\n".join(lines)
 
 
