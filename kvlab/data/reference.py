@@ -24,7 +24,18 @@ from typing import Any
 from kvlab.errors import ConfigError
 
 MODEL = "smollm2-135m"
-METHODS = ("full", "random", "streamingllm", "knorm", "h2o", "snapkv", "pyramidkv", "adakv")
+METHODS = (
+    "full",
+    "random",
+    "streamingllm",
+    "knorm",
+    "h2o",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+    "mixkv_snapkv",
+    "mixkv_adakv",
+)
 BUDGETS = (0.1, 0.25)
 #: the reference tasks: name -> dataset node (num_samples is set by --samples)
 TASKS: dict[str, dict[str, Any]] = {
