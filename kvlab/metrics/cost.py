@@ -71,7 +71,8 @@ class CostMetrics(Metric):
         n = float(self.samples)
         if n == 0:
             return {}
-        out: dict[str, Any] = {name: float(getattr(self, name)) / n for name in MEAN_FIELDS}
+        out: dict[str, Any] = {"samples": int(n)}  # reduced over ranks like every state
+        out.update({name: float(getattr(self, name)) / n for name in MEAN_FIELDS})
         out["kv_bytes_full"] = int(self.kv_bytes_full)
         out["kv_bytes_kept"] = int(self.kv_bytes_kept)
         decode, prefill = float(self.decode_seconds), float(self.prefill_seconds)

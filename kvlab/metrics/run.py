@@ -36,10 +36,13 @@ class RunMetrics(torch.nn.Module):
             metric.reset()
 
     def compute(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"samples": int(float(self.cost.samples))}
-        for metric in (self.task, self.greedy, self.teacher, self.cost):
+        # compute() reduces the states over DDP ranks; reading a state directly would not
+        cost = self.cost.compute() if self.cost.update_called else {}
+        out: dict[str, Any] = {"samples": int(cost.pop("samples", 0))}
+        for metric in (self.task, self.greedy, self.teacher):
             if metric.update_called:
                 out.update(metric.compute())
+        out.update(cost)
         return out
 
 
