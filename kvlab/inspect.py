@@ -20,7 +20,10 @@ At the end of the run (``step`` = layer index, so TensorBoard draws a curve over
 
 - ``modality/kept_fraction_<text|image|video>``: kept tokens of that modality / present
   tokens of it (times heads), over every sample of the run;
-- ``budget/kept_layer_head_mean``: the heatmap averaged over every sample of the run.
+- ``budget/kept_layer_head_mean``: the heatmap averaged over every sample of the run;
+- ``route/metric`` and ``route/metric_drop``: routed pipelines (DAVID): the route metric of
+  each layer (NCAR theta_m) and its drop from the previous layer (Delta_m), averaged over the
+  samples where the layer evaluated it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from kvlab.compression.routing import switch_layers
+from kvlab.compression.routing import route_metric, switch_layers
 from kvlab.generation import GenerationResult
 from kvlab.models.base import IMAGE, TEXT, VIDEO
 
@@ -126,6 +129,7 @@ class Inspector:
         self.present = torch.zeros(0, len(MODALITY_NAMES))
         self.heatmap_sum: torch.Tensor | None = None
         self.heatmap_count = 0
+        self.route_sums: dict[int, list[float]] = {}  # layer -> [sum of the metric, samples]
 
     def detailed(self, step: int) -> bool:
         """Whether batch ``step`` gets the detailed views (and its scores should be recorded)."""
@@ -188,6 +192,13 @@ class Inspector:
             )  # [L, Hkv]
             self.heatmap_sum = share if self.heatmap_sum is None else self.heatmap_sum + share
             self.heatmap_count += result.kept.shape[1]
+        for report in result.reports:
+            for b in range(len(batch["samples"])):
+                value = route_metric(report, b)
+                if value is not None:
+                    total = self.route_sums.setdefault(report.layer_idx, [0.0, 0])
+                    total[0] += value
+                    total[1] += 1
 
     def _patches(self, result: GenerationResult, batch: dict[str, Any], step: int, processor: Any) -> None:
         grids = image_grids(batch, 0, processor)
@@ -214,4 +225,9 @@ class Inspector:
         if self.heatmap_sum is not None and self.heatmap_count:
             mean = (self.heatmap_sum / self.heatmap_count).clamp(0, 1)[None]
             self.writer.add_image("budget/kept_layer_head_mean", mean, 0)
+        means = {layer: total / count for layer, (total, count) in sorted(self.route_sums.items())}
+        for layer, value in means.items():
+            self.writer.add_scalar("route/metric", value, layer)
+            if layer - 1 in means:
+                self.writer.add_scalar("route/metric_drop", means[layer - 1] - value, layer)
         self.writer.flush()

@@ -180,6 +180,14 @@ def test_switch_layer_is_recorded_in_predictions_and_tensorboard(tmp_path):
         assert r["route_switch_layer"] in (0, 1, None)  # 2 layers; None: never switched
         assert len(r["route_metric"]) == 2 and r["route_metric"][0] is not None
     assert len(tensorboard_scalars(run, "route/switch_layer")) == 2  # one per batch
+    # per-layer NCAR curve: the mean over the samples that evaluated each layer
+    curve = tensorboard_scalars(run, "route/metric")
+    assert curve  # layer 0 always evaluates the metric
+    for layer, value in enumerate(curve):
+        seen = [r["route_metric"][layer] for r in records if r["route_metric"][layer] is not None]
+        assert value == pytest.approx(sum(seen) / len(seen), rel=1e-5)
+    drops = tensorboard_scalars(run, "route/metric_drop")
+    assert drops == [pytest.approx(curve[i - 1] - curve[i], rel=1e-5) for i in range(1, len(curve))]
 
 
 def test_hybrid_preset_runs_end_to_end(tmp_path):
