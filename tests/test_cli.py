@@ -208,6 +208,8 @@ def test_wheel_ships_configs_and_kernels(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvlab/configs/snapkv.yaml" in names and "kvlab/configs/_base.yaml" in names
     assert "kvlab/kernels/decode_attention.py" in names
+    assert "kvlab/calibration/configs/visual_heads.yaml" in names  # kvlab calibrate runs offline
+    assert "kvlab/calibration/artefacts/smollm2-qwen2-vl.visual_heads.safetensors" in names
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
