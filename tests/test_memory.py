@@ -44,3 +44,21 @@ def test_kv_bytes_match_the_kept_tokens_and_fall_with_the_budget(preset, long_sa
         allocated[budget] = got
     assert allocated[40] < allocated[96]
     assert allocated[40] / allocated[96] < 0.6
+
+
+def test_memory_and_scoring_benches_print_their_tables(capsys):
+    """Smoke test of the benches (tiny sizes; nothing is timed or asserted about speed)."""
+    import torch
+
+    from kvlab.cli import main
+
+    threads = torch.get_num_threads()  # the benches set their own thread count
+    try:
+        main(["bench", "memory", "--contexts", "300", "--budget", "48", "--steps", "1", "--repeat", "1"])
+        rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 ")]
+        assert [row.split("|")[2].strip() for row in rows] == ["full", "adakv", "sparsemm"]
+        main(["bench", "scoring", "--contexts", "300", "--hosts", "snapkv", "--repeat", "1", "--layers", "4"])
+        rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 ")]
+        assert len(rows) == 1 and rows[0].split("|")[2].strip() == "snapkv"
+    finally:
+        torch.set_num_threads(threads)
