@@ -31,17 +31,25 @@ class Mixer:
 MIXERS: Registry[Mixer] = Registry("mixer", "model.compression.mixer")
 
 
+def _finite_stats(
+    scores: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(finite [B, Hkv, T], min, max, mean [B, Hkv, 1])`` over the finite ``mask`` ``[B, T]`` positions."""
+    finite = torch.isfinite(scores) & mask[:, None, :]
+    lo = scores.masked_fill(~finite, float("inf")).amin(-1, keepdim=True)
+    hi = scores.masked_fill(~finite, float("-inf")).amax(-1, keepdim=True)
+    mean = scores.masked_fill(~finite, 0.0).sum(-1, keepdim=True) / finite.sum(-1, keepdim=True).clamp(min=1)
+    return finite, lo, hi, mean
+
+
 def minmax(scores: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Min-max normalise ``[B, Hkv, T]`` scores per (sample, head) over finite ``mask`` ``[B, T]`` positions.
 
     ``(s - min) / (max - min + eps)``; entries outside the mask or non-finite (e.g. +inf on a
     protected window) are left as they are.
     """
-    finite = torch.isfinite(scores) & mask[:, None, :]
-    lo = scores.masked_fill(~finite, float("inf")).amin(-1, keepdim=True)
-    hi = scores.masked_fill(~finite, float("-inf")).amax(-1, keepdim=True)
-    normed = (scores - lo) / (hi - lo + eps)
-    return torch.where(finite, normed, scores)
+    finite, lo, hi, _ = _finite_stats(scores, mask)
+    return torch.where(finite, (scores - lo) / (hi - lo + eps), scores)
 
 
 def masked_mean(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -49,20 +57,24 @@ def masked_mean(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
     Returns ``[B, Hkv, 1]`` (0 where the mask is empty).
     """
-    finite = torch.isfinite(scores) & mask[:, None, :]
-    total = scores.masked_fill(~finite, 0.0).sum(-1, keepdim=True)
-    return total / finite.sum(-1, keepdim=True).clamp(min=1)
+    return _finite_stats(scores, mask)[3]
 
 
-def scale_to(
-    scores: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8
-) -> torch.Tensor:
-    """Rescale ``scores`` so their mean over ``mask`` matches ``reference``'s, per (sample, head).
+def minmax_scaled(
+    scores: torch.Tensor, reference_mean: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MixKV's scale matching (spec Sec. 2.2, 2.6): min-max normalise, then rescale to a reference mean.
 
-    ``s * mean(ref) / (mean(s) + eps)`` (MixKV's scale matching, spec Sec. 2.2 and 2.6), with
-    both means over the candidate tokens. Shapes ``[B, Hkv, T]``, mask ``[B, T]``.
+    ``minmax(s) * ref_mean / (mean(minmax(s)) + eps)`` per (sample, head), statistics over the
+    finite ``mask`` positions; returns ``(scaled [B, Hkv, T], its mean [B, Hkv, 1])``. One pass
+    of statistics: the mean of the normalised score is ``(mean - min) / (max - min + eps)``.
+    Non-finite or unmasked entries are scaled but not normalised.
     """
-    return scores * masked_mean(reference, mask) / (masked_mean(scores, mask) + eps)
+    finite, lo, hi, mean = _finite_stats(scores, mask)
+    span = hi - lo + eps
+    normalised_mean = (mean - lo) / span
+    factor = reference_mean / (normalised_mean + eps)
+    return torch.where(finite, (scores - lo) / span, scores) * factor, normalised_mean * factor
 
 
 @MIXERS.register("weighted_sum")
@@ -113,7 +125,7 @@ class WeightedSumMixer(Mixer):
             if self.normalize == "minmax":
                 part = minmax(score, mask)
             elif self.normalize == "scale_to_first" and i > 0:
-                part = scale_to(minmax(score, mask), scores[0], mask)
+                part, _ = minmax_scaled(score, masked_mean(scores[0], mask), mask)
             total = total + weight * part
         return total
 
@@ -192,41 +204,15 @@ class MixKVMixer(Mixer, UsesArtefact):
     ) -> torch.Tensor:
         if not importance or not diversity:
             raise ValueError("mixer 'mixkv' needs at least one importance and one diversity scorer")
-        candidates = ctx.candidates[:, None, :]  # [B, 1, T]
-        count = candidates.sum(-1, keepdim=True).clamp(min=1)
+        mask = ctx.candidates
         s_ex = importance[0].float()
-        s_imp, mean_imp = s_ex, self._mean(s_ex, candidates, count)
-        mean_ex = mean_imp
+        s_imp = s_ex
+        mean_ex = mean_imp = masked_mean(s_ex, mask)
         for extra in importance[1:]:
-            scaled, mean_scaled = self._minmax_scaled(extra.float(), mean_ex, candidates, count)
+            scaled, mean_scaled = minmax_scaled(extra.float(), mean_ex, mask, self.eps)
             s_imp, mean_imp = s_imp + scaled, mean_imp + mean_scaled
         reference = mean_ex if self.diversity_scale == "ex" else mean_imp
-        s_div, _ = self._minmax_scaled(sum(d.float() for d in diversity), reference, candidates, count)
+        s_div, _ = minmax_scaled(sum(d.float() for d in diversity), reference, mask, self.eps)
         r = self.redundancy_of(ctx)[..., None]  # [B, Hkv, 1]
         mixed = (1.0 - r) * s_imp + r * s_div
-        return mixed.masked_fill(~candidates, float("-inf"))
-
-    @staticmethod
-    def _mean(scores: torch.Tensor, candidates: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """Mean over the candidates, ``[B, Hkv, 1]``."""
-        return scores.masked_fill(~candidates, 0.0).sum(-1, keepdim=True) / count
-
-    def _minmax_scaled(
-        self,
-        scores: torch.Tensor,
-        reference_mean: torch.Tensor,
-        candidates: torch.Tensor,
-        count: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``scale_to(minmax(scores), reference)`` in one pass of statistics, and its mean.
-
-        Same result as the general :func:`minmax` + :func:`scale_to` (up to float rounding): the
-        mean of the min-max normalised score is ``(mean - lo) / (hi - lo + eps)``, so it needs
-        no second pass over the tokens (MixKV's overhead stays a few passes over ``[B, Hkv, T]``).
-        """
-        lo = scores.masked_fill(~candidates, float("inf")).amin(-1, keepdim=True)
-        hi = scores.masked_fill(~candidates, float("-inf")).amax(-1, keepdim=True)
-        span = hi - lo + self.eps
-        normalised_mean = (self._mean(scores, candidates, count) - lo) / span
-        factor = reference_mean / (normalised_mean + self.eps)
-        return (scores - lo) * (factor / span), normalised_mean * factor
+        return mixed.masked_fill(~mask[:, None, :], float("-inf"))
