@@ -9,14 +9,13 @@ import functools
 import e2e
 import pytest
 import torch
-import torch.nn.functional as F
 from e2e import kvlab_model
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 
+from kvlab.bench.memory import load_masked_model
 from kvlab.compression.pipeline import Pipeline
 from kvlab.config import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
-from kvlab.models import load_model
 
 PRESETS = [
     "random",
@@ -177,43 +176,16 @@ def test_padded_batch_equals_samples_one_by_one(model, preset):
     e2e.assert_batch_equals_alone(loaded, pipe, items, NEW_TOKENS)
 
 
-MASK_REFERENCE = {}
-
-
-def masked_reference_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
-):
-    """Full cache, evicted entries hidden by an additive -inf mask at decode (kvpress-style masking)."""
-    G = query.shape[1] // key.shape[1]
-    if query.shape[2] > 1:
-        out = F.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
-        )
-        return out.transpose(1, 2), None
-    keep = MASK_REFERENCE[module.layer_idx]  # [B, Hkv, T] bool
-    mask = torch.ones(*keep.shape[:2], key.shape[2], dtype=torch.bool)
-    mask[..., : keep.shape[-1]] = keep
-    mask = mask.repeat_interleave(G, 1)[:, :, None, :]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2), None
-
-
 @pytest.mark.parametrize("preset", ["snapkv", "h2o", "pyramidkv", "streamingllm", "adakv", "mixkv_sparsemm"])
 def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
     """Strongest end-to-end check (david.md §4.1.6): positions continue from the prompt length and
-    the ragged cache attends to exactly the kept entries."""
+    the ragged cache attends to exactly the kept entries (against kvpress-style masking of a
+    full cache, the baseline of `kvlab bench memory`)."""
     loaded = kvlab_model("tiny-qwen2")
     item = samples(1, 60)
     result = run(loaded, pipeline(preset, tokens=40), item)
     T = int(result.prompt_lengths[0])
-    for report in result.reports:
-        keep = torch.zeros(1, report.kept.shape[1], T, dtype=torch.bool)
-        for h in range(report.kept.shape[1]):
-            keep[0, h, report.selection.kept_positions(0, h)] = True
-        MASK_REFERENCE[report.layer_idx] = keep
-    AttentionInterface.register("kvlab_masked_reference", masked_reference_attention)
-    reference = load_model("tiny-qwen2")
-    reference.model.set_attn_implementation("kvlab_masked_reference")
+    reference = load_masked_model("tiny-qwen2", result.reports, T)  # full K/V, evicted entries masked
     ids = batch_of(loaded, item)["input_ids"]
     cache = DynamicCache()
     with torch.no_grad():

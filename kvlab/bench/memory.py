@@ -95,24 +95,33 @@ def masked_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2), None
 
 
+MASKED_ATTENTION = "kvlab_masked"
+
+
+def load_masked_model(model_name: str, reports: list[Any], length: int) -> Any:
+    """``model_name`` with kvpress-style masking: full K/V kept, at decode the prompt entries the
+    layer ``reports`` evicted (their selections, prompts of ``length`` tokens) are masked out."""
+    from transformers import AttentionInterface
+
+    from kvlab.inspect import kept_mask
+    from kvlab.models import load_model
+
+    loaded = load_model(model_name)
+    AttentionInterface.register(MASKED_ATTENTION, masked_attention)
+    loaded.model.set_attn_implementation(MASKED_ATTENTION)
+    _MASKS.clear()
+    _MASKS.update({report.layer_idx: kept_mask(report.selection, length) for report in reports})
+    return loaded
+
+
 def masked_decode(
     model_name: str, batch: dict[str, Any], reports: list[Any], tokens: list[list[int]], steps: int
 ):
     """(bytes, seconds per step) of the masked baseline for the kept sets in ``reports``."""
-    from transformers import AttentionInterface, DynamicCache
+    from transformers import DynamicCache
 
-    from kvlab.models import load_model
-
-    loaded = load_model(model_name)
-    AttentionInterface.register("kvlab_bench_masked", masked_attention)
-    loaded.model.set_attn_implementation("kvlab_bench_masked")
     B, T = batch["input_ids"].shape
-    for report in reports:
-        keep = torch.zeros(B, report.kept.shape[1], T, dtype=torch.bool)
-        for b in range(B):
-            for h in range(report.kept.shape[1]):
-                keep[b, h, report.selection.kept_positions(b, h)] = True
-        _MASKS[report.layer_idx] = keep
+    loaded = load_masked_model(model_name, reports, T)
     cache = DynamicCache()
     with torch.no_grad():
         loaded.model(input_ids=batch["input_ids"], past_key_values=cache, use_cache=True, logits_to_keep=1)
