@@ -5,6 +5,7 @@ adding its name. (Random weights: plumbing and invariants only, never quality.)
 """
 
 import functools
+import tempfile
 
 import e2e
 import pytest
@@ -12,7 +13,8 @@ import torch
 from e2e import kvlab_model
 from transformers import DynamicCache
 
-from kvlab.bench.memory import load_masked_model
+from kvlab.bench.memory import load_masked_model, synthetic_visual_heads
+from kvlab.calibration import Artefact
 from kvlab.compression.pipeline import Pipeline
 from kvlab.config import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
@@ -41,16 +43,7 @@ NEW_TOKENS = 6
 @functools.cache
 def visual_heads_artefact(model: str) -> str:
     """A seeded, skewed visual-head artefact for a tiny model (SparseMM presets need one)."""
-    import tempfile
-
-    from kvlab.calibration import Artefact
-
-    info = kvlab_model(model).info
-    scores = torch.rand(info.num_layers, info.num_heads, generator=torch.Generator().manual_seed(0)) ** 4
-    path = f"{tempfile.mkdtemp(prefix='kvlab-vh-')}/{model}.safetensors"
-    artefact = Artefact("visual_heads", model, info.num_layers, info.num_heads, info.num_kv_heads, {})
-    artefact.tensors = {"scores": scores}
-    return str(artefact.save(path))
+    return synthetic_visual_heads(kvlab_model(model).info, tempfile.mkdtemp(prefix="kvlab-vh-"))
 
 
 def preset_compression(name, model="tiny-qwen2", **budget):
@@ -129,20 +122,13 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(model, preset):
     ):  # global over layers and heads: sum of caps, less what short heads could not hold
         free = budget - window
         allocator = pipe.head_allocator
-        head_scores = allocator.artefact_for(result_ctx(loaded)).tensors["scores"]
+        head_scores = Artefact.load(allocator.artefact).tensors["scores"]
         caps = allocator.capacities(head_scores, Hkv, free)  # [L, Hkv]
         assert int(caps.sum()) == loaded.info.num_layers * Hkv * free
         kept = torch.stack([r.kept for r in result.reports]) - window  # [L, B, Hkv]
         for b in range(len(lengths)):
             available = int(lengths[b]) - window
             assert torch.equal(kept[:, b], caps.clamp(max=available))
-
-
-def result_ctx(loaded):
-    """A stand-in layer context with the model's shape (for artefact shape checks)."""
-    info = loaded.info
-    return type("Shape", (), {"num_layers": info.num_layers, "num_heads": info.num_heads,
-                              "num_kv_heads": info.num_kv_heads})()  # fmt: skip
 
 
 @pytest.mark.parametrize("preset", PRESETS)

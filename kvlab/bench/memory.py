@@ -50,8 +50,8 @@ def synthetic_visual_heads(info: Any, directory: str) -> str:
 
     gen = torch.Generator().manual_seed(0)
     scores = torch.rand(info.num_layers, info.num_heads, generator=gen) ** 6
-    artefact = Artefact("visual_heads", info.name, info.num_layers, info.num_heads, info.num_kv_heads, {})
-    artefact.tensors = {"scores": scores}
+    shape = (info.num_layers, info.num_heads, info.num_kv_heads)
+    artefact = Artefact("visual_heads", info.name, *shape, {"scores": scores})
     return str(artefact.save(Path(directory) / "visual_heads.safetensors"))
 
 
