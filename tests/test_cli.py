@@ -24,7 +24,8 @@ TINY = [
 
 
 def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    """One JSON object per line; a str row is written as it is (for malformed-file tests)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from PIL import Image
+from test_cli import write_jsonl
 
 import kvlab.models
 from kvlab.data import (
@@ -231,11 +231,6 @@ def test_image_qa_validation(param: str, value: int) -> None:
 # jsonl
 
 
-def _write_jsonl(path: Path, rows: list[Any]) -> Path:
-    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
-    return path
-
-
 def _png(path: Path, colour: tuple[int, int, int] = (10, 20, 30)) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", (8, 6), colour).save(path)
@@ -245,7 +240,7 @@ def _png(path: Path, colour: tuple[int, int, int] = (10, 20, 30)) -> Path:
 def test_jsonl_loads_samples(tmp_path: Path) -> None:
     _png(tmp_path / "img" / "a.png", (255, 0, 0))
     Image.new("L", (4, 4), 128).save(tmp_path / "img" / "gray.png")
-    file = _write_jsonl(
+    file = write_jsonl(
         tmp_path / "data.jsonl",
         [
             {"id": "q1", "prompt": "What colour?", "images": "img/a.png", "answers": "red", "extra": 7},
@@ -269,7 +264,7 @@ def test_jsonl_custom_fields_and_image_root(tmp_path: Path) -> None:
     _png(tmp_path / "pics" / "b.png")
     (tmp_path / "sub").mkdir()
     row = {"key": "k", "question": "hi", "pics": ["b.png"], "gold": "yes", "opts": ["yes"]}
-    file = _write_jsonl(tmp_path / "sub" / "d.jsonl", [row])
+    file = write_jsonl(tmp_path / "sub" / "d.jsonl", [row])
     ds = JsonlDataset(
         path=str(file), text_field="question", id_field="key", images_field="pics",
         answers_field="gold", choices_field="opts", image_root=str(tmp_path / "pics"),
@@ -286,16 +281,16 @@ def test_jsonl_missing_file(tmp_path: Path) -> None:
 
 
 def test_jsonl_malformed_line(tmp_path: Path) -> None:
-    file = _write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "ok"}, '{"id": "b", "prompt": '])
+    file = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "ok"}, '{"id": "b", "prompt": '])
     with pytest.raises(ConfigError, match=re.escape(f"{file}:2: malformed JSON")):
         DATASETS.build({"name": "jsonl", "path": str(file)})
-    _write_jsonl(file, ["[1, 2]"])
+    write_jsonl(file, ["[1, 2]"])
     with pytest.raises(ConfigError, match=re.escape(f"{file}:1: expected a JSON object")):
         DATASETS.build({"name": "jsonl", "path": str(file)})
 
 
 def test_jsonl_missing_text_field(tmp_path: Path) -> None:
-    file = _write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "ok"}, {"id": "b7", "question": "?"}])
+    file = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "ok"}, {"id": "b7", "question": "?"}])
     with pytest.raises(ConfigError) as info:
         DATASETS.build({"name": "jsonl", "path": str(file)})
     msg = str(info.value)
@@ -304,13 +299,13 @@ def test_jsonl_missing_text_field(tmp_path: Path) -> None:
 
 def test_jsonl_duplicate_id(tmp_path: Path) -> None:
     rows = [{"id": "a", "prompt": "1"}, {"id": "b", "prompt": "2"}, {"id": "a", "prompt": "3"}]
-    file = _write_jsonl(tmp_path / "d.jsonl", rows)
+    file = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(ConfigError, match=r"d\.jsonl:3: duplicate id 'a' \(first used on line 1\)"):
         DATASETS.build({"name": "jsonl", "path": str(file)})
 
 
 def test_jsonl_missing_image(tmp_path: Path) -> None:
-    file = _write_jsonl(tmp_path / "d.jsonl", [{"id": "s9", "prompt": "p", "images": ["gone.png"]}])
+    file = write_jsonl(tmp_path / "d.jsonl", [{"id": "s9", "prompt": "p", "images": ["gone.png"]}])
     with pytest.raises(ConfigError) as info:
         DATASETS.build({"name": "jsonl", "path": str(file)})
     msg = str(info.value)
@@ -319,7 +314,7 @@ def test_jsonl_missing_image(tmp_path: Path) -> None:
 
 def test_jsonl_corrupt_image(tmp_path: Path) -> None:
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\nthis is not an image")
-    file = _write_jsonl(tmp_path / "d.jsonl", [{"id": "s10", "prompt": "p", "images": "bad.png"}])
+    file = write_jsonl(tmp_path / "d.jsonl", [{"id": "s10", "prompt": "p", "images": "bad.png"}])
     with pytest.raises(ConfigError) as info:
         DATASETS.build({"name": "jsonl", "path": str(file)})
     msg = str(info.value)
@@ -327,10 +322,10 @@ def test_jsonl_corrupt_image(tmp_path: Path) -> None:
 
 
 def test_jsonl_other_errors(tmp_path: Path) -> None:
-    empty = _write_jsonl(tmp_path / "e.jsonl", [""])
+    empty = write_jsonl(tmp_path / "e.jsonl", [""])
     with pytest.raises(ConfigError, match="contains no samples"):
         DATASETS.build({"name": "jsonl", "path": str(empty)})
-    bad_answers = _write_jsonl(tmp_path / "a.jsonl", [{"id": "z", "prompt": "p", "answers": {"x": 1}}])
+    bad_answers = write_jsonl(tmp_path / "a.jsonl", [{"id": "z", "prompt": "p", "answers": {"x": 1}}])
     with pytest.raises(ConfigError, match="'z'.*'answers'"):
         DATASETS.build({"name": "jsonl", "path": str(bad_answers)})
     with pytest.raises(ConfigError, match="image_root"):
@@ -393,104 +388,11 @@ def test_datamodule_errors_before_model_load(tmp_path: Path, fake_models: dict[s
     assert fake_models["loaded"] == []
 
 
-# ---------------------------------------------------------------------------------------------
-# hf (Hugging Face datasets), on a dataset built and saved here (no network)
-
-
-@pytest.fixture(scope="module")
-def saved_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import datasets
-
-    rows = {
-        "qid": ["a", "b", "c"],
-        "question": ["What?", "Which?", "Who?"],
-        "passage": ["ctx one", "ctx two", "ctx three"],
-        "answer": [{"text": ["x", "y"]}, {"text": ["z"]}, {"text": ["w"]}],
-        "options": [["p", "q"], ["r", "s"], ["t", "u"]],
-        "label": [1, 0, 1],
-        "img": [Image.new("RGB", (4, 4), (255, 0, 0)), Image.new("L", (4, 4), 9), Image.new("RGB", (5, 5))],
-        "extra": [1, 2, 3],
-    }
-    table = datasets.Dataset.from_dict(rows).cast_column("img", datasets.Image())
-    path = tmp_path_factory.mktemp("hf") / "saved"
-    datasets.DatasetDict({"test": table, "train": table}).save_to_disk(str(path))
-    return path
-
-
-def test_hf_field_mapping(saved_hf: Path) -> None:
-    fields = {"prompt": "question", "context": "passage", "answers": "answer.text", "image": "img",
-              "id": "qid", "choices": "options"}  # fmt: skip
-    ds = DATASETS.build({"name": "hf", "path": str(saved_hf), "fields": fields, "limit": 2})
-    first, second = ds.samples()
-    assert (first.id, first.prompt) == ("a", "ctx one\n\nWhat?")
-    assert (first.answers, first.choices) == (["x", "y"], ["p", "q"])
-    assert first.meta == {"label": 1, "extra": 1}  # unmapped scalar columns
-    assert first.images[0].getpixel((0, 0)) == (255, 0, 0)
-    assert second.images[0].mode == "RGB" and second.images[0].getpixel((0, 0)) == (9, 9, 9)
-    assert ds.metrics == ("contains_answer",)
-
-
-def test_hf_template_answer_index_and_alias(saved_hf: Path) -> None:
-    fields = {"prompt": "question", "answers": "label", "choices": "options"}
-    node = {"name": "huggingface", "path": str(saved_hf), "split": "train", "template": "{prompt}\n{choices}",
-            "answer_is_index": True, "fields": fields,
-            "metrics": ["choice_accuracy", "exact_match"]}  # fmt: skip
-    ds = DATASETS.build(node)
-    samples = ds.samples()
-    assert [s.id for s in samples] == ["train-0", "train-1", "train-2"]  # no id column: split-row
-    assert samples[0].prompt == "What?\nA. p\nB. q" and samples[0].answers == ["q"]
-    assert [s.answers for s in samples] == [["q"], ["r"], ["u"]]
-    assert ds.metrics == ("choice_accuracy", "exact_match")
-
-
-def test_hf_data_file(tmp_path: Path) -> None:
-    file = _write_jsonl(tmp_path / "rows.jsonl", [{"q": "one", "a": 1}, {"q": "two", "a": 2}])
-    node = {"name": "hf", "path": str(file), "fields": {"prompt": "q", "answers": "a"}}
-    samples = DATASETS.build(node).samples()
-    assert [(s.prompt, s.answers) for s in samples] == [("one", ["1"]), ("two", ["2"])]
-
-
-@pytest.mark.parametrize(
-    ("change", "match"),
-    [({"fields": {"prompt": "quest"}}, r"fields\.prompt: column 'quest'.*Available columns: qid, question"),
-     ({"split": "validation"}, r"'validation' is not a split.*Available splits: test, train"),
-     ({"fields": {"answers": "answer"}}, r"no 'prompt' key"),
-     ({"fields": {"prompt": "question", "question": "x"}}, r"unknown keys \['question'\]"),
-     ({"fields": {"prompt": 3}}, r"\['prompt'\] must name columns"),
-     ({"fields": {"prompt": "question", "answers": "options"}, "answer_is_index": True}, "not indices"),
-     ({"template": "{prompt} {passage}"}, r"unknown keys \['passage'\]"),
-     ({"metrics": ["exact_mach"]}, "unknown task metric 'exact_mach'"),
-     ({"path": "./no/such/dir"}, "neither a data file nor a directory")],
-)  # fmt: skip
-def test_hf_errors(saved_hf: Path, change: dict[str, Any], match: str) -> None:
-    node = {"name": "hf", "path": str(saved_hf), "fields": {"prompt": "question"}, **change}
-    with pytest.raises(ConfigError, match=match):
-        DATASETS.build(node).samples()
-
-
 def test_dataset_metrics_parameter(tmp_path: Path) -> None:
-    file = _write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "p", "answers": "x"}])
+    file = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "p", "answers": "x"}])
     jsonl = DATASETS.build({"name": "jsonl", "path": str(file), "metrics": ["token_f1"]})
     assert jsonl.metrics == ("token_f1",)
     for name in ("synthetic_retrieval", "synthetic_image_qa"):
         assert DATASETS.build({"name": name, "metrics": ["rouge_l"]}).metrics == ("rouge_l",)
         with pytest.raises(ConfigError, match="unknown task metric 'f1'"):
             DATASETS.build({"name": name, "metrics": ["f1"]})
-
-
-def test_hf_through_kvlab_predict(saved_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvlab.cli import main
-
-    fields = "{prompt: question, context: passage, answers: answer.text, id: qid}"
-    common = ["predict", "--config", "full", "--model.model", "tiny-llama", "--model.max_new_tokens", "3",
-              "--run.dir", str(tmp_path), "--run.experiment", "hf"]  # fmt: skip
-    with pytest.raises(SystemExit) as info:  # a bad column: exit 2 naming the columns
-        main([*common, "--data.dataset", f"{{name: hf, path: {saved_hf}, fields: {{prompt: q}}}}"])
-    assert info.value.code == 2 and "Available columns: qid, question" in capsys.readouterr().err
-    node = f"{{name: hf, path: {saved_hf}, split: train, fields: {fields}, metrics: [token_f1]}}"
-    main([*common, "--data.dataset", node])
-    lines = (tmp_path / "hf" / "full" / "predictions.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    assert [r["id"] for r in records] == ["a", "b", "c"]
-    assert [r["answers"] for r in records] == [["x", "y"], ["z"], ["w"]]
-    assert all("token_f1" in r and "contains_answer" not in r for r in records)
