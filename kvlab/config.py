@@ -34,25 +34,30 @@ def presets_dir() -> Path:
     return Path(str(resources.files("kvlab.configs")))
 
 
-def preset_names() -> list[str]:
+def preset_names(directory: Path | None = None) -> list[str]:
     """Names of the shipped presets (files starting with ``_`` are building blocks, not listed)."""
-    return sorted(p.stem for p in presets_dir().glob("*.yaml") if not p.stem.startswith("_"))
+    return sorted(p.stem for p in (directory or presets_dir()).glob("*.yaml") if not p.stem.startswith("_"))
 
 
-def find_config(name: str, relative_to: Path | None = None) -> Path:
+def find_config(
+    name: str, relative_to: Path | None = None, shipped: Path | None = None, kind: str = "preset"
+) -> Path:
     """Resolve a config reference to a file: a path (absolute, relative to ``relative_to`` or the
-    working directory) or a shipped preset name with or without ``.yaml``."""
+    working directory) or the name of a file shipped in ``shipped`` (default: the presets), with or
+    without ``.yaml``. ``kind`` names what is shipped there in the error message."""
+    directory = shipped or presets_dir()
     candidates = [Path(name)]
     if relative_to is not None:
         candidates.insert(0, relative_to / name)
     stem = name[:-5] if name.endswith(".yaml") else name
-    candidates.append(presets_dir() / f"{stem}.yaml")
+    candidates.append(directory / f"{stem}.yaml")
     for path in candidates:
         if path.is_file():
             return path
+    names = preset_names(directory)
     raise ConfigError(
-        f"Config '{name}' not found: it is neither a file (relative to {Path.cwd()}) nor a shipped preset."
-        f"{did_you_mean(stem, preset_names())} Shipped presets: {', '.join(preset_names())}."
+        f"Config '{name}' not found: it is neither a file (relative to {Path.cwd()}) nor a shipped {kind}."
+        f"{did_you_mean(stem, names)} Shipped {kind}s: {', '.join(names)}."
     )
 
 

@@ -26,23 +26,11 @@ import yaml
 
 from kvlab.calibration.artefact import Artefact, cache_path
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, Recorder, region_targets
+from kvlab.config import find_config
 from kvlab.errors import ConfigError, did_you_mean
 
 CONFIGS = Path(__file__).parent / "configs"
 FIELDS = ("model", "calibration", "data", "dtype", "output")
-
-
-def find_calibration_config(name: str) -> Path:
-    """A path, or the name of a shipped calibration config (with or without ``.yaml``)."""
-    stem = name[:-5] if name.endswith(".yaml") else name
-    for path in (Path(name), CONFIGS / f"{stem}.yaml"):
-        if path.is_file():
-            return path
-    shipped = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
-    raise ConfigError(
-        f"calibration config '{name}' is neither a file nor a shipped config.{did_you_mean(stem, shipped)} "
-        f"Shipped: {', '.join(shipped)}."
-    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,7 +44,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def load_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The calibration config with the command-line overrides applied (plain dict)."""
-    settings = yaml.safe_load(find_calibration_config(args.config).read_text()) or {}
+    path = find_config(args.config, shipped=CONFIGS, kind="calibration config")
+    settings = yaml.safe_load(path.read_text()) or {}
     if not isinstance(settings, dict):
         raise ConfigError(
             f"calibration config '{args.config}' must be a mapping with fields {', '.join(FIELDS)}."
