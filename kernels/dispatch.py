@@ -41,7 +41,7 @@ def set_mode(mode: Mode) -> None:
     """Set the process-wide dispatch mode (``auto``, ``reference`` or ``triton``)."""
     global _mode
     if mode not in MODES:
-        from kvlab.errors import ConfigError
+        from kvlab.config.errors import ConfigError
 
         raise ConfigError(
             f"model.kernels must be one of {', '.join(MODES)}, got '{mode}'. Use 'auto' (Triton on "

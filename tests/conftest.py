@@ -4,6 +4,7 @@ that ``@triton.jit`` builds interpreted kernels: tests/test_kernels.py runs them
 
 import os
 
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,3 +13,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def visual_heads(tmp_path_factory):
+    """``visual_heads(info) -> path``: a seeded synthetic visual-head artefact for a model's shape
+    (SparseMM presets need one; the tiny models have no calibrated heads)."""
+    from kvlab.calibration.synthetic import synthetic_visual_heads
+
+    def make(info) -> str:
+        return synthetic_visual_heads(info, str(tmp_path_factory.mktemp("visual-heads")))
+
+    return make

@@ -4,9 +4,9 @@ import functools
 
 import torch
 
-from kvlab.attention import enable_kvlab_attention
 from kvlab.compression.pipeline import Pipeline
-from kvlab.generation import GenerationResult, generate
+from kvlab.engine.attention import enable_kvlab_attention
+from kvlab.engine.generation import GenerationResult, generate
 from kvlab.models import load_model
 
 

@@ -26,7 +26,7 @@ from kvlab.compression.budget import Budget
 from kvlab.compression.context import LayerContext
 from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.selectors import SELECTORS, topk_indices
-from kvlab.errors import ConfigError
+from kvlab.config.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # 6. PyramidKV

@@ -3,8 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from kvlab.cache import CompressedCache, CompressedLayer
 from kvlab.compression.selectors import Selection, topk_indices
+from kvlab.engine.cache import CompressedCache, CompressedLayer
 
 
 def random_selection(B, Hkv, T, counts, seed=0):

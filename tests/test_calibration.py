@@ -9,9 +9,9 @@ from naive import dot, make_ctx, softmax
 import kvlab.models
 from kvlab.calibration import Artefact
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, region_targets
-from kvlab.cli import main
 from kvlab.compression.mixers import head_redundancy
-from kvlab.errors import ConfigError
+from kvlab.config.cli import main
+from kvlab.config.errors import ConfigError
 
 
 def test_artefact_round_trip_and_header(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 import kvlab.models
-from kvlab.cli import main
+from kvlab.config.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
@@ -217,7 +217,7 @@ def test_wheel_ships_configs_and_kernels(tmp_path):
         check=True,
         capture_output=True,
     )
-    code = "import kvlab.config as c; print(c.find_config('snapkv')); import kvlab.kernels.decode_attention"
+    code = "import kvlab.config.loader as c; print(c.find_config('snapkv')); import kvlab.kernels.dispatch"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,

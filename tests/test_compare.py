@@ -8,10 +8,10 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_cli import TINY, predict, write_jsonl
 
-import kvlab.evaluation
-from kvlab.cli import main
-from kvlab.errors import ConfigError
-from kvlab.sweep import expand, parse_method, split_values
+import kvlab.metrics.evaluation
+from kvlab.config.cli import main
+from kvlab.config.errors import ConfigError
+from kvlab.config.sweep import expand, parse_method, split_values
 
 SNAP = ["--model.compression.importance", "[{name: window_attention, window: 4}]",
         "--model.compression.budget.window", "4"]  # fmt: skip
@@ -24,9 +24,13 @@ def swept(tmp_path_factory):
     rows = [{"id": f"s{i}", "prompt": "word " * (25 + 10 * i), "answers": ["word"]} for i in range(3)]
     data = write_jsonl(tmp / "d.jsonl", rows)
     calls = []
-    real = kvlab.evaluation.generate
-    kvlab.evaluation.generate = lambda loaded, pipeline, *a, **k: (calls.append(pipeline.compresses), real(
-        loaded, pipeline, *a, **k))[1]  # fmt: skip
+    real = kvlab.metrics.evaluation.generate
+
+    def counting(loaded, pipeline, *args, **kwargs):
+        calls.append(pipeline.compresses)
+        return real(loaded, pipeline, *args, **kwargs)
+
+    kvlab.metrics.evaluation.generate = counting
     try:
         dataset = ["--data.dataset", f"{{name: jsonl, path: {data}}}"]
         predict(tmp, "--config", "full", *TINY, *dataset)
@@ -35,7 +39,7 @@ def swept(tmp_path_factory):
             tmp, "--config", "snapkv", *TINY, *dataset, *SNAP, "--model.compression.budget.tokens", "12,24"
         )
     finally:
-        kvlab.evaluation.generate = real
+        kvlab.metrics.evaluation.generate = real
     return tmp / "runs" / "exp", full_runs, calls.count(False) - full_runs
 
 
@@ -85,7 +89,7 @@ def test_yaml_sweep_block_and_names(tmp_path):
         "sweep": {"model.compression.budget.tokens": [16, 32], "model.max_new_tokens": [2, 3]},
     }
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(cfg))
-    from kvlab.config import resolve
+    from kvlab.config.loader import resolve
 
     points = expand(resolve([str(tmp_path / "s.yaml")], []), [])
     assert [name for name, _ in points] == [

@@ -5,8 +5,8 @@ import yaml
 
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.compression.pipeline import Pipeline
-from kvlab.config import find_config, load_config, merge, preset_names, resolve, split_overrides
-from kvlab.errors import ConfigError
+from kvlab.config.errors import ConfigError
+from kvlab.config.loader import find_config, load_config, merge, preset_names, resolve, split_overrides
 
 SNAP = {"budget": {"tokens": 64, "window": 16}, "importance": [{"name": "window_attention", "window": 16}]}
 
@@ -38,7 +38,7 @@ def test_mistyped_parameter_names_the_field_and_type():
 def test_missing_required_parameter():
     from dataclasses import dataclass
 
-    from kvlab.registry import Registry
+    from kvlab.config.registry import Registry
 
     reg = Registry("thing", "x.thing")
 

@@ -13,6 +13,7 @@ from PIL import Image
 from test_cli import write_jsonl
 
 import kvlab.models
+from kvlab.config.errors import ConfigError
 from kvlab.data import (
     DATASETS,
     PALETTE,
@@ -24,7 +25,6 @@ from kvlab.data import (
     SyntheticRetrieval,
 )
 from kvlab.data.synthetic import region_pixel
-from kvlab.errors import ConfigError
 from kvlab.models.base import IMAGE, PAD, TEXT
 
 # ---------------------------------------------------------------------------------------------

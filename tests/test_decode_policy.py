@@ -7,10 +7,10 @@ from e2e import kvlab_model
 from naive import dot, softmax
 from test_methods import samples
 
-from kvlab.cache import CompressedLayer
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.selectors import Selection
+from kvlab.engine.cache import CompressedLayer
 
 B, HKV, G, D, T = 2, 2, 2, 4, 10
 

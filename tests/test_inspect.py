@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_cli import predict, write_jsonl
 
 from kvlab.compression.selectors import Selection
-from kvlab.inspect import image_grids, kept_mask, modality_counts, patch_overlay
+from kvlab.runner.views import image_grids, modality_counts, patch_overlay
 
 
 def events(directory):
@@ -74,7 +74,7 @@ def test_kept_mask_and_modality_counts_match_loops():
     counts = torch.tensor([[3, 2], [1, 3]])
     selection = Selection(indices, counts)
     modality = torch.tensor([[0, 1, 1, 1, 0, 0], [-1, 0, 1, 1, 0, 0]])
-    mask = kept_mask(selection, 6)
+    mask = selection.kept_mask(6)
     assert torch.equal(mask, naive_kept(selection, 6))
     kept, present = modality_counts(selection, modality)
     for m in range(3):

@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvlab.cache import CompressedLayer  # noqa: E402
+from kvlab.engine.cache import CompressedLayer  # noqa: E402
 from kvlab.compression.context import LayerContext  # noqa: E402
 from kvlab.compression.selectors import Selection, topk_indices  # noqa: E402
-from kvlab.errors import ConfigError  # noqa: E402
+from kvlab.config.errors import ConfigError  # noqa: E402
 from kvlab.kernels import dispatch  # noqa: E402
 from kvlab.kernels.compaction import compact_kv_reference  # noqa: E402
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402
@@ -294,7 +294,7 @@ SMALL = ["--contexts", "300", "--heads", "4", "--kv-heads", "2", "--head-dim", "
     "bench, extra", [("decode", ["--budgets", "0.1,0.5"]), ("window", ["--window", "8"])]
 )
 def test_bench_commands_print_a_table(bench, extra, capsys):
-    from kvlab.cli import main
+    from kvlab.config.cli import main
 
     main(["bench", bench, *SMALL, *extra])
     out = capsys.readouterr().out
@@ -306,7 +306,7 @@ def test_bench_commands_print_a_table(bench, extra, capsys):
 
 def test_unknown_bench_exits_2_and_a_registered_bench_runs(capsys, monkeypatch):
     from kvlab import bench
-    from kvlab.cli import main
+    from kvlab.config.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["bench", "decod"])

@@ -13,11 +13,12 @@ import torch
 from e2e import kvlab_model
 from transformers import DynamicCache
 
-from kvlab.bench.memory import load_masked_model, synthetic_visual_heads
 from kvlab.calibration import Artefact
+from kvlab.calibration.synthetic import synthetic_visual_heads
 from kvlab.compression.pipeline import Pipeline
-from kvlab.config import resolve
+from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.engine.masking import load_masked_model
 
 PRESETS = [
     "random",

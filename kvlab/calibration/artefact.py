@@ -10,7 +10,7 @@ header in the safetensors metadata under the key ``kvlab``::
 ``kvlab calibrate --config FILE`` writes one; a component takes ``artefact: PATH`` (or
 ``auto``: ``$KVLAB_CACHE/calibration/<model>/<kind>.safetensors``, then the artefacts shipped
 in ``kvlab/calibration/artefacts/``). Loading an artefact of another kind or made for another
-model (name or layer/head counts) is a :class:`~kvlab.errors.ConfigError` naming both.
+model (name or layer/head counts) is a :class:`~kvlab.config.errors.ConfigError` naming both.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvlab.errors import ConfigError
+from kvlab.config.errors import ConfigError
 
 FORMAT = "kvlab-calibration"
 VERSION = 1
@@ -151,7 +151,7 @@ class Artefact:
 
 def cache_path(model: str, kind: str) -> Path:
     """Default artefact location: ``$KVLAB_CACHE/calibration/<model>/<kind>.safetensors``."""
-    from kvlab.models.smollm2 import kvlab_cache_root
+    from kvlab.models.scaffolding.smollm2 import kvlab_cache_root
 
     return kvlab_cache_root() / "calibration" / model.replace("/", "__") / f"{kind}.safetensors"
 

@@ -26,8 +26,8 @@ import yaml
 
 from kvlab.calibration.artefact import Artefact, cache_path
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, Recorder, region_targets
-from kvlab.config import find_config
-from kvlab.errors import ConfigError, did_you_mean
+from kvlab.config.errors import ConfigError, did_you_mean
+from kvlab.config.loader import find_config
 
 CONFIGS = Path(__file__).parent / "configs"
 FIELDS = ("model", "calibration", "data", "dtype", "output")
@@ -69,7 +69,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
     """Run the calibration described by ``settings``; returns the artefact path."""
     from kvlab.compression.pipeline import Pipeline
     from kvlab.data import build_dataset
-    from kvlab.generation import generate
+    from kvlab.engine.generation import generate
     from kvlab.models import load_model, validate_model_name
 
     model_name = settings.get("model")
@@ -95,7 +95,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
             f"calibration '{statistic.registry_name}' needs image tokens, but model '{model_name}' takes no "
             "images. Use a vision-language model (e.g. smollm2-qwen2-vl)."
         )
-    from kvlab.attention import enable_kvlab_attention
+    from kvlab.engine.attention import enable_kvlab_attention
 
     enable_kvlab_attention(loaded.model, loaded.info.vision_language)
     info = loaded.info

@@ -21,7 +21,7 @@ import torch
 
 from kvlab.compression.context import LayerContext, attention_probs
 from kvlab.compression.mixers import head_redundancy
-from kvlab.registry import Registry
+from kvlab.config.registry import Registry
 
 
 @dataclass

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from kvlab.compression.context import sample_positions
-from kvlab.errors import ConfigError
-from kvlab.registry import to_plain, validate_params
+from kvlab.config.errors import ConfigError
+from kvlab.config.registry import to_plain, validate_params
 
 WHERE = "model.compression.budget"
 

@@ -10,7 +10,7 @@ step. A policy has three hooks, all optional:
 - :meth:`DecodePolicy.start` runs once after prefill with the cache and that state;
 - :meth:`DecodePolicy.after_step` runs after every decode step (the step's token is already in
   each layer's decode region). Evicting goes through
-  :meth:`~kvlab.cache.CompressedLayer.evict_one`, which moves the newest token into the victim's
+  :meth:`~kvlab.engine.cache.CompressedLayer.evict_one`, which moves the newest token into the victim's
   slot, so memory stays what was allocated and nothing is masked.
 
 PrefixKV's one-token drop at a fixed index fits the same slot: a policy whose ``after_step``
@@ -26,7 +26,7 @@ import torch
 
 from kvlab.compression.context import LayerContext
 from kvlab.compression.ops import reduce_groups
-from kvlab.registry import Registry
+from kvlab.config.registry import Registry
 
 
 class DecodePolicy:
@@ -39,11 +39,11 @@ class DecodePolicy:
         return None
 
     def start(self, cache: Any, state: dict[str, Any]) -> None:
-        """Called once after prefill with the :class:`~kvlab.cache.CompressedCache` and the prompt state."""
+        """Called once after prefill with the :class:`~kvlab.engine.cache.CompressedCache` and the state."""
         return None
 
     def after_step(self, cache: Any, step: int) -> None:
-        """Called after every decode step with the :class:`~kvlab.cache.CompressedCache`."""
+        """Called after every decode step with the :class:`~kvlab.engine.cache.CompressedCache`."""
         raise NotImplementedError
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.compression.context import LayerContext
-from kvlab.registry import Registry
+from kvlab.config.registry import Registry
 
 
 class DiversityScorer:

@@ -13,7 +13,7 @@ import torch
 
 from kvlab.compression.context import LayerContext
 from kvlab.compression.ops import GqaReduce, Pool, pool_tokens, reduce_groups
-from kvlab.registry import Registry
+from kvlab.config.registry import Registry
 
 
 class ImportanceScorer:

@@ -9,8 +9,8 @@ import torch
 
 from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.context import LayerContext
-from kvlab.errors import ConfigError
-from kvlab.registry import Registry
+from kvlab.config.errors import ConfigError
+from kvlab.config.registry import Registry
 
 
 class Mixer:

@@ -29,7 +29,7 @@ One layer's compression (:meth:`Pipeline.compress`):
 7. the decode policy sees the selection (e.g. to seed decode-time scores).
 
 With ``route``, each branch is the parent node with the branch's fields merged over it (the
-preset rules of ``kvlab.config.merge``: lists and renamed components replaced whole); the rule
+preset rules of ``kvlab.config.loader.merge``: lists and renamed components replaced whole); the rule
 picks a branch per sample at every layer and the branches' selections are combined row by row.
 ``decode`` and ``schedule`` belong to the parent only.
 """
@@ -52,9 +52,9 @@ from kvlab.compression.mixers import MIXERS
 from kvlab.compression.modality import group_topk_mask
 from kvlab.compression.routing import ROUTE_RULES, RouteDecision, combine_selections, pick_rows
 from kvlab.compression.selectors import SELECTORS, Selection
-from kvlab.config import merge
-from kvlab.errors import ConfigError, did_you_mean
-from kvlab.registry import to_plain
+from kvlab.config.errors import ConfigError, did_you_mean
+from kvlab.config.loader import merge
+from kvlab.config.registry import to_plain
 
 WHERE = "model.compression"
 FIELDS = ("budget", "importance", "diversity", "mixer", "allocate", "select", "decode", "schedule", "route")

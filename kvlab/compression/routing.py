@@ -28,7 +28,7 @@ import torch
 from kvlab.compression.context import LayerContext
 from kvlab.compression.modality import VISION_GROUP, modality_groups
 from kvlab.compression.selectors import Selection
-from kvlab.registry import Registry
+from kvlab.config.registry import Registry
 
 # ---------------------------------------------------------------------------------------------
 # layer metrics

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.compression.context import LayerContext
-from kvlab.registry import Registry
+from kvlab.config.registry import Registry
 
 
 @dataclass
@@ -35,6 +35,14 @@ class Selection:
         """``[B, Hkv, K]`` bool, True on real entries."""
         K = self.indices.shape[-1]
         return torch.arange(K, device=self.counts.device) < self.counts[..., None]
+
+    def kept_mask(self, length: int) -> torch.Tensor:
+        """``[B, Hkv, length]`` bool on the CPU: which prompt positions each (sample, head) kept."""
+        B, Hkv, _ = self.indices.shape
+        mask = torch.zeros(B, Hkv, length + 1, dtype=torch.bool)
+        index = torch.where(self.mask().cpu(), self.indices.cpu(), length)  # padding -> spare column
+        mask.scatter_(2, index, True)
+        return mask[..., :length]
 
     def kept_positions(self, b: int, h: int) -> list[int]:
         """Kept positions of one (sample, head) as a Python list."""

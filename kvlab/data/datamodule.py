@@ -7,10 +7,10 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
+from kvlab.config.errors import ConfigError
+from kvlab.config.registry import to_plain
 from kvlab.data.datasets import build_dataset
 from kvlab.data.sample import Sample
-from kvlab.errors import ConfigError
-from kvlab.registry import to_plain
 
 DEFAULT_DATASET: dict[str, Any] = {"name": "synthetic_retrieval", "num_samples": 8, "context_words": 400}
 

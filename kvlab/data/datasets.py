@@ -15,9 +15,9 @@ from typing import Any, Protocol
 
 from PIL import Image
 
+from kvlab.config.errors import ConfigError
+from kvlab.config.registry import Registry
 from kvlab.data.sample import Sample
-from kvlab.errors import ConfigError
-from kvlab.registry import Registry
 
 
 class SampleSource(Protocol):
@@ -37,8 +37,8 @@ def build_dataset(node: Any, where: str = "data.dataset") -> SampleSource:
 
 
 def check_metrics(names: tuple[str, ...]) -> tuple[str, ...]:
-    """Validate a dataset's ``metrics`` against the task-metric registry (:mod:`kvlab.tasks`)."""
-    from kvlab.tasks import validate_task_metrics  # lazy: keeps `kvlab list` free of metric imports
+    """Validate a dataset's ``metrics`` against the task-metric registry (:mod:`kvlab.metrics.tasks`)."""
+    from kvlab.metrics.tasks import validate_task_metrics  # lazy: keeps `kvlab list` free of metric imports
 
     names = validate_task_metrics(names, "data.dataset.metrics")
     if not names:

@@ -27,9 +27,9 @@ from typing import Any
 
 from PIL import Image
 
+from kvlab.config.errors import ConfigError
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
-from kvlab.errors import ConfigError
 
 #: sample fields a mapping may name (``images`` is an alias of ``image``)
 FIELDS = ("prompt", "context", "answers", "choices", "image", "images", "id", "system")

@@ -15,9 +15,9 @@ from typing import Literal
 
 from PIL import Image
 
+from kvlab.config.errors import ConfigError
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
-from kvlab.errors import ConfigError
 
 # --- text task -------------------------------------------------------------------------------
 # Filler vocabulary: no digits and none of the key names or the words "secret"/"code", so the

@@ -2,7 +2,8 @@
 
 - :mod:`kvlab.metrics.fidelity`: agreement with the full-cache model (greedy output,
   teacher-forced KL and top-1);
-- :mod:`kvlab.metrics.task`: task scores against references (:mod:`kvlab.tasks` registry);
+- :mod:`kvlab.metrics.tasks`: per-sample task scores (the registry) and their run means;
+- :mod:`kvlab.metrics.evaluation`: one batch's fidelity (full-cache reference, teacher forcing);
 - :mod:`kvlab.metrics.cost`: KV bytes, compression / prefill time, decode speed, peak memory;
 - :mod:`kvlab.metrics.reference`: the cached full-cache reference per sample;
 - :mod:`kvlab.metrics.run`: :class:`RunMetrics`, all of them over a run's prediction records.

@@ -9,7 +9,7 @@ import torch
 
 from kvlab.metrics.cost import CostMetrics
 from kvlab.metrics.fidelity import GreedyAgreement, TeacherForcedAgreement
-from kvlab.metrics.task import TaskScores
+from kvlab.metrics.tasks import TaskScores
 
 
 class RunMetrics(torch.nn.Module):

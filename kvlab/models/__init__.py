@@ -20,7 +20,7 @@ import time
 import torch
 from PIL import Image
 
-from kvlab.errors import ConfigError, did_you_mean
+from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.models import hub
 from kvlab.models.base import IMAGE, PAD, TEXT, VIDEO, LoadedModel, ModelInfo, Processor
 from kvlab.models.builtin import MODELS, BuiltinModel

@@ -24,13 +24,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlab.models import graft, smollm2, tiny
+from kvlab.config.registry import Registry
 from kvlab.models.common import build_from_config
 from kvlab.models.info import model_info
 from kvlab.models.processors import ChatProcessor, ImageAdapter
-from kvlab.models.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
+from kvlab.models.scaffolding import graft, smollm2, tiny
+from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
 from kvlab.models.vlm import llava_config, llava_images, qwen2_vl_config, qwen2_vl_images
-from kvlab.registry import Registry
 
 MODELS: Registry[BuiltinModel] = Registry("model", "model.model")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kvlab.errors import ConfigError
+from kvlab.config.errors import ConfigError
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -18,7 +18,7 @@ import torch
 
 from kvlab.models.info import model_info
 from kvlab.models.processors import ChatProcessor
-from kvlab.models.tokenizer import IMAGE_PLACEHOLDERS, chatml_template
+from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, chatml_template
 from kvlab.models.vlm import image_adapter
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*$")

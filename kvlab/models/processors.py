@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
-from kvlab.errors import ConfigError
 from kvlab.models.base import IMAGE, PAD, TEXT, VIDEO
 
 CHATML_END = "<|im_end|>"

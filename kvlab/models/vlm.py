@@ -33,7 +33,7 @@ def qwen2_vl_config(text: dict[str, Any], token_ids: dict[str, int], mrope_secti
     """A ``Qwen2VLConfig`` around the language-model dims ``text`` (Llama-style keys) and a tiny vision tower.
 
     Args:
-        text: Llama-style language-model kwargs (see :func:`kvlab.models.tiny.text_dims`), with
+        text: Llama-style language-model kwargs (see :func:`kvlab.models.scaffolding.tiny.text_dims`), with
             ``rope_parameters`` ``{"rope_type": "default", "rope_theta": ...}``.
         token_ids: ids of ``<|image_pad|> <|video_pad|> <|vision_start|> <|vision_end|>``.
         mrope_section: (t, h, w) split of the rotary half-dim; sums to head_dim / 2.
@@ -133,7 +133,7 @@ def image_adapter(
         return qwen2_vl_images(image_size, image_processor)
     if model_type == "llava":
         return llava_images(config, image_processor)
-    from kvlab.errors import ConfigError
+    from kvlab.config.errors import ConfigError
 
     raise ConfigError(
         f"kvlab has no image processing for vision-language models of type '{model_type}'. "

@@ -24,12 +24,12 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from kvlab.config import preset_names, resolve, split_overrides
-from kvlab.errors import ConfigError, did_you_mean
+from kvlab.config.errors import ConfigError, did_you_mean
+from kvlab.config.loader import preset_names, resolve, split_overrides
 from kvlab.metrics.reference import REFERENCE_DIR
-from kvlab.progress import RunProgress, format_summary
-from kvlab.tasks import DEFAULT_TASK_METRICS, validate_task_metrics
-from kvlab.writer import METRICS, PredictionWriter
+from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, validate_task_metrics
+from kvlab.runner.progress import RunProgress, format_summary
+from kvlab.runner.writer import METRICS, PredictionWriter
 
 
 class KVLabCLI(LightningCLI):
@@ -116,7 +116,7 @@ def all_registries() -> list[Any]:
 
 def predict(args: list[str]) -> None:
     """Resolve presets and kvlab-merged overrides, expand a sweep, then hand each run to LightningCLI."""
-    from kvlab.sweep import expand, pop_run_args
+    from kvlab.config.sweep import expand, pop_run_args
 
     configs, rest, overrides = split_overrides(args)
     if not (configs or overrides):
@@ -133,7 +133,7 @@ def predict(args: list[str]) -> None:
     run = {"dir": "runs", "experiment": "default", "method": "method", **resolved.get("run", {}), **run_args}
     for suffix, cfg in points:
         run_predict({**cfg, "run": {**run, "method": f"{run['method']}@{suffix}"}}, rest)
-    from kvlab.compare import compare_experiment
+    from kvlab.runner.compare import compare_experiment
 
     print(compare_experiment(Path(run["dir"]) / run["experiment"]))
 
@@ -141,7 +141,7 @@ def predict(args: list[str]) -> None:
 def run_predict(resolved: dict[str, Any] | None, rest: list[str]) -> None:
     """One ``kvlab predict`` run of a resolved config (None: LightningCLI's own arguments only)."""
     from kvlab.data import KVLabDataModule
-    from kvlab.module import KVLabModule
+    from kvlab.runner.module import KVLabModule
 
     if resolved is not None:
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kvlab-", delete=False) as tmp:
@@ -166,7 +166,7 @@ def run_predict(resolved: dict[str, Any] | None, rest: list[str]) -> None:
 
 def compare_command(args: list[str]) -> None:
     """``kvlab compare runs/<experiment>``."""
-    from kvlab.compare import main as compare_main
+    from kvlab.runner.compare import main as compare_main
 
     compare_main(args)
 
@@ -200,7 +200,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     ),
     "bench": (lazy_main("kvlab.bench"), "benchmarks printing tables: kernels, memory, scoring"),
     "reference-table": (
-        lazy_main("kvlab.data.reference"),
+        lazy_main("kvlab.runner.reference_table"),
         "methods x budgets on the synthetic tasks with smollm2-135m (docs/evaluation.md)",
     ),
 }

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvlab.errors import ConfigError
+from kvlab.config.errors import ConfigError
 
 MODEL = "smollm2-135m"
 METHODS = (
@@ -50,7 +50,7 @@ def run_config(
     method: str, ratio: float | None, task: dict[str, Any], run: dict[str, str], model_name: str = MODEL
 ) -> dict[str, Any]:
     """The resolved ``kvlab predict`` config of one table cell (``ratio`` None: the preset's budget)."""
-    from kvlab.config import load_config
+    from kvlab.config.loader import load_config
 
     cfg = load_config(method)
     model = cfg.setdefault("model", {})
@@ -132,8 +132,8 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def main(args: list[str]) -> None:
     """``kvlab reference-table``."""
-    from kvlab.cli import run_predict
-    from kvlab.config import preset_names
+    from kvlab.config.cli import run_predict
+    from kvlab.config.loader import preset_names
 
     parser = argparse.ArgumentParser(prog="kvlab reference-table", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="runs/reference", help="where the runs go (default: runs/reference)")

@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
-from kvlab.config import merge
-from kvlab.errors import ConfigError
+from kvlab.config.errors import ConfigError
+from kvlab.config.loader import merge
 
 SWEEP_KEY = "sweep"
 SHORT_PREFIXES = ("model.compression.", "data.dataset.", "model.")

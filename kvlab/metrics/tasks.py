@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import string
 from collections.abc import Callable, Iterable
+from typing import Any
 
+from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.data.sample import Sample
-from kvlab.errors import ConfigError, did_you_mean
+from kvlab.metrics.means import SampleMeans
 from kvlab.metrics.text import normalize_answer, rouge_l, token_f1, words
 
 __all__ = [
@@ -117,3 +119,14 @@ def score_output(
     """``{metric: score}`` for the named metrics that apply to the sample (empty without answers)."""
     scores = {name: TASK_METRICS[name](output, sample) for name in names}
     return {name: value for name, value in scores.items() if value is not None}
+
+
+class TaskScores(SampleMeans):
+    """Mean of every registered task metric (:data:`TASK_METRICS`) over the samples scored with it.
+
+    A state per registered name (not per dataset) keeps every DDP rank's states identical;
+    names never scored are left out of :meth:`compute`.
+    """
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(tuple(TASK_METRICS), **kwargs)

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from kvlab.errors import ConfigError, did_you_mean
+from kvlab.config.errors import ConfigError, did_you_mean
 
 PRESET_KEY = "preset"
 MERGED_PREFIXES = ("model.compression", "data.dataset")

@@ -9,7 +9,7 @@ Writes into the experiment directory:
 
 - ``compare.md`` and ``compare.csv``: the table (also printed);
 - ``quality_vs_memory.png``: each quality metric against the kept KV fraction, one line per
-  method family (the points of a sweep, :func:`kvlab.sweep.parse_method`);
+  method family (the points of a sweep, :func:`kvlab.config.sweep.parse_method`);
 - ``compare/tensorboard/<family>/``: TensorBoard scalars ``sweep/<metric>`` whose step is the
   kept KV in per mille (``round(1000 * kv_ratio)``), so TensorBoard draws one quality-vs-memory
   curve per family, and the figure as ``sweep/quality_vs_memory``.
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.errors import ConfigError
+from kvlab.config.errors import ConfigError
+from kvlab.config.sweep import parse_method
 from kvlab.metrics.run import summarize
-from kvlab.sweep import parse_method
-from kvlab.tasks import TASK_METRICS
-from kvlab.writer import PREDICTIONS, read_predictions
+from kvlab.metrics.tasks import TASK_METRICS
+from kvlab.runner.writer import PREDICTIONS, read_predictions
 
 FIDELITY = ("fidelity_exact", "fidelity_token_match", "fidelity_rouge_l", "fidelity_kl", "fidelity_top1")
 COST = (

@@ -37,7 +37,7 @@ import torch
 from PIL import Image
 
 from kvlab.compression.routing import route_metric, switch_layers
-from kvlab.generation import GenerationResult
+from kvlab.engine.generation import GenerationResult
 from kvlab.models.base import IMAGE, TEXT, VIDEO
 
 MODALITY_NAMES = {TEXT: "text", IMAGE: "image", VIDEO: "video"}
@@ -48,22 +48,13 @@ def budget_heatmap(kept: torch.Tensor, prompt_length: int) -> torch.Tensor:
     return (kept.float() / max(prompt_length, 1)).clamp(0, 1)[None]
 
 
-def kept_mask(selection: Any, length: int) -> torch.Tensor:
-    """``[B, Hkv, length]`` bool: which prompt positions each (sample, head) kept."""
-    B, Hkv, _ = selection.indices.shape
-    mask = torch.zeros(B, Hkv, length + 1, dtype=torch.bool)
-    index = torch.where(selection.mask().cpu(), selection.indices.cpu(), length)  # padding -> spare column
-    mask.scatter_(2, index, True)
-    return mask[..., :length]
-
-
 def modality_counts(selection: Any, modality: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept and present token counts per modality id (0 text, 1 image, 2 video), each ``[3]``.
 
     Present counts are multiplied by the number of KV heads, so kept / present is the fraction.
     """
     modality = modality.cpu()
-    kept = kept_mask(selection, modality.shape[1])  # [B, Hkv, T]
+    kept = selection.kept_mask(modality.shape[1])  # [B, Hkv, T]
     Hkv = kept.shape[1]
     kept_counts = torch.stack([(kept & (modality == m)[:, None]).sum() for m in MODALITY_NAMES])
     present = torch.stack([(modality == m).sum() * Hkv for m in MODALITY_NAMES])
@@ -210,7 +201,7 @@ class Inspector:
             if not -len(reports) <= layer < len(reports):
                 continue
             report = reports[layer]
-            share = kept_mask(report.selection, T)[0].float().mean(0)  # [T] share of heads keeping each token
+            share = report.selection.kept_mask(T)[0].float().mean(0)  # [T] share of heads keeping each token
             for i, (first, rows, cols) in enumerate(grids):
                 patch = share[first : first + rows * cols].view(rows, cols)
                 image = patch_overlay(batch["samples"][0].images[i], patch)

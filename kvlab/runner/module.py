@@ -7,17 +7,17 @@ from typing import Any, Literal
 import lightning as L
 import torch
 
-from kvlab.attention import enable_kvlab_attention
 from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.routing import route_metric, switch_layers
-from kvlab.errors import ConfigError
-from kvlab.evaluation import FidelityEvaluator
-from kvlab.generation import GenerationResult, generate
-from kvlab.inspect import Inspector
+from kvlab.config.errors import ConfigError
+from kvlab.engine.attention import enable_kvlab_attention
+from kvlab.engine.generation import GenerationResult, generate
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
+from kvlab.metrics.evaluation import FidelityEvaluator
 from kvlab.metrics.reference import ReferenceStore
+from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, score_output, validate_task_metrics
 from kvlab.models.base import LoadedModel
-from kvlab.tasks import DEFAULT_TASK_METRICS, score_output, validate_task_metrics
+from kvlab.runner.views import Inspector
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

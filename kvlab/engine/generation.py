@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from kvlab.attention import CompressionSession, compression_session
-from kvlab.cache import CompressedCache
 from kvlab.compression.context import sample_positions
 from kvlab.compression.pipeline import LayerReport, Pipeline
+from kvlab.engine.attention import CompressionSession, compression_session
+from kvlab.engine.cache import CompressedCache
 from kvlab.models.base import LoadedModel
 
 

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvlab.cache import CompressedCache
 from kvlab.compression.context import LayerContext
 from kvlab.compression.pipeline import LayerReport, Pipeline
+from kvlab.engine.cache import CompressedCache
 
 ATTENTION_NAME = "kvlab"
 _SESSION: contextvars.ContextVar[CompressionSession | None] = contextvars.ContextVar(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.compression.pipeline import Pipeline
-from kvlab.generation import GenerationResult, generate
+from kvlab.engine.generation import GenerationResult, generate
 from kvlab.metrics.fidelity import Reference, fidelity_values, teacher_tokens
 from kvlab.metrics.reference import ReferenceStore, reference_key
 from kvlab.models.base import LoadedModel

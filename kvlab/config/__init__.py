@@ -1,0 +1,1 @@
+"""Configuration: config files and presets, the component registries, sweeps, errors and the CLI."""

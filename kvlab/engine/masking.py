@@ -1,0 +1,51 @@
+"""The masking baseline: full-size K/V with the evicted entries hidden by an attention mask.
+
+This is how kvpress holds a per-head selection such as AdaKV's: every prompt entry stays in a
+transformers ``DynamicCache`` and decode masks the evicted ones, so memory does not fall.
+``kvlab bench memory`` measures kvlab's ragged cache against it, and a test checks that
+decoding over the ragged cache equals decoding over this masked full cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MASKED_ATTENTION = "kvlab_masked"
+MASKS: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, T] kept mask of the prompt entries
+
+
+def masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Full K/V; at decode the evicted prompt entries (``MASKS[layer]``) are masked out.
+
+    Shapes: query ``[B, H, q, D]``, key/value ``[B, Hkv, S, D]``; returns ``[B, q, H, D]``.
+    """
+    if query.shape[2] > 1:
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2), None
+    keep = MASKS[module.layer_idx]
+    mask = torch.ones(*keep.shape[:2], key.shape[2], dtype=torch.bool, device=key.device)
+    mask[..., : keep.shape[-1]] = keep
+    group = query.shape[1] // key.shape[1]
+    mask = mask.repeat_interleave(group, 1)[:, :, None, :]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+def load_masked_model(model_name: str, reports: list[Any], length: int) -> Any:
+    """``model_name`` with kvpress-style masking: full K/V kept, at decode the prompt entries the
+    layer ``reports`` evicted (their selections, prompts of ``length`` tokens) are masked out."""
+    from transformers import AttentionInterface
+
+    from kvlab.models import load_model
+
+    loaded = load_model(model_name)
+    AttentionInterface.register(MASKED_ATTENTION, masked_attention)
+    loaded.model.set_attn_implementation(MASKED_ATTENTION)
+    MASKS.clear()
+    MASKS.update({report.layer_idx: report.selection.kept_mask(length) for report in reports})
+    return loaded

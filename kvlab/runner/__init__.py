@@ -1,0 +1,2 @@
+"""Running: the Lightning module, the prediction writer, progress, TensorBoard views, compare and the
+reference table."""
