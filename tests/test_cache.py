@@ -1,4 +1,5 @@
-"""CompressedCache: ragged storage, memory accounting, decode attention against dense references."""
+"""CompressedCache: ragged storage, memory accounting, decode attention against dense references,
+the slot layout and eviction that decode policies use."""
 
 import torch
 import torch.nn.functional as F
@@ -135,3 +136,42 @@ def test_cache_reports_kept_tokens_per_layer():
         layer.compress(random_selection(1, 2, 10, torch.tensor([[3, 7]])))
     assert cache.kept_tokens().tolist() == [[[3, 7]], [[3, 7]]]
     assert cache.prompt_kv_bytes() == 2 * (3 + 7) * 4 * 2 * 4
+
+
+def slot_values(layer):
+    """Values of every stored entry in the slot layout, ``[B, Hkv, K + decode_length, D]``."""
+    rows, _ = layer.slot_rows()
+    return torch.cat([layer.prompt_values[rows], layer.decode_values[:, :, : layer.decode_length]], 2)
+
+
+def test_attention_probs_are_the_decode_attention_weights_in_the_slot_layout():
+    B, Hkv, G, T, D = 2, 2, 3, 40, 8
+    layer, *_ = filled_layer(B, Hkv, T, D, capacity=2)  # ragged heads, one of them empty
+    layer.update(torch.randn(B, Hkv, 1, D), torch.randn(B, Hkv, 1, D))
+    query, scaling = torch.randn(B, Hkv * G, 1, D), D**-0.5
+    probs = layer.attention_probs(query, scaling)  # [B, Hkv, G, 1, K + 1]
+    valid = layer.slot_valid()
+    assert probs.shape == (B, Hkv, G, 1, layer.prompt_slots + 1) and valid.shape == (B, Hkv, probs.shape[-1])
+    assert bool((probs.masked_select(~valid[:, :, None, None]) == 0).all())
+    torch.testing.assert_close(probs.sum(-1), torch.ones(B, Hkv, G, 1))
+    mixed = (probs[..., None] * slot_values(layer)[:, :, None, None]).sum(-2)  # [B, Hkv, G, 1, D]
+    want = layer.decode_attention(query, scaling)
+    torch.testing.assert_close(mixed.reshape(B, Hkv * G, 1, D), want, atol=1e-5, rtol=1e-5)
+
+
+def test_evict_one_moves_the_newest_token_into_the_victim_slot():
+    layer, *_ = filled_layer(capacity=2)  # kept [[5, 17], [0, 40]]
+    new_k, new_v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    layer.update(new_k, new_v)
+    before = slot_values(layer).clone()
+    newest = layer.prompt_slots  # K + decode_length - 1
+    victim = torch.tensor([[3, newest], [newest, 0]])  # a prompt slot, the newest token itself
+    layer.evict_one(victim)
+    assert layer.decode_length == 0 and layer.lengths.tolist() == [[5, 17], [0, 40]]
+    after = slot_values(layer)
+    for b, h in ((0, 0), (1, 1)):
+        want = before[b, h, : layer.lengths[b, h]].clone()
+        want[victim[b, h]] = new_v[b, h, 0]
+        assert torch.equal(after[b, h, : layer.lengths[b, h]], want)
+        assert torch.equal(layer.segment(b, h)[0][victim[b, h]], new_k[b, h, 0])
+    assert torch.equal(after[0, 1, :17], before[0, 1, :17])  # the newest token was the victim

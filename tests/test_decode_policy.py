@@ -1,5 +1,6 @@
 """Decode policies: `none` appends; `h2o` holds every head's size by evicting the entry with the
-lowest accumulated attention, checked against a naive per-(sample, head) list simulation."""
+lowest accumulated attention, checked against a naive per-(sample, head) list simulation. The
+prefill and decode steps run separately give what `generate` gives."""
 
 import e2e
 import torch
@@ -7,17 +8,24 @@ from e2e import kvlab_model
 from naive import dot, softmax
 from test_methods import samples
 
-from kvlab.compression.decode import DECODE_POLICIES
+from kvlab.compression.decode import DECODE_POLICIES, H2OEntries
 from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.selectors import Selection
-from kvlab.engine.cache import CompressedLayer
+from kvlab.engine.attention import CompressionSession, compression_session, kvlab_attention
+from kvlab.engine.cache import CompressedCache
+from kvlab.engine.generation import decode, generate, prefill
 
 B, HKV, G, D, T = 2, 2, 2, 4, 10
-
-
-class OneLayer:
-    def __init__(self, layer):
-        self.layers = [layer]
+STORAGE = {
+    "keys",
+    "values",
+    "prompt_keys",
+    "prompt_values",
+    "starts",
+    "lengths",
+    "decode_keys",
+    "decode_values",
+}
 
 
 def naive_h2o(prompt, counts, seeds, queries, new_kv, recent, scaling):
@@ -58,13 +66,18 @@ def test_h2o_decode_matches_naive_simulation():
     K = max(len(c) for row in counts for c in row)
     indices = torch.tensor([[c + [0] * (K - len(c)) for c in row] for row in counts])
     lengths = torch.tensor([[len(c) for c in row] for row in counts])
-    layer = CompressedLayer(decode_capacity=2)
+    cache = CompressedCache(num_layers=1, decode_capacity=2)
+    layer = cache.layers[0]
     layer.update(keys, values)
     layer.compress(Selection(indices=indices, counts=lengths))
     seeds = torch.rand(B, HKV, K, generator=gen)
     mask = torch.arange(K) < lengths[..., None]
     policy = DECODE_POLICIES.build({"name": "h2o", "recent": 2})
-    layer.track_attention(seeds[mask], indices[mask], "mean")
+    session = CompressionSession(cache, None, torch.ones(B, T, dtype=torch.bool), torch.zeros(B, T))
+    policy.seed(session.state, 0, seeds[mask], indices[mask])
+    policy.start(session)
+    attention = torch.nn.Module()
+    attention.layer_idx = 0  # what the attention function reads of a transformers attention module
     steps, scaling = 6, D**-0.5
     queries = [torch.randn(B, HKV * G, 1, D, generator=gen) for _ in range(steps)]
     new_kv = [
@@ -74,9 +87,12 @@ def test_h2o_decode_matches_naive_simulation():
     got = []
     for step in range(steps):
         layer.update(*new_kv[step])
-        got.append(layer.decode_attention(queries[step], scaling))
-        policy.after_step(OneLayer(layer), step)
+        with compression_session(session):  # the decode attention hands the policy its probabilities
+            out, _ = kvlab_attention(attention, queries[step], *new_kv[step], None, scaling)
+        got.append(out.transpose(1, 2))
+        policy.after_step(session, step)
         assert torch.equal(layer.lengths, lengths) and layer.decode_length == 0
+        assert session.decode_attention == {}  # taken by the policy
     want, kept = naive_h2o(
         (keys.double().tolist(), values.double().tolist()),
         counts,
@@ -90,16 +106,20 @@ def test_h2o_decode_matches_naive_simulation():
         torch.testing.assert_close(
             got[step][:, :, 0].double(), torch.tensor(want[step], dtype=torch.float64), atol=1e-5, rtol=0
         )
+    tracked = policy.entries(session)[0]  # the policy's bookkeeping follows the cache's moves
     for (b, h), positions in kept.items():
-        start, n = int(layer.starts[b, h]), int(layer.lengths[b, h])
-        assert sorted(layer.entry_positions[start : start + n].tolist()) == positions
+        slots = tracked.positions[b, h, : int(layer.lengths[b, h])].tolist()
+        assert sorted(slots) == positions
+        for stored, pos in zip(layer.segment(b, h)[0], slots, strict=True):
+            assert torch.equal(stored, keys[b, h, pos] if pos < T else new_kv[pos - T][0][b, h, 0])
 
 
-def pipe(decode):
+def pipe(decode, window=8):
+    """SnapKV at 24 tokens per head; h2o's recent window is the budget's ``window``."""
     return Pipeline.from_config(
         {
-            "budget": {"tokens": 24, "window": 8},
-            "importance": [{"name": "window_attention", "window": 8}],
+            "budget": {"tokens": 24, "window": window},
+            "importance": {"attention": {"name": "window_attention"}},
             "decode": decode,
         }
     )
@@ -107,13 +127,13 @@ def pipe(decode):
 
 def test_h2o_decode_holds_the_cache_size_and_none_appends():
     loaded = kvlab_model("tiny-qwen2")
-    for decode in ("none", "h2o"):
-        pipeline = pipe({"name": decode})
+    for name in ("none", "h2o"):
+        pipeline = pipe({"name": name})
         policy, seen = pipeline.decode_policy, []
 
-        def record(cache, step, after_step=policy.after_step, seen=seen):
-            after_step(cache, step)
-            seen.append([(layer.lengths.clone(), layer.decode_length) for layer in cache.layers])
+        def record(session, step, after_step=policy.after_step, seen=seen):
+            after_step(session, step)
+            seen.append([(layer.lengths.clone(), layer.decode_length) for layer in session.cache.layers])
 
         policy.after_step = record
         result = e2e.run(loaded, pipeline, samples(2, 60), 6)
@@ -121,9 +141,44 @@ def test_h2o_decode_holds_the_cache_size_and_none_appends():
         for step, layers in enumerate(seen):
             for lengths, decode_length in layers:
                 assert bool((lengths == 24).all())
-                assert decode_length == (step + 1 if decode == "none" else 0)
+                assert decode_length == (step + 1 if name == "none" else 0)
 
 
 def test_h2o_decode_padded_batch_equals_one_by_one():
     loaded = kvlab_model("tiny-qwen2")
-    e2e.assert_batch_equals_alone(loaded, pipe({"name": "h2o", "recent": 4}), samples(2, 60), 6)
+    e2e.assert_batch_equals_alone(loaded, pipe({"name": "h2o"}, window=4), samples(2, 60), 6)
+
+
+def test_h2o_scores_live_in_the_policy_state_not_in_the_cache():
+    loaded = kvlab_model("tiny-qwen2")
+    pipeline = pipe({"name": "h2o"}, window=4)
+    state = prefill(loaded, pipeline, loaded.processor.collate(samples(2, 60)), decode_capacity=4)
+    decode(state, 4)
+    entries = pipeline.decode_policy.entries(state.session)
+    assert sorted(entries) == list(range(len(state.cache.layers)))
+    for layer_idx, layer in enumerate(state.cache.layers):
+        tensors = {name for name, value in vars(layer).items() if torch.is_tensor(value)}
+        assert tensors <= STORAGE, f"the cache holds more than K/V and offsets: {tensors - STORAGE}"
+        assert isinstance(entries[layer_idx], H2OEntries)
+        assert entries[layer_idx].scores.shape[:2] == layer.lengths.shape
+    assert not any(torch.is_tensor(value) for value in vars(state.cache).values())
+
+
+def test_prefill_then_decode_equals_generate():
+    loaded = kvlab_model("tiny-qwen2")
+    batch = loaded.processor.collate(samples(2, 60))
+    teacher = torch.tensor([[5, 9, 2, 7], [1, 1, 3, 8]])
+    for decode_node in ("none", "h2o"):
+        pipeline = pipe({"name": decode_node}, window=4)
+        for forced in (None, teacher):
+            want = generate(loaded, pipeline, batch, 6, return_logits=True, teacher_tokens=forced)
+            state = prefill(loaded, pipeline, batch, decode_capacity=6)
+            assert torch.equal(state.logits.cpu(), want.step_logits[:, 0])
+            assert torch.equal(state.cache.kept_tokens().cpu(), want.kept)
+            got = decode(state, 6, return_logits=True, teacher_tokens=forced)
+            assert torch.equal(got.step_logits.cpu(), want.step_logits)
+            assert got.tokens.shape[1] == (6 if forced is None else 4)
+            trimmed = [
+                row[: len(tokens)] for row, tokens in zip(got.tokens.tolist(), want.tokens, strict=True)
+            ]
+            assert trimmed == want.tokens  # generate only cuts each row at its first eos

@@ -6,27 +6,38 @@ papers). ``h2o`` holds each (sample, KV head) at its post-prefill size by evicti
 step. A policy has three hooks, all optional:
 
 - :meth:`DecodePolicy.on_compress` sees each layer's prefill selection (and its context), e.g.
-  to seed per-entry scores; it may keep state in ``ctx.state`` (one prompt's scratch space);
-- :meth:`DecodePolicy.start` runs once after prefill with the cache and that state;
+  to seed per-entry scores; it may keep state in ``ctx.state`` (the batch's scratch space,
+  :attr:`~kvlab.engine.attention.CompressionSession.state`);
+- :meth:`DecodePolicy.start` runs once before the first decode step with the batch's
+  :class:`~kvlab.engine.attention.CompressionSession`. A policy that needs the decode attention
+  sets ``session.decode_attention = {}`` there; the attention function then stores every
+  layer's attention probabilities of each step in it;
 - :meth:`DecodePolicy.after_step` runs after every decode step (the step's token is already in
   each layer's decode region). Evicting goes through
-  :meth:`~kvlab.engine.cache.CompressedLayer.evict_one`, which moves the newest token into the victim's
-  slot, so memory stays what was allocated and nothing is masked.
+  :meth:`~kvlab.engine.cache.CompressedLayer.evict_one`, which moves the newest token into the
+  victim's slot, so memory stays what was allocated and nothing is masked.
 
-PrefixKV's one-token drop at a fixed index fits the same slot: a policy whose ``after_step``
-picks the victim slot by index instead of by score.
+The cache only stores K/V: a policy keeps its per-entry bookkeeping itself, per batch, in
+``session.state`` (a pipeline and its policy serve many batches). Other eviction rules, e.g. a
+victim picked by index or by age rather than by score, would fit the same hooks; only ``none``
+and ``h2o`` exist.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 
 from kvlab.compression.context import LayerContext
 from kvlab.compression.ops import reduce_groups
 from kvlab.config.registry import Registry
+from kvlab.engine.cache import CompressedLayer
+
+if TYPE_CHECKING:
+    from kvlab.engine.attention import CompressionSession
 
 
 class DecodePolicy:
@@ -38,12 +49,12 @@ class DecodePolicy:
         """Called right after layer ``ctx.layer_idx`` chose its ``Selection``."""
         return None
 
-    def start(self, cache: Any, state: dict[str, Any]) -> None:
-        """Called once after prefill with the :class:`~kvlab.engine.cache.CompressedCache` and the state."""
+    def start(self, session: CompressionSession) -> None:
+        """Called once before the first decode step, with the batch's session (cache, state)."""
         return None
 
-    def after_step(self, cache: Any, step: int) -> None:
-        """Called after every decode step with the :class:`~kvlab.engine.cache.CompressedCache`."""
+    def after_step(self, session: CompressionSession, step: int) -> None:
+        """Called after every decode step; ``session.cache`` holds the step's token."""
         raise NotImplementedError
 
 
@@ -55,8 +66,65 @@ DECODE_POLICIES: Registry[DecodePolicy] = Registry("decode policy", "model.compr
 class AppendOnly(DecodePolicy):
     """Append every decoded token; never evict."""
 
-    def after_step(self, cache: Any, step: int) -> None:
+    def after_step(self, session: CompressionSession, step: int) -> None:
         return None
+
+
+@dataclass
+class H2OEntries:
+    """H2O's bookkeeping for one layer: accumulated attention and position of every stored entry.
+
+    Both tensors are in the cache's slot layout (see
+    :meth:`~kvlab.engine.cache.CompressedLayer.slot_valid`): slot ``s < K`` is a prompt row of the
+    (sample, head), then its decode tokens; they hold at least ``K + decode_length`` slots. Empty
+    slots hold leftovers that are never read unmasked.
+
+    Attributes:
+        scores: ``[B, Hkv, S]`` fp32 accumulated attention ``s`` of each entry.
+        positions: ``[B, Hkv, S]`` long, the entry's position in the padded batch (a prompt token
+            its index ``t < T``, the i-th decoded token ``T + i``).
+    """
+
+    scores: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def seed(cls, layer: CompressedLayer, scores: torch.Tensor, positions: torch.Tensor) -> H2OEntries:
+        """Entries of a just-compressed ``layer`` from prefill ``scores [N]`` at ``positions [N]``.
+
+        ``N`` follows the layer's flat ``prompt_keys`` order; the decode slots start at 0.
+        """
+        rows, _ = layer.slot_rows()  # [B, Hkv, K]
+        decode = layer.decode_keys.shape[2]
+        return cls(F.pad(scores.float()[rows], (0, decode)), F.pad(positions.long()[rows], (0, decode)))
+
+    def accumulate(self, layer: CompressedLayer, probs: torch.Tensor, gqa: str) -> None:
+        """Add one step's attention ``probs [B, Hkv, G, q, K + decode_length]`` to every entry's score.
+
+        The step's ``q`` queries are summed and the ``G`` query heads of a KV head reduced by
+        ``gqa`` (mean | sum); the newest ``q`` slots get their positions.
+        """
+        slots = probs.shape[-1]
+        if self.scores.shape[-1] < slots:  # the cache's decode region grew
+            grow = slots - self.scores.shape[-1]
+            self.scores = F.pad(self.scores, (0, grow))
+            self.positions = F.pad(self.positions, (0, grow))
+        q, length = probs.shape[3], layer.cumulative_length
+        self.positions[:, :, slots - q : slots] = torch.arange(length - q, length, device=probs.device)
+        per_query = probs.sum(3)  # [B, Hkv, G, slots]
+        self.scores[:, :, :slots] += per_query.mean(2) if gqa == "mean" else per_query.sum(2)
+
+    def evict(self, victim: torch.Tensor, newest: int) -> None:
+        """Mirror :meth:`~kvlab.engine.cache.CompressedLayer.evict_one`: slot ``newest`` moves into
+        ``victim [B, Hkv]`` and is freed (its score reset for the next token)."""
+        b, h = torch.meshgrid(
+            torch.arange(victim.shape[0], device=victim.device),
+            torch.arange(victim.shape[1], device=victim.device),
+            indexing="ij",
+        )
+        self.scores[b, h, victim] = self.scores[b, h, newest]
+        self.positions[b, h, victim] = self.positions[b, h, newest]
+        self.scores[:, :, newest] = 0
 
 
 @DECODE_POLICIES.register("h2o")
@@ -71,11 +139,19 @@ class H2ODecodePolicy(DecodePolicy):
     (``[B, Hkv, n]``, query heads of a group reduced the same way). After each step the
     newest token is stored and the entry with the lowest ``s`` outside the ``recent`` newest
     positions is evicted (the oldest entry when everything is recent), so each (sample, head)
-    stays at its post-prefill size. ``recent`` defaults to the pipeline's ``budget.window``.
+    stays at its post-prefill size. Inside a pipeline, ``recent`` comes from ``budget.window``
+    when that is a token count.
+
+    The scores live in the batch's ``session.state`` (one :class:`H2OEntries` per layer, see
+    :meth:`entries`), not in the cache; the attention function hands each step's probabilities
+    over through ``session.decode_attention``.
     """
 
     recent: int = 32
     gqa: Literal["mean", "sum"] = "mean"
+
+    SEEDS: ClassVar[str] = "h2o_seeds"  # session.state keys
+    ENTRIES: ClassVar[str] = "h2o_entries"
 
     def __post_init__(self) -> None:
         if self.recent < 0:
@@ -85,20 +161,42 @@ class H2ODecodePolicy(DecodePolicy):
         scores = reduce_groups(ctx.cumulative_attention(), ctx.num_kv_heads, self.gqa)  # [B, Hkv, T]
         mask = selection.mask()
         kept = scores.gather(-1, selection.indices)[mask]  # [N] in the cache's flat order
-        ctx.state.setdefault("h2o_decode", {})[ctx.layer_idx] = (kept, selection.indices[mask])
+        self.seed(ctx.state, ctx.layer_idx, kept, selection.indices[mask])
 
-    def start(self, cache: Any, state: dict[str, Any]) -> None:
-        seeds = state.get("h2o_decode", {})
-        for layer_idx, layer in enumerate(cache.layers):
-            scores, positions = seeds[layer_idx]
-            layer.track_attention(scores, positions, self.gqa)
+    def seed(
+        self, state: dict[str, Any], layer_idx: int, scores: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Record layer ``layer_idx``'s prefill scores ``[N]`` of its kept entries, at ``positions [N]``.
 
-    def after_step(self, cache: Any, step: int) -> None:
-        for layer in cache.layers:
-            scores, positions, valid = layer.entry_view()  # [B, Hkv, S]; slot S-1 is the newest token
+        ``N`` follows the layer's flat cache order; :meth:`start` turns the seeds into entries.
+        """
+        state.setdefault(self.SEEDS, {})[layer_idx] = (scores, positions)
+
+    def start(self, session: CompressionSession) -> None:
+        seeds = session.state.pop(self.SEEDS, {})
+        session.state[self.ENTRIES] = {
+            layer_idx: H2OEntries.seed(layer, *seeds[layer_idx])
+            for layer_idx, layer in enumerate(session.cache.layers)
+        }
+        session.decode_attention = {}
+
+    def entries(self, session: CompressionSession) -> dict[int, H2OEntries]:
+        """The batch's :class:`H2OEntries` per layer index (after :meth:`start`)."""
+        return session.state[self.ENTRIES]
+
+    def after_step(self, session: CompressionSession, step: int) -> None:
+        entries = self.entries(session)
+        for layer_idx, layer in enumerate(session.cache.layers):
+            tracked = entries[layer_idx]
+            tracked.accumulate(layer, session.decode_attention.pop(layer_idx), self.gqa)
+            slots = layer.prompt_slots + layer.decode_length  # slot slots - 1 is the newest token
+            scores, positions = tracked.scores[:, :, :slots], tracked.positions[:, :, :slots]
+            valid = layer.slot_valid()  # [B, Hkv, slots]
             newest = layer.cumulative_length - 1
             recent = positions > newest - self.recent
             candidate = valid & ~recent
             lowest = scores.masked_fill(~candidate, float("inf")).argmin(-1)
             oldest = positions.masked_fill(~valid, torch.iinfo(positions.dtype).max).argmin(-1)
-            layer.evict_one(torch.where(candidate.any(-1), lowest, oldest))
+            victim = torch.where(candidate.any(-1), lowest, oldest)
+            layer.evict_one(victim)
+            tracked.evict(victim, slots - 1)

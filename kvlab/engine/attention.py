@@ -8,7 +8,9 @@ through a :class:`CompressionSession` held in a context variable while kvlab run
 - Prefill (the layer is not compressed yet): exact causal attention over the full prompt with
   kvlab's own padding mask (transformers builds no mask for a custom attention name), then
   the layer's pipeline chooses what to keep and the cache is compacted at once ("layerwise").
-- Decode: attention over the layer's ragged kept tokens plus the decoded tokens.
+- Decode: attention over the layer's ragged kept tokens plus the decoded tokens. When the
+  decode policy asked for them (``session.decode_attention`` is a dict), the step's attention
+  probabilities over the layer's entries are stored there for the policy.
 - Without an active session (or for modules without ``layer_idx``) it is plain sdpa.
 """
 
@@ -45,23 +47,27 @@ class CompressionSession:
         pipeline: the compression method.
         valid: ``[B, T]`` bool prompt padding mask (False on padding).
         modality: ``[B, T]`` modality ids of the prompt.
-        calibration: calibration statistics for components that need them.
         record_scores: keep each layer's mixed scores in its report (for TensorBoard).
         reports: one :class:`LayerReport` per compressed layer, in layer order.
-        state: cross-layer scratch space for components (reset per session).
+        state: cross-layer scratch space for components and the decode policy (reset per session).
+        decode_attention: None unless the decode policy asks for the decode attention (in its
+            ``start``, by setting a dict): then every decode step stores layer ``l``'s
+            :meth:`~kvlab.engine.cache.CompressedLayer.attention_probs`, ``[B, Hkv, G, q, S]``
+            fp32 over the layer's ``S`` slots, at key ``l`` (the policy takes them in ``after_step``).
     """
 
     cache: CompressedCache
     pipeline: Pipeline
     valid: torch.Tensor
     modality: torch.Tensor
-    calibration: Any = None
     record_scores: bool = False
     reports: list[LayerReport] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
+    decode_attention: dict[int, torch.Tensor] | None = None
 
     @property
     def compression_seconds(self) -> float:
+        """Seconds spent compressing, summed over the layer reports."""
         return sum(report.seconds for report in self.reports)
 
 
@@ -134,6 +140,8 @@ def kvlab_attention(
     layer = session.cache.layers[layer_idx]
     if layer.compressed:
         out = layer.decode_attention(query, scaling)
+        if session.decode_attention is not None:
+            session.decode_attention[layer_idx] = layer.attention_probs(query, scaling)
         return out.transpose(1, 2).contiguous(), None
     if query.shape[2] != session.valid.shape[1] or key.shape[2] != query.shape[2]:
         raise RuntimeError(
@@ -163,7 +171,6 @@ def _compress_layer(
         valid=session.valid,
         modality=session.modality,
         scaling=scaling,
-        calibration=session.calibration,
         state=session.state,
     )
     with torch.no_grad():

@@ -11,6 +11,12 @@ masked-out tokens, no padding to the largest head. Decode tokens go into the res
 ``decode_*`` region (one token per step for every head); when it fills up it grows by
 doubling, without touching the prompt buffers.
 
+The cache only stores. For decode policies it offers a *slot layout* of each (sample, head)'s
+entries (``[B, Hkv, K + decode_length]``: its prompt rows padded to ``K``, then its decode
+tokens), the attention probabilities of new queries in that layout and
+:meth:`CompressedLayer.evict_one`; a policy that scores entries (H2O) keeps the scores itself
+(:class:`kvlab.compression.decode.H2ODecodePolicy`).
+
 Before compression (during prefill) a layer holds the dense ``[B, Hkv, T, D]`` K/V the model
 just computed, so prefill attention sees everything. ``get_seq_length`` reports the *logical*
 length (prompt + decoded tokens), which transformers uses for positions, so RoPE positions
@@ -25,8 +31,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlab.compression.selectors import Selection
 from kvlab.kernels.compaction import compact_kv
 from kvlab.kernels.decode_attention import ragged_decode_attention
-
-INDEX_DTYPE = torch.int64
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -47,12 +51,6 @@ class CompressedLayer(CacheLayerMixin):
         self.decode_keys: torch.Tensor | None = None
         self.decode_values: torch.Tensor | None = None
         self.decode_length = 0
-        # accumulated attention per entry, only while a decode policy tracks it (track_attention)
-        self.entry_scores: torch.Tensor | None = None
-        self.entry_positions: torch.Tensor | None = None
-        self.decode_scores: torch.Tensor | None = None
-        self.decode_positions: torch.Tensor | None = None
-        self.attention_reduce = "mean"
 
     # --- transformers CacheLayerMixin API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -131,7 +129,7 @@ class CompressedLayer(CacheLayerMixin):
         The queries' own K/V must already be appended (``update``). Dispatches to
         :func:`kvlab.kernels.decode_attention.ragged_decode_attention`.
         """
-        out = ragged_decode_attention(
+        return ragged_decode_attention(
             query,
             self.prompt_keys,
             self.prompt_values,
@@ -143,76 +141,60 @@ class CompressedLayer(CacheLayerMixin):
             scaling,
             self.max_prompt_length,
         )
-        if self.entry_scores is not None:
-            self._accumulate_attention(query, scaling)
-        return out
 
-    # --- decode-time eviction (decode policies) ------------------------------------------------
-    def track_attention(self, scores: torch.Tensor, positions: torch.Tensor, reduce: str = "mean") -> None:
-        """Start accumulating decode attention per entry, from prefill ``scores [N]`` at ``positions [N]``.
+    # --- slot layout and decode-time eviction (decode policies) ----------------------------
+    @property
+    def prompt_slots(self) -> int:
+        """``K``: prompt slots per (sample, head) in the slot layout (the longest head's kept count)."""
+        return self.max_prompt_length
 
-        ``reduce`` (mean | sum) folds the query heads of a GQA group into their KV head.
-        Positions are padded-batch coordinates (decode tokens continue at ``T``, ``T + 1``, ...).
+    def slot_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt rows of each (sample, head), padded to ``K`` slots: ``rows, valid``, ``[B, Hkv, K]`` each.
+
+        ``rows`` index ``prompt_keys`` / ``prompt_values`` (clamped to a real row where
+        ``valid`` is False, so gathering through them never fails).
         """
-        self.entry_scores = scores.float().clone()
-        self.entry_positions = positions.long().clone()
-        shape = self.decode_keys.shape[:3]
-        self.decode_scores = torch.zeros(shape, dtype=torch.float32, device=self.decode_keys.device)
-        self.decode_positions = torch.zeros(shape, dtype=torch.long, device=self.decode_keys.device)
-        self.attention_reduce = reduce
-
-    def _slot_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt rows of each (sample, head), padded to the longest: ``[B, Hkv, K]`` rows and valid."""
-        K = int(self.lengths.max()) if self.lengths.numel() else 0
+        K = self.prompt_slots
         slot = torch.arange(K, device=self.lengths.device)
         valid = slot < self.lengths[..., None]
         rows = (self.starts[..., None] + slot).clamp(max=max(self.prompt_keys.shape[0] - 1, 0))
         return rows, valid
 
-    def _accumulate_attention(self, query: torch.Tensor, scaling: float) -> None:
-        """Add the new queries' attention ``[B, H, q, D]`` over every cached entry to its score."""
+    def slot_valid(self) -> torch.Tensor:
+        """``[B, Hkv, K + decode_length]`` bool: which slots of the slot layout hold an entry.
+
+        The slot layout lists every stored entry of a (sample, head): slots ``< K`` are its
+        prompt rows (valid below its length), then its decode region; the last slot is the
+        newest token. :meth:`attention_probs` and :meth:`evict_one` use the same indexing.
+        """
+        _, valid = self.slot_rows()
+        return torch.cat([valid, valid.new_ones(*valid.shape[:2], self.decode_length)], -1)
+
+    def attention_probs(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Softmax of queries ``[B, H, q, D]`` over every stored entry, ``[B, Hkv, G, q, K + decode_length]``.
+
+        fp32, in the slot layout (:meth:`slot_valid`; empty slots get 0), query heads grouped per
+        KV head (``G = H / Hkv``). Every query sees every stored entry (one decode token per
+        step: the newest entry is the query's own). A read of the stored K, nothing is kept.
+        """
         B, H, q, D = query.shape
         Hkv, dl = self.lengths.shape[1], self.decode_length
-        if self.decode_scores.shape[2] < self.decode_keys.shape[2]:  # the decode region grew
-            grow = self.decode_keys.shape[2] - self.decode_scores.shape[2]
-            self.decode_scores = torch.nn.functional.pad(self.decode_scores, (0, grow))
-            self.decode_positions = torch.nn.functional.pad(self.decode_positions, (0, grow))
-        self.decode_positions[:, :, dl - q : dl] = torch.arange(
-            self.cumulative_length - q, self.cumulative_length, device=query.device
-        )
-        rows, valid = self._slot_rows()
+        rows, valid = self.slot_rows()
         keys = torch.cat([self.prompt_keys[rows], self.decode_keys[:, :, :dl]], 2).float()
         valid = torch.cat([valid, valid.new_ones(B, Hkv, dl)], -1)
         grouped = query.float().reshape(B, Hkv, (H // Hkv) * q, D)
         logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling
         probs = torch.softmax(logits.masked_fill(~valid[:, :, None], float("-inf")), -1)
-        probs = probs.view(B, Hkv, H // Hkv, q, -1).sum(3)
-        per_entry = probs.mean(2) if self.attention_reduce == "mean" else probs.sum(2)
-        K = rows.shape[-1]
-        self.entry_scores += per_entry[..., :K][valid[..., :K]]
-        self.decode_scores[:, :, :dl] += per_entry[..., K:]
-
-    def entry_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Scores, positions and validity of every entry, ``[B, Hkv, K + decode_length]`` each.
-
-        Slots ``< K`` are the (sample, head)'s prompt rows (valid below its length), then the
-        decode region; the last slot is the newest token. Needs :meth:`track_attention`.
-        """
-        rows, valid = self._slot_rows()
-        dl = self.decode_length
-        scores = torch.cat([self.entry_scores[rows], self.decode_scores[:, :, :dl]], -1)
-        positions = torch.cat([self.entry_positions[rows], self.decode_positions[:, :, :dl]], -1)
-        valid = torch.cat([valid, valid.new_ones(*valid.shape[:2], dl)], -1)
-        return scores, positions, valid
+        return probs.view(B, Hkv, H // Hkv, q, -1)
 
     def evict_one(self, victim: torch.Tensor) -> None:
-        """Evict slot ``victim [B, Hkv]`` (:meth:`entry_view` indexing) of every (sample, head).
+        """Evict slot ``victim [B, Hkv]`` (slot layout, see :meth:`slot_valid`) of every (sample, head).
 
         The newest decode token moves into the victim's slot (nothing moves when it is the
         victim) and the decode region shrinks by one, so each head keeps its size and no
         buffer is reallocated.
         """
-        K = int(self.lengths.max()) if self.lengths.numel() else 0
+        K = self.prompt_slots
         new = self.decode_length - 1
         b, h = torch.meshgrid(
             torch.arange(victim.shape[0], device=victim.device),
@@ -224,12 +206,9 @@ class CompressedLayer(CacheLayerMixin):
         row = self.starts[pb, ph] + victim[in_prompt]
         self.prompt_keys[row] = self.decode_keys[pb, ph, new]
         self.prompt_values[row] = self.decode_values[pb, ph, new]
-        self.entry_scores[row] = self.decode_scores[pb, ph, new]
-        self.entry_positions[row] = self.decode_positions[pb, ph, new]
         db, dh, slot = b[~in_prompt], h[~in_prompt], victim[~in_prompt] - K
-        for buffer in (self.decode_keys, self.decode_values, self.decode_scores, self.decode_positions):
+        for buffer in (self.decode_keys, self.decode_values):
             buffer[db, dh, slot] = buffer[db, dh, new]
-        self.decode_scores[:, :, new] = 0
         self.decode_length = new
 
     # --- inspection --------------------------------------------------------------------------

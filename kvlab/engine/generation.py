@@ -1,14 +1,18 @@
-"""kvlab's own decode loop: prefill (with compression inside), then greedy decode over the cache.
+"""kvlab's own generation: :func:`prefill` (compression inside), then :func:`decode` over the cache.
 
-Short on purpose (no forked ``generate``): one forward over the padded prompt, then one token
-per step through the Cache API. Positions: text models get explicit ``position_ids`` from the
-attention mask (each sample counts from its own first token, padding or not), and decode
-positions continue from the *original* prompt length. Multimodal-RoPE models (Qwen2-VL) compute
-their own positions at prefill from the attention mask (``get_rope_index``), which also stores
-per-sample ``rope_deltas``. At decode kvlab passes the new token's position itself, exactly as
-the model derives it from a full attention mask (valid tokens so far + ``rope_deltas``, the same
-on all three M-RoPE axes): Qwen2-VL 5.23 would otherwise build positions for the whole
-sequence (given a mask) or ignore left padding (without one).
+Short on purpose (no forked ``generate``): :func:`prefill` runs one forward over the padded
+prompt and returns a :class:`PrefillState` (cache, first logits, next positions, session);
+:func:`decode` takes one token per step through the Cache API (greedy or teacher-forced) and
+runs the decode policy after each; :func:`generate` is the two in a row.
+
+Positions: text models get explicit ``position_ids`` from the attention mask (each sample
+counts from its own first token, padding or not), and decode positions continue from the
+*original* prompt length. Multimodal-RoPE models (Qwen2-VL) compute their own positions at
+prefill from the attention mask (``get_rope_index``), which also stores per-sample
+``rope_deltas`` (kept in the :class:`PrefillState`). At decode kvlab passes the new token's
+position itself, exactly as the model derives it from a full attention mask (valid tokens so
+far + ``rope_deltas``, the same on all three M-RoPE axes): Qwen2-VL 5.23 would otherwise build
+positions for the whole sequence (given a mask) or ignore left padding (without one).
 """
 
 from __future__ import annotations
@@ -77,14 +81,192 @@ def _prefill_positions(
     return {}
 
 
-def _decode_positions(model: torch.nn.Module, next_pos: torch.Tensor) -> torch.Tensor:
-    """Position ids of the next token: ``[B, 1]``, or ``[3, B, 1]`` for multimodal RoPE."""
+def _decode_positions(
+    model: torch.nn.Module, next_pos: torch.Tensor, deltas: torch.Tensor | None
+) -> torch.Tensor:
+    """Position ids of the next token: ``[B, 1]``, or ``[3, B, 1]`` for multimodal RoPE.
+
+    ``deltas`` ``[B, 1]``: the M-RoPE ``rope_deltas`` of the prefill (None: text only).
+    """
     if not _uses_mrope(model):
         return next_pos
-    deltas = model.model.rope_deltas  # [B, 1] from the prefill's get_rope_index (None: text only)
     if deltas is not None:
         next_pos = next_pos + deltas.to(next_pos.device)
     return next_pos[None].expand(3, -1, -1)
+
+
+@dataclass
+class PrefillState:
+    """A batch right after :func:`prefill`: its compressed cache and what :func:`decode` needs.
+
+    Shapes: B samples, T padded prompt length, V vocabulary.
+
+    Attributes:
+        loaded: the model.
+        pipeline: the compression method (its decode policy runs in :func:`decode`).
+        session: the batch's :class:`CompressionSession`: the cache, the padding mask ``valid
+            [B, T]``, the layer reports, the components' state. Decode steps run inside it again.
+        logits: ``[B, V]`` fp32 logits at each sample's last prompt token (the first generated
+            token's distribution).
+        next_positions: ``[B, 1]`` long, position of the next token within its own sample (its
+            valid prompt length: positions continue from the original, uncompressed prompt).
+        rope_deltas: ``[B, 1]`` M-RoPE offsets the prefill computed (``get_rope_index``; kept
+            here because the model overwrites them at its next prefill), None for other models
+            and for text-only batches.
+        seconds: wall time of the prefill forward, compression included (see
+            ``session.compression_seconds`` for the compression part).
+    """
+
+    loaded: LoadedModel
+    pipeline: Pipeline
+    session: CompressionSession
+    logits: torch.Tensor
+    next_positions: torch.Tensor
+    seconds: float
+    rope_deltas: torch.Tensor | None = None
+
+    @property
+    def cache(self) -> CompressedCache:
+        """The batch's :class:`CompressedCache` (every layer compressed)."""
+        return self.session.cache
+
+
+@dataclass
+class DecodeResult:
+    """Outputs of :func:`decode` (S steps, S <= the step limit).
+
+    Attributes:
+        tokens: ``[B, S]`` long, the chosen (or teacher) tokens, a sample's eos and what follows
+            it included (the batch runs until every sample finished).
+        step_logits: ``[B, S, V]`` fp32 logits each token was chosen from (when requested).
+        seconds: wall time of the decode loop.
+    """
+
+    tokens: torch.Tensor
+    step_logits: torch.Tensor | None
+    seconds: float
+
+
+def _stop_tokens(loaded: LoadedModel, device: torch.device) -> torch.Tensor:
+    """``[E]`` long: the processor's end-of-sequence ids, sorted and unique."""
+    return torch.tensor(sorted(set(loaded.processor.eos_token_ids)), device=device)
+
+
+@torch.no_grad()
+def prefill(
+    loaded: LoadedModel,
+    pipeline: Pipeline,
+    batch: dict[str, Any],
+    decode_capacity: int = 32,
+    record_scores: bool = False,
+) -> PrefillState:
+    """One forward over the padded prompt of ``batch``; every layer is compressed inside it.
+
+    Args:
+        loaded: the model, its attention routed through kvlab (``enable_kvlab_attention``).
+        pipeline: the compression method.
+        batch: a processor's collate output: ``input_ids`` / ``attention_mask`` ``[B, T]`` (left
+            padded), ``modality [B, T]``, optional ``model_inputs`` (pixel values, grids).
+        decode_capacity: decode tokens reserved per (sample, KV head) in every layer (the step
+            limit is the right value; the region grows if exceeded).
+        record_scores: keep each layer's mixed scores in its report.
+
+    Returns:
+        the :class:`PrefillState` to hand to :func:`decode`.
+    """
+    model, info = loaded.model, loaded.info
+    pipeline.bind_model(info.name)
+    device = next(model.parameters()).device
+    input_ids = batch["input_ids"].to(device)
+    attention_mask = batch["attention_mask"].to(device)
+    valid = attention_mask.bool()
+    extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.get("model_inputs", {}).items()}
+    cache = CompressedCache(info.num_layers, decode_capacity=decode_capacity)
+    session = CompressionSession(
+        cache=cache,
+        pipeline=pipeline,
+        valid=valid,
+        modality=batch["modality"].to(device),
+        record_scores=record_scores,
+    )
+    positions = sample_positions(valid).clamp(min=0)  # [B, T]; padding gets 0, as in transformers
+    with compression_session(session):
+        start = time.perf_counter()
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **_prefill_positions(model, positions, extra),
+            **extra,
+        )
+        seconds = time.perf_counter() - start
+    return PrefillState(
+        loaded=loaded,
+        pipeline=pipeline,
+        session=session,
+        logits=out.logits[:, -1].float(),
+        next_positions=positions[:, -1:] + 1,
+        seconds=seconds,
+        rope_deltas=model.model.rope_deltas if _uses_mrope(model) else None,
+    )
+
+
+@torch.no_grad()
+def decode(
+    state: PrefillState,
+    max_new_tokens: int = 32,
+    return_logits: bool = False,
+    teacher_tokens: torch.Tensor | None = None,
+) -> DecodeResult:
+    """Greedy decoding over ``state``'s cache, one token per step, the decode policy after each.
+
+    The first token comes from ``state.logits``; each step feeds the chosen token ``[B, 1]`` at
+    its position and takes the next one from the new logits. Stops after ``max_new_tokens``
+    tokens or once every sample chose an end-of-sequence token; the last chosen token is not
+    fed to the model. ``teacher_tokens [B, S]`` are fed instead of the greedy choices (teacher
+    forcing, for fidelity metrics); decoding then runs exactly S steps.
+
+    Decoding advances ``state.cache`` (and the decode policy's state): run it once per prefill.
+    """
+    loaded, session = state.loaded, state.session
+    model, device = loaded.model, state.logits.device
+    policy = state.pipeline.decode_policy
+    eos = _stop_tokens(loaded, device)
+    B = state.logits.shape[0]
+    with compression_session(session):
+        policy.start(session)
+        logits = state.logits
+        step_logits = [logits] if return_logits else []
+        tokens = torch.empty(B, 0, dtype=torch.long, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        next_pos = state.next_positions
+        start = time.perf_counter()
+        steps = max_new_tokens if teacher_tokens is None else teacher_tokens.shape[1]
+        for step in range(steps):
+            next_token = logits.argmax(-1) if teacher_tokens is None else teacher_tokens[:, step].to(device)
+            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+            finished |= torch.isin(next_token, eos)
+            if (teacher_tokens is None and bool(finished.all())) or step == steps - 1:
+                break
+            out = model(
+                input_ids=next_token[:, None],
+                position_ids=_decode_positions(model, next_pos, state.rope_deltas),
+                past_key_values=session.cache,
+                use_cache=True,
+            )
+            next_pos = next_pos + 1
+            logits = out.logits[:, -1].float()
+            if return_logits:
+                step_logits.append(logits)
+            policy.after_step(session, step)
+        seconds = time.perf_counter() - start
+    return DecodeResult(
+        tokens=tokens,
+        step_logits=torch.stack(step_logits, dim=1) if return_logits else None,
+        seconds=seconds,
+    )
 
 
 @torch.no_grad()
@@ -95,89 +277,38 @@ def generate(
     max_new_tokens: int = 32,
     return_logits: bool = False,
     record_scores: bool = False,
-    calibration: Any = None,
     teacher_tokens: torch.Tensor | None = None,
 ) -> GenerationResult:
     """Prefill ``batch`` (a processor's collate output), compress every layer, decode greedily.
 
-    ``teacher_tokens`` ``[B, S]``: feed these tokens instead of the greedy choices (teacher
-    forcing, for fidelity metrics); decoding then runs exactly S steps.
+    :func:`prefill` then :func:`decode`; ``teacher_tokens`` ``[B, S]``: feed these tokens
+    instead of the greedy choices (teacher forcing, for fidelity metrics); decoding then runs
+    exactly S steps.
     """
-    model, info = loaded.model, loaded.info
-    pipeline.bind_model(info.name)
-    device = next(model.parameters()).device
-    input_ids = batch["input_ids"].to(device)
-    attention_mask = batch["attention_mask"].to(device)
-    valid = attention_mask.bool()
-    extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.get("model_inputs", {}).items()}
-    B = input_ids.shape[0]
-    cache = CompressedCache(info.num_layers, decode_capacity=max_new_tokens)
-    session = CompressionSession(
-        cache=cache,
-        pipeline=pipeline,
-        valid=valid,
-        modality=batch["modality"].to(device),
-        calibration=calibration,
-        record_scores=record_scores,
-    )
-    positions = sample_positions(valid).clamp(min=0)  # padding gets 0, as in transformers
-    eos = torch.tensor(sorted(set(loaded.processor.eos_token_ids)), device=device)
+    state = prefill(loaded, pipeline, batch, decode_capacity=max_new_tokens, record_scores=record_scores)
+    decoded = decode(state, max_new_tokens, return_logits=return_logits, teacher_tokens=teacher_tokens)
+    return _result(state, decoded)
 
-    with compression_session(session):
-        start = time.perf_counter()
-        kwargs = _prefill_positions(model, positions, extra)
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **kwargs,
-            **extra,
-        )
-        prefill_total = time.perf_counter() - start
-        pipeline.decode_policy.start(cache, session.state)
-        logits = out.logits[:, -1].float()
-        step_logits = [logits] if return_logits else []
-        tokens = torch.empty(B, 0, dtype=torch.long, device=device)
-        finished = torch.zeros(B, dtype=torch.bool, device=device)
-        next_pos = positions[:, -1:] + 1
-        decode_start = time.perf_counter()
-        steps = max_new_tokens if teacher_tokens is None else teacher_tokens.shape[1]
-        for step in range(steps):
-            next_token = logits.argmax(-1) if teacher_tokens is None else teacher_tokens[:, step].to(device)
-            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-            finished |= torch.isin(next_token, eos)
-            if (teacher_tokens is None and bool(finished.all())) or step == steps - 1:
-                break
-            out = model(
-                input_ids=next_token[:, None],
-                position_ids=_decode_positions(model, next_pos),
-                past_key_values=cache,
-                use_cache=True,
-            )
-            next_pos = next_pos + 1
-            logits = out.logits[:, -1].float()
-            if return_logits:
-                step_logits.append(logits)
-            pipeline.decode_policy.after_step(cache, step)
-        decode_seconds = time.perf_counter() - decode_start
 
+def _result(state: PrefillState, decoded: DecodeResult) -> GenerationResult:
+    """The :class:`GenerationResult` of a prefill and its decode (counts and bytes on the CPU)."""
+    info, cache, session = state.loaded.info, state.cache, state.session
     kept = cache.kept_tokens()  # [L, B, Hkv]
-    lengths = valid.sum(-1)
+    lengths = session.valid.sum(-1)
     bytes_per_token = info.head_dim * 2 * cache.layers[0].prompt_keys.element_size()
     full = lengths * info.num_kv_heads * info.num_layers * bytes_per_token
+    stops = set(_stop_tokens(state.loaded, lengths.device).tolist())
     return GenerationResult(
-        tokens=[_trim(row, set(eos.tolist())) for row in tokens.tolist()],
+        tokens=[_trim(row, stops) for row in decoded.tokens.tolist()],
         kept=kept.cpu(),
         prompt_lengths=lengths.cpu(),
         kv_bytes_full=full.cpu(),
         kv_bytes_kept=(kept.sum(dim=(0, 2)) * bytes_per_token).cpu(),
         kv_bytes_allocated=cache.kv_bytes(),
-        prefill_seconds=prefill_total - session.compression_seconds,
+        prefill_seconds=state.seconds - session.compression_seconds,
         compression_seconds=session.compression_seconds,
-        decode_seconds=decode_seconds,
-        step_logits=torch.stack(step_logits, dim=1).cpu() if return_logits else None,
+        decode_seconds=decoded.seconds,
+        step_logits=decoded.step_logits.cpu() if decoded.step_logits is not None else None,
         reports=session.reports,
     )
 

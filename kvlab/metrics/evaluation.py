@@ -35,7 +35,7 @@ class FidelityEvaluator:
         store: where references are cached (``ReferenceStore(None)``: not cached).
         max_new_tokens: the runs' decode limit (part of the reference key).
         dtype: the model dtype name (part of the reference key).
-        generate_kwargs: passed to every extra :func:`generate` call (e.g. ``calibration``).
+        generate_kwargs: passed to every extra :func:`generate` call (e.g. ``record_scores``).
     """
 
     loaded: LoadedModel
