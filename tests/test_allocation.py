@@ -170,9 +170,20 @@ def test_budget_config_errors_name_the_field(node, fields):
 
 
 def test_pipeline_window_larger_than_budget_is_an_error():
-    with pytest.raises(ConfigError, match="window"):
+    # the observation window is budget.window: a window larger than the budget is refused there
+    with pytest.raises(ConfigError, match=r"budget.tokens = 8 is below the protected tokens \(window 16"):
         Pipeline.from_config(
-            {"budget": {"tokens": 8, "window": 4}, "importance": [{"name": "window_attention", "window": 16}]}
+            {"budget": {"tokens": 8, "window": 16}, "importance": {"attention": {"name": "window_attention"}}}
+        )
+    # and a scorer cannot observe a larger window than the budget protects
+    with pytest.raises(
+        ConfigError, match=r"importance.attention.window = 16 differs from .*budget.window = 4"
+    ):
+        Pipeline.from_config(
+            {
+                "budget": {"tokens": 8, "window": 4},
+                "importance": {"attention": {"name": "window_attention", "window": 16}},
+            }
         )
 
 
@@ -229,7 +240,7 @@ def test_topk_selector_selection():
 def snapkv_config(tokens: int, window: int, **layer) -> dict:
     cfg = {
         "budget": {"tokens": tokens, "window": window},
-        "importance": [{"name": "window_attention", "window": window, "kernel": 5}],
+        "importance": {"attention": {"name": "window_attention", "window": window, "kernel": 5}},
     }
     if layer:
         cfg["allocate"] = {"layer": layer}
@@ -269,7 +280,7 @@ def test_snapkv_ratio_pipeline_matches_naive():
     pipe = Pipeline.from_config(
         {
             "budget": {"ratio": 0.3, "window": W},
-            "importance": [{"name": "window_attention", "window": W, "kernel": 5}],
+            "importance": {"attention": {"name": "window_attention", "window": W, "kernel": 5}},
         }
     )
     selection, _ = pipe.compress(ctx)
@@ -284,12 +295,15 @@ def test_snapkv_ratio_pipeline_matches_naive():
     [
         snapkv_config(12, 4),
         snapkv_config(12, 4, name="pyramid", beta=20),
-        {"budget": {"tokens": 9, "window": 0, "sinks": 4}, "importance": ["recency"]},
-        {"budget": {"ratio": 0.4, "window": 3}, "importance": [{"name": "cumulative_attention"}]},
+        {"budget": {"tokens": 9, "window": 0, "sinks": 4}, "importance": {"recency": {}}},
+        {
+            "budget": {"ratio": 0.4, "window": 3},
+            "importance": {"attention": {"name": "cumulative_attention"}},
+        },
         {
             "budget": {"tokens": 10, "window": 2},
-            "importance": ["value_norm"],
-            "diversity": ["keydiff"],
+            "importance": {"value_norm": {}},
+            "diversity": {"keydiff": {}},
             "mixer": {"name": "weighted_sum", "normalize": "minmax"},
         },
     ],
@@ -309,7 +323,7 @@ def test_pipeline_batch_equals_each_sample_alone(cfg):
 @pytest.mark.parametrize("tokens", [6, 9, 20, 40])
 def test_streamingllm_pipeline_keeps_sinks_and_recent(tokens):
     ctx = make_ctx(LENGTHS, seed=21)
-    cfg = {"budget": {"tokens": tokens, "window": 0, "sinks": 4}, "importance": ["recency"]}
+    cfg = {"budget": {"tokens": tokens, "window": 0, "sinks": 4}, "importance": {"recency": {}}}
     pipe = Pipeline.from_config(cfg)
     selection, _ = pipe.compress(ctx)
     T = ctx.seq_len
@@ -376,9 +390,7 @@ def test_e6_pyramid_float_fallback_is_snapkv_budget():
 def test_ratio_window_protects_a_fraction_of_each_prompt():
     """``window: 0.1`` (LOOK-M's alpha1): the last floor(0.1 n) tokens of each sample, inside the budget."""
     ctx = make_ctx(LENGTHS, seed=22)
-    pipe = Pipeline.from_config(
-        {"budget": {"ratio": 0.3, "window": 0.1}, "importance": [{"name": "key_norm"}]}
-    )
+    pipe = Pipeline.from_config({"budget": {"ratio": 0.3, "window": 0.1}, "importance": {"key_norm": {}}})
     selection, _ = pipe.compress(ctx)
     T = ctx.seq_len
     for b, n in enumerate(LENGTHS):
@@ -390,4 +402,4 @@ def test_ratio_window_protects_a_fraction_of_each_prompt():
             assert selection.kept_positions(b, h) == [off + p for p in want]
             assert set(range(T - window, T)) <= set(selection.kept_positions(b, h))
     with pytest.raises(ConfigError, match="fraction of the prompt"):
-        Pipeline.from_config({"budget": {"ratio": 0.3, "window": 1.5}, "importance": ["key_norm"]})
+        Pipeline.from_config({"budget": {"ratio": 0.3, "window": 1.5}, "importance": {"key_norm": {}}})

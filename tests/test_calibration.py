@@ -113,7 +113,6 @@ def test_calibrate_cli_writes_a_versioned_artefact_that_sparsemm_loads(tmp_path,
           "--run.dir", str(tmp_path), "--model.compression.allocate.head.artefact", str(out),
           "--model.max_new_tokens", "2",
           "--model.compression.budget", "{ratio: 0.5, window: 4}", "--data.dataset.num_samples", "2",
-          "--model.compression.importance", "[{name: window_attention, window: 4}, {name: value_norm}]",
           "--trainer.enable_progress_bar", "false"])  # fmt: skip
     records = [json.loads(line) for line in (tmp_path / "default/mixkv_sparsemm/predictions.jsonl").open()]
     assert len(records) == 2

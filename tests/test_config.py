@@ -8,31 +8,35 @@ from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import find_config, load_config, merge, preset_names, resolve, split_overrides
 
-SNAP = {"budget": {"tokens": 64, "window": 16}, "importance": [{"name": "window_attention", "window": 16}]}
+SNAP = {"budget": {"tokens": 64, "window": 16}, "importance": {"attention": {"name": "window_attention"}}}
 
 
 def test_unknown_component_lists_known_names_and_closest_match():
     with pytest.raises(ConfigError) as err:
-        Pipeline.from_config({**SNAP, "importance": [{"name": "window_atention"}]})
+        Pipeline.from_config({**SNAP, "importance": {"attention": {"name": "window_atention"}}})
     msg = str(err.value)
     assert "window_atention" in msg and "Did you mean 'window_attention'" in msg
     assert "cumulative_attention" in msg  # known names listed
-    assert "model.compression.importance[0]" in msg
+    assert "model.compression.importance.attention" in msg
 
 
 def test_unknown_parameter_names_component_and_field():
     with pytest.raises(ConfigError) as err:
-        Pipeline.from_config({**SNAP, "importance": [{"name": "window_attention", "windw": 8}]})
+        Pipeline.from_config({**SNAP, "importance": {"attention": {"name": "window_attention", "windw": 8}}})
     msg = str(err.value)
     assert "window_attention" in msg and "'windw'" in msg and "Did you mean 'window'" in msg
 
 
 def test_mistyped_parameter_names_the_field_and_type():
     with pytest.raises(ConfigError) as err:
-        Pipeline.from_config({**SNAP, "importance": [{"name": "window_attention", "kernel": "five"}]})
+        Pipeline.from_config(
+            {**SNAP, "importance": {"attention": {"name": "window_attention", "kernel": "five"}}}
+        )
     assert "'kernel' must be int" in str(err.value)
     with pytest.raises(ConfigError, match="'pool' must be"):
-        Pipeline.from_config({**SNAP, "importance": [{"name": "window_attention", "pool": "median"}]})
+        Pipeline.from_config(
+            {**SNAP, "importance": {"attention": {"name": "window_attention", "pool": "median"}}}
+        )
 
 
 def test_missing_required_parameter():
@@ -58,10 +62,21 @@ def test_budget_below_protected_window():
 
 
 def test_scorer_window_larger_than_budget():
-    with pytest.raises(ConfigError, match=r"importance\[0\].window = 32"):
+    # the observation window is budget.window: a scorer restating a larger one is refused
+    with pytest.raises(
+        ConfigError, match=r"importance.attention.window = 32 differs from .*budget.window = 4"
+    ):
         Pipeline.from_config(
-            {"budget": {"tokens": 20, "window": 4}, "importance": [{"name": "window_attention"}]}
+            {
+                "budget": {"tokens": 20, "window": 4},
+                "importance": {"attention": {"name": "window_attention", "window": 32}},
+            }
         )
+    # an unset scorer window is the budget's (never the scorer's own default, which could exceed the budget)
+    pipe = Pipeline.from_config(
+        {"budget": {"tokens": 20, "window": 4}, "importance": {"attention": {"name": "window_attention"}}}
+    )
+    assert pipe.importance["attention"].window == 4
 
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.5])
@@ -77,7 +92,7 @@ def test_budget_shorthands():
 
 def test_scorers_without_budget_is_an_error_and_no_scorer_is_the_full_cache():
     with pytest.raises(ConfigError, match="budget is missing"):
-        Pipeline.from_config({"importance": [{"name": "key_norm"}]})
+        Pipeline.from_config({"importance": {"key_norm": {}}})
     assert not Pipeline.from_config(None).compresses
     assert not Pipeline.from_config({}).compresses
 
@@ -90,7 +105,7 @@ def test_unknown_pipeline_field():
 def test_every_component_describes_its_parameters():
     rows = dict((name, params) for name, _, params in IMPORTANCE.describe())
     window = dict((p, (t, d)) for p, t, d in rows["window_attention"])
-    assert window["window"] == ("int", "32") and window["kernel"] == ("int", "5")
+    assert window["window"] == ("int | None", "None") and window["kernel"] == ("int", "5")
 
 
 def test_presets_are_found_by_bare_name_from_anywhere(tmp_path, monkeypatch):
@@ -119,7 +134,7 @@ def test_experiment_reuses_a_preset_in_one_line_and_overrides_fields(tmp_path):
     cfg = load_config(str(exp))["model"]["compression"]
     assert cfg["budget"]["tokens"] == 96
     assert cfg["budget"]["window"] == 32  # inherited sibling survives
-    assert cfg["importance"][0]["name"] == "window_attention"
+    assert cfg["importance"]["attention"]["name"] == "window_attention"
 
 
 def test_changing_a_component_name_replaces_its_parameters():

@@ -53,7 +53,9 @@ def naive_adakv(signal: list[list[float]], budget: int, alpha: float, variant, n
 def adakv_config(tokens, **head):
     return {
         "budget": {"tokens": tokens, "window": W},
-        "importance": [{"name": "window_attention", "window": W, "kernel": 5, "pool": "max", "agg": "mean"}],
+        "importance": {
+            "attention": {"name": "window_attention", "window": W, "kernel": 5, "pool": "max", "agg": "mean"}
+        },
         "allocate": {"head": {"name": "adakv", **head}},
     }
 
@@ -85,7 +87,9 @@ def test_adakv_limits_alpha_one_is_uniform_and_skip_layers_are_uniform():
     ctx = make_ctx(LENGTHS, heads=8, kv_heads=4, seed=42, num_layers=2)
     uniform = {
         "budget": {"tokens": 13, "window": W},
-        "importance": [{"name": "window_attention", "window": W, "kernel": 5, "pool": "max", "agg": "mean"}],
+        "importance": {
+            "attention": {"name": "window_attention", "window": W, "kernel": 5, "pool": "max", "agg": "mean"}
+        },
     }
     want, _ = Pipeline.from_config(uniform).compress(ctx)
     for head in ({"alpha": 1.0}, {"alpha": 0.2, "skip": 1}):
@@ -136,7 +140,7 @@ def test_sparsemm_caps_and_kept_sets_match_naive(tmp_path, rounding):
     tokens = 13
     cfg = {
         "budget": {"tokens": tokens, "window": W},
-        "importance": [{"name": "window_attention", "window": W, "kernel": 5}],
+        "importance": {"attention": {"name": "window_attention", "window": W, "kernel": 5}},
         "allocate": {"head": {"name": "sparsemm", "artefact": str(path), "ratio": 0.1, "rounding": rounding}},
     }
     pipe = Pipeline.from_config(cfg)
@@ -161,7 +165,7 @@ def test_sparsemm_caps_and_kept_sets_match_naive(tmp_path, rounding):
 def test_sparsemm_artefact_errors_are_clear(tmp_path):
     cfg = {
         "budget": {"tokens": 13, "window": W},
-        "importance": [{"name": "window_attention", "window": W}],
+        "importance": {"attention": {"name": "window_attention", "window": W}},
         "allocate": {"head": {"name": "sparsemm", "artefact": str(tmp_path / "missing.safetensors")}},
     }
     ctx = make_ctx(LENGTHS, heads=8, kv_heads=4, num_layers=2)

@@ -29,8 +29,7 @@ def vlm_run(tmp_path_factory):
     predict(
         tmp, "--config", "snapkv", "--model.model", "tiny-qwen2-vl", "--trainer.enable_progress_bar", "false",
         "--model.max_new_tokens", "3", "--data.dataset", f"{{name: jsonl, path: {data}}}",
-        "--model.compression.budget", "{tokens: 12, window: 4}",
-        "--model.compression.importance", "[{name: window_attention, window: 4}]",
+        "--model.compression.budget", "{tokens: 12, window: 4}",  # snapkv's window attention observes it
         "--model.inspect_layers", "[0, -1]",
     )  # fmt: skip
     return tmp / "runs" / "exp" / "snapkv"
@@ -46,7 +45,7 @@ def test_event_files_hold_every_view(vlm_run):
     for layer in (0, layers - 1):
         assert f"patches/layer_{layer}/image_0" in tags["images"]
         assert f"scores/layer_{layer}" in tags["histograms"]
-        assert f"scores/window_attention/layer_{layer}" in tags["histograms"]  # per-scorer histograms
+        assert f"scores/attention/layer_{layer}" in tags["histograms"]  # per-scorer histograms, by role
     for name in ("text", "image"):
         fractions = acc.Scalars(f"modality/kept_fraction_{name}")
         assert [e.step for e in fractions] == list(range(layers))

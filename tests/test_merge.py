@@ -122,11 +122,13 @@ def test_merging_a_token_into_itself_is_the_identity(rule):
 
 def test_averaged_merge_conserves_the_sum_and_holds_the_budget():
     ctx = make_ctx([19, 11], seed=2)
-    scores = torch.rand(2, 2, 19).masked_fill(~ctx.valid[:, None], float("-inf"))
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.rand(2, 2, 19, generator=gen).masked_fill(~ctx.valid[:, None], float("-inf"))
+    scores[0, 0, 0] = 2.0  # position 0 kept in a row with padding slots (their index is 0 too)
     counts = torch.tensor([[4, 6], [3, 11]])
     sel = MergeSelector(rule="averaged").select(scores, counts, ctx)
     assert torch.equal(sel.counts, counts)
-    kept = torch.zeros(2, 2, 19, dtype=torch.bool).scatter_(-1, sel.indices, sel.mask())
+    kept = sel.kept_mask(19)  # not a scatter of sel.mask(): padding slots (index 0, False) would unset 0
     unit = torch.nn.functional.normalize(ctx.keys, dim=-1)
     for b in range(2):
         for h in range(2):

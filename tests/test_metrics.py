@@ -25,7 +25,7 @@ from kvlab.metrics.text import lcs_length, position_match, rouge_l, token_f1
 
 SNAP = {
     "budget": {"tokens": 24, "window": 4},
-    "importance": [{"name": "window_attention", "window": 4}],
+    "importance": {"attention": {"name": "window_attention"}},  # observes budget.window
 }
 
 

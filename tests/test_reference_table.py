@@ -20,7 +20,7 @@ def test_run_config_replaces_token_budget_by_ratio() -> None:
     assert snap["model"]["compression"]["budget"] == {"window": 32, "ratio": 0.1}
     assert snap["model"]["model"] == "smollm2-135m" and snap["model"]["fidelity"] is False
     assert snap["data"]["dataset"] == TASK and snap["run"] == RUN
-    assert snap["model"]["compression"]["importance"][0]["name"] == "window_attention"
+    assert snap["model"]["compression"]["importance"]["attention"]["name"] == "window_attention"
     stream = reference.run_config("streamingllm", 0.25, TASK, RUN, "tiny-llama")
     assert stream["model"]["compression"]["budget"] == {"window": 0, "sinks": 4, "ratio": 0.25}
     assert stream["model"]["model"] == "tiny-llama"

@@ -71,8 +71,8 @@ def david_node(threshold, window=WINDOW, tokens=20):
 
 def preset_pipeline_node(name, tokens, window):
     node = resolve([name], [])["model"]["compression"]
-    node["budget"] = {"tokens": tokens, "window": window}
-    node["importance"][0]["window"] = window
+    node["budget"] = {"tokens": tokens, "window": window}  # window attention and NCAR observe it
+    node["importance"]["attention"]["window"] = window  # restating it is allowed when equal
     node["route"]["rule"]["metric"]["window"] = window
     return node
 
@@ -154,8 +154,8 @@ def predict(tmp_path, preset, *args):
 
 def windows(window=WINDOW):
     return [
-        "--model.compression.importance",
-        f"[{{name: window_attention, window: {window}, kernel: 5, pool: max}}]",
+        "--model.compression.importance",  # merged into the preset's attention role; equals budget.window
+        f"{{attention: {{name: window_attention, window: {window}, kernel: 5, pool: max}}}}",
         "--model.compression.route.rule.metric.window",
         str(window),
     ]
@@ -195,7 +195,7 @@ def test_hybrid_preset_runs_end_to_end(tmp_path):
         tmp_path,
         "david_mixkv",
         "--model.compression.importance",
-        f"[{{name: window_attention, window: {WINDOW}, agg: mean}}, {{name: value_norm}}]",
+        f"{{attention: {{name: window_attention, window: {WINDOW}, agg: mean}}, value_norm: {{}}}}",
         "--model.compression.route.rule.metric.window",
         str(WINDOW),
     )

@@ -25,6 +25,7 @@ from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.compression.mixers import MIXERS
 from kvlab.compression.pipeline import Pipeline
+from kvlab.config.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # 1. window_attention (SnapKV)
@@ -100,9 +101,9 @@ def test_e13_mha_gqa_reductions_identical(pool, order):
         pipe = Pipeline.from_config(
             {
                 "budget": {"tokens": 12, "window": 5},
-                "importance": [
-                    {"name": "window_attention", "window": 5, "pool": pool, "gqa": gqa, "gqa_order": order}
-                ],
+                "importance": {
+                    "attention": {"name": "window_attention", "pool": pool, "gqa": gqa, "gqa_order": order}
+                },
             }
         )
         selections.append(pipe.compress(ctx)[0])
@@ -207,8 +208,9 @@ def test_weighted_sum_mixer_matches_naive(normalize):
     a[..., -4:] = INF  # a protected window
     b_ = torch.rand(2, 2, ctx.seq_len, generator=gen) * 0.01
     c = torch.randn(2, 2, ctx.seq_len, generator=gen)
-    mixer = build(MIXERS, name="weighted_sum", weights=[0.5, 2.0, -1.0], normalize=normalize)
-    mixed = mixer.mix([a, b_], [c], ctx)
+    mixer = build(MIXERS, name="weighted_sum", weights={"a": 0.5, "b": 2.0, "c": -1.0}, normalize=normalize)
+    mixer.check_roles(["a", "b"], ["c"], "model.compression.mixer")
+    mixed = mixer.mix({"a": a, "b": b_, "c": c}, ctx)
     for b in range(2):
         valid = ctx.valid[b].tolist()
         for h in range(2):
@@ -223,16 +225,18 @@ def test_weighted_sum_mixer_matches_naive(normalize):
             torch.testing.assert_close(
                 got[keep], torch.tensor(expected, dtype=torch.float64)[keep], atol=1e-5, rtol=1e-6
             )
-    # a single score with default settings passes through; weights must match the score count
-    assert torch.equal(build(MIXERS, name="weighted_sum").mix([a], [], ctx), a)
-    with pytest.raises(ValueError, match="weights"):
-        build(MIXERS, name="weighted_sum", weights=[1.0]).mix([a, c], [], ctx)
+    # a single score with default settings passes through; weights must name every role
+    assert torch.equal(build(MIXERS, name="weighted_sum").mix({"a": a}, ctx), a)
+    with pytest.raises(ConfigError, match="model.compression.mixer.weights gives no weight to c"):
+        build(MIXERS, name="weighted_sum", weights={"a": 1.0}).check_roles(
+            ["a", "c"], [], "model.compression.mixer"
+        )
 
 
 def test_minmax_normalised_scores_span_unit_interval():
     ctx = make_ctx(LENGTHS, seed=13)
     s = torch.randn(2, 2, ctx.seq_len) * 7
-    out = build(MIXERS, name="weighted_sum", weights=[1.0], normalize="minmax").mix([s], [], ctx)
+    out = build(MIXERS, name="weighted_sum", weights={"s": 1.0}, normalize="minmax").mix({"s": s}, ctx)
     for b in range(2):
         v = out[b][:, ctx.valid[b]]
         torch.testing.assert_close(v.amin(-1), torch.zeros(2), atol=1e-6, rtol=0)

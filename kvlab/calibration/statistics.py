@@ -70,7 +70,7 @@ class VisualHeadScores(CalibrationStatistic):
     For every reference-answer token t of a sample and every (layer, query head): if the key
     with the highest attention from t (causal, over the whole prompt) is one of the sample's
     target tokens R (the image tokens of the region the answer is about), add ``1 / |R|``
-    (SparseMM's "hit" rule, david spec Sec. 2.5). A sample's score is its sum over answer
+    (SparseMM's "hit" rule, Wang et al. 2025). A sample's score is its sum over answer
     tokens; the artefact holds the mean over samples.
 
     Deviation, documented in docs/calibration.md: SparseMM decodes OCR text greedily and
@@ -111,7 +111,7 @@ class VisualHeadScores(CalibrationStatistic):
 @CALIBRATIONS.register("redundancy")
 @dataclass
 class KeyRedundancy(CalibrationStatistic):
-    """MixKV's offline head redundancy, ``redundancy [L, Hkv]`` fp32: r̄ (spec Eq. 4) averaged over samples."""
+    """MixKV's offline head redundancy ``[L, Hkv]`` fp32: r̄ (MixKV Eq. 4) averaged over samples."""
 
     def start(self, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
         self._sum = torch.zeros(num_layers, num_kv_heads, dtype=torch.float64)

@@ -43,8 +43,9 @@ class HeadAllocator:
     """Base class: override :meth:`allocate`.
 
     ``signal`` says which score the allocator compares across heads: ``mixed`` (the pipeline's
-    final score) or ``importance`` (the first importance scorer's raw score, e.g. SnapKV's
-    pooled window attention ``s_ex`` when MixKV mixes in diversity: MixKV spec A11).
+    final score) or the role of one scorer (its key under ``importance`` or ``diversity``), e.g.
+    ``attention``: SnapKV's pooled window attention ``s_ex`` when MixKV mixes in diversity, as
+    the MixKV release allocates AdaKV budgets (``docs/methods/mixkv.md``).
     """
 
     registry_name: str = ""
@@ -193,8 +194,8 @@ def round_to_total(real: torch.Tensor, total: int) -> torch.Tensor:
 class AdaKVHeadAllocator(HeadAllocator):
     """AdaKV (Feng et al. 2025): heads of a layer compete for the layer's budget.
 
-    Per sample, with ``B'`` the free budget per head and ``P`` the candidate tokens (david spec
-    Sec. 2.4), over the ``signal`` scores ``[Hkv, P]``:
+    Per sample, with ``B'`` the free budget per head and ``P`` the candidate tokens, over the
+    ``signal`` scores ``[Hkv, P]``:
 
     - ``variant: linear_mix`` (the original ``AdaptiveSnapKVCluster``): sort each head's scores
       (``normalize`` multiplies head h's by ``sum(top-B') / sum(all)``), take the global top
@@ -208,8 +209,9 @@ class AdaKVHeadAllocator(HeadAllocator):
       kvpress only masks the evicted keys; kvlab stores the ragged result, so memory falls.
 
     Both coincide at ``alpha = 0`` (pure global top-k) and ``alpha = 1`` (uniform). Layers
-    below ``skip`` are uniform. Ties go to the lower (head, rank) index. ``signal: importance``
-    (default) allocates from the first importance score (MixKV spec A11).
+    below ``skip`` are uniform. Ties go to the lower (head, rank) index. ``signal`` is
+    ``mixed`` (default: the pipeline's final score) or a scorer's role (the AdaKV and MixKV
+    presets allocate from ``attention``, the window attention).
 
     Returns ``[B, Hkv]`` ragged counts.
     """
@@ -219,7 +221,7 @@ class AdaKVHeadAllocator(HeadAllocator):
     normalize: bool = False
     rounding: Literal["exact_total", "nearest"] = "exact_total"
     skip: int = 0
-    signal: Literal["importance", "mixed"] = "importance"
+    signal: str = "mixed"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -268,7 +270,7 @@ class SparseMMHeadAllocator(HeadAllocator, UsesArtefact):
     """SparseMM (Wang et al. 2025): static head budgets skewed to offline "visual heads".
 
     From a ``visual_heads`` calibration artefact (``scores [L, H]``, mean over calibration
-    samples; see docs/calibration.md), with ``B'`` the free budget per head (david spec 2.5)::
+    samples; see docs/calibration.md), with ``B'`` the free budget per head::
 
         s = scores / scores.sum()                    # over all L * H query heads
         s_kv[l, j] = gqa_j(s[l, j G : (j + 1) G])    # sum (default) or mean over the group

@@ -13,9 +13,23 @@ includes the window", as SnapKV, MixKV and kvpress count it). Protected tokens a
 ``window`` and the first ``sinks`` valid tokens of each sample; they are always kept. A window
 written as a float in [0, 1) is a fraction of each prompt: ``floor(window * prompt length)``
 tokens (LOOK-M's recent ratio alpha1; ``int(T * ratio)`` as its code). A ratio
-budget is ``floor(ratio * prompt length)`` per sample (kvpress' ``int(T * (1 - cr))``), raised
-to the number of protected tokens if it falls below. A sample whose budget is at least its
-prompt length is not compressed at all.
+budget is ``floor(ratio * prompt length)`` per sample (kvpress' ``int(T * (1 - cr))``). A
+sample whose budget is at least its prompt length is not compressed at all.
+
+``budget.window`` is the one source of the recent window: it is protected here, observed by
+the scorers that look at the last queries (SnapKV's window attention, DAVID's NCAR) and kept
+by the H2O decode policy. Those components may restate it, but a different value is a
+:class:`ConfigError` (see ``docs/architecture.md``, "One source per setting").
+
+A short prompt can get a ratio budget below its protected tokens (20% of a 136-token prompt
+is 27 tokens; the window is 32). ``max_window_share`` says what happens then:
+
+- ``null`` (default): the whole window is kept, so the sample keeps more than asked; the
+  excess is recorded per sample (``budget_overshoot`` in the predictions) and counted in the
+  run summary;
+- a share ``s`` in (0, 1]: the recent window of such a sample shrinks to
+  ``floor(s * asked budget)`` tokens (DAVID's suggestion is 0.5), observed and protected alike,
+  so the budget holds; sinks are never shrunk.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ class Budget:
     ratio: float | None = None
     window: int | float = 32
     sinks: int = 0
+    max_window_share: float | None = None
 
     @classmethod
     def from_config(cls, node: Any) -> Budget:
@@ -75,6 +90,12 @@ class Budget:
                 f"{WHERE}.window = {self.window}: a float window is a fraction of the prompt and must be in "
                 "[0, 1); write an integer (e.g. 32) for a number of tokens."
             )
+        if self.max_window_share is not None and not 0.0 < self.max_window_share <= 1.0:
+            raise ConfigError(
+                f"{WHERE}.max_window_share = {self.max_window_share}: it is the largest share of a sample's "
+                "budget the recent window may take, in (0, 1] (0.5 keeps the window to half the budget); "
+                "write null to keep the whole window and record the overshoot."
+            )
         if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
             raise ConfigError(
                 f"{WHERE}.ratio must be in [0, 1] (the fraction of prompt tokens kept), got {self.ratio}. "
@@ -95,21 +116,41 @@ class Budget:
     @property
     def protected(self) -> int:
         """Protected tokens known from the config alone (the sinks only, for a ratio window)."""
-        return self.sinks if self.window_is_ratio else int(self.window) + self.sinks
+        if self.window_is_ratio:
+            return self.sinks
+        window = int(self.window)
+        if self.max_window_share is not None and self.tokens is not None:
+            window = min(window, int(self.tokens * self.max_window_share))
+        return window + self.sinks
+
+    def asked(self, lengths: torch.Tensor) -> torch.Tensor:
+        """The per-head budget the config asks for each sample, ``[B]`` long (before protection)."""
+        if self.tokens is not None:
+            return torch.full_like(lengths, self.tokens)
+        return torch.floor(lengths.double() * self.ratio).long()
 
     def window_counts(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Recent-window tokens of each sample, ``[B]`` long (a ratio window is floored per sample)."""
+        """Recent-window tokens of each sample, ``[B]`` long: ``window`` (a ratio window floored per
+        sample), shrunk to ``floor(max_window_share * asked)`` when that share is set."""
         if self.window_is_ratio:
-            return torch.floor(lengths.double() * self.window).long()
-        return torch.full_like(lengths, int(self.window))
+            window = torch.floor(lengths.double() * self.window).long()
+        else:
+            window = torch.full_like(lengths, int(self.window))
+        if self.max_window_share is not None:
+            share = torch.floor(self.asked(lengths).double() * self.max_window_share).long()
+            window = torch.minimum(window, share)
+        return window
 
     def per_sample(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Per-head budget of each sample, ``[B]`` long, from prompt lengths ``[B]``."""
-        if self.tokens is not None:
-            budget = torch.full_like(lengths, self.tokens)
-        else:
-            budget = torch.floor(lengths.double() * self.ratio).long()
-        return torch.maximum(budget, self.protected_counts(lengths))
+        """Per-head budget of each sample, ``[B]`` long, from prompt lengths ``[B]``: the asked
+        budget, raised to the protected tokens where they do not fit (see :meth:`overshoot`)."""
+        return torch.maximum(self.asked(lengths), self.protected_counts(lengths))
+
+    def overshoot(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Tokens per head each sample keeps beyond its asked budget because its protected
+        tokens do not fit, ``[B]`` long (0 when the budget holds or the prompt is not compressed)."""
+        asked = self.asked(lengths)
+        return torch.where(asked >= lengths, 0, self.per_sample(lengths) - asked)
 
     def protected_counts(self, lengths: torch.Tensor) -> torch.Tensor:
         """Protected tokens per sample, ``[B]`` (never more than the prompt)."""

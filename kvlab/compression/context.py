@@ -28,11 +28,13 @@ class LayerContext:
         valid: ``[B, T]`` bool, False on padding.
         modality: ``[B, T]`` long, 0 text, 1 image, 2 video, -1 padding.
         scaling: softmax scale of the layer (usually ``D ** -0.5``).
-        calibration: calibration statistics loaded for this model (or None).
         state: per-prompt scratch space shared across layers (reset every prefill), for
             components that carry state from one layer to the next.
         protected: ``[B, T]`` bool, tokens the budget always keeps (window, sinks); set by the
             pipeline before any scorer runs (None outside a pipeline: nothing protected).
+        window: ``[B]`` long, the recent window of each sample (``budget.window``, per sample):
+            protected by the budget and observed by window scorers; set by the pipeline (None
+            outside a pipeline: scorers use their own ``window``).
     """
 
     layer_idx: int
@@ -43,9 +45,9 @@ class LayerContext:
     valid: torch.Tensor
     modality: torch.Tensor
     scaling: float
-    calibration: Any = None
     state: dict[str, Any] = field(default_factory=dict)
     protected: torch.Tensor | None = None
+    window: torch.Tensor | None = None
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -82,11 +84,26 @@ class LayerContext:
         """``[B, T]`` bool: the tokens that compete for the budget (valid and not protected).
 
         Per-head statistics of the MixKV family (min, max and mean of a score) are taken over
-        these tokens: the "prefix" ``P = T - W`` of the spec, padding excluded.
+        these tokens: the prompt before the window, ``P = T - W`` tokens, padding excluded.
         """
         if self.protected is None:
             return self.valid
         return self.valid & ~self.protected
+
+    def observation_windows(self, own: int | None, who: str) -> torch.Tensor:
+        """The recent window each sample's last queries span, ``[B]`` long, for a window observer.
+
+        Inside a pipeline this is :attr:`window` (the budget's); outside one, the observer's
+        ``own`` window. A window of 0 (a budget with no recent window) is raised to 1: an
+        observer needs at least the last query.
+        """
+        if self.window is not None:
+            return self.window.clamp(min=1)
+        if own is None:
+            raise ValueError(
+                f"{who} needs a window: set budget.window (or its own window outside a pipeline)"
+            )
+        return torch.full((self.batch_size,), own, dtype=torch.long, device=self.valid.device)
 
     def unit_key_mean(self) -> torch.Tensor:
         """Mean of the unit-normalised keys over each sample's valid tokens, ``[B, Hkv, D]`` fp32.
@@ -118,7 +135,7 @@ class LayerContext:
 
         Causal inside the window, padding keys masked; rows of padding queries (samples shorter
         than the window) are zero. Softmax runs in fp32 on logits computed in fp32 (see the
-        numerics notes of the SnapKV spec); the result is memoised per window size.
+        16-bit logits would reorder near-ties); the result is memoised per window size.
         """
         key = ("window_attention", window)
         if key not in self._memo:

@@ -7,7 +7,7 @@ to special-case padding beyond what :class:`LayerContext` helpers already do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -17,16 +17,22 @@ from kvlab.config.registry import Registry
 
 
 class ImportanceScorer:
-    """Base class: override :meth:`score`."""
+    """Base class: override :meth:`score`.
+
+    ``budget_settings`` maps a parameter that restates a budget setting to that setting (e.g.
+    ``{"window": "window"}``): the pipeline fills it from ``budget`` when it is unset and
+    refuses a config where the two differ.
+    """
 
     registry_name: str = ""
+    budget_settings: ClassVar[dict[str, str]] = {}
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         """Return ``[B, Hkv, T]`` float32 scores, higher means keep."""
         raise NotImplementedError
 
 
-IMPORTANCE: Registry[ImportanceScorer] = Registry("importance scorer", "model.compression.importance")
+IMPORTANCE: Registry[ImportanceScorer] = Registry("importance scorer", "model.compression.importance.<role>")
 
 
 @IMPORTANCE.register("window_attention")
@@ -38,6 +44,11 @@ class WindowAttentionScorer(ImportanceScorer):
     (SnapKV, Li et al. 2024, Eq. 1-2). Tokens inside the observation window get +inf: SnapKV
     always keeps its window. Pooling runs over the past tokens only (the window is sliced off
     first, as in every reference implementation).
+
+    The observation window is the budget's recent window (``budget.window``, the tokens SnapKV
+    protects): ``window`` may restate it but not differ from it. Per sample, since a ratio window
+    or ``budget.max_window_share`` can give samples of one batch different windows: the scores
+    are computed once per distinct window and each sample takes its own.
 
     Defaults follow the original SnapKV (``init_snapkv``: window 32, kernel 5, avg pooling, sum
     over the window). The references disagree on GQA: the original selects per query head and
@@ -51,22 +62,31 @@ class WindowAttentionScorer(ImportanceScorer):
     ``[B, H, W, T]`` probabilities) -> GQA / pooling -> ``[B, Hkv, T]``.
     """
 
-    window: int = 32
+    window: int | None = None
     kernel: int = 5
     pool: Pool = "avg"
     agg: Literal["sum", "mean"] = "sum"
     gqa: GqaReduce = "mean"
     gqa_order: Literal["group_then_pool", "pool_then_group"] = "group_then_pool"
 
+    budget_settings: ClassVar[dict[str, str]] = {"window": "window"}
+
     def __post_init__(self) -> None:
-        if self.window < 1:
+        if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if self.kernel < 1:
             raise ValueError(f"kernel must be >= 1, got {self.kernel}")
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
+        windows = ctx.observation_windows(self.window, "window_attention")  # [B]
+        return per_window(windows, lambda window: self._score(ctx, window))
+
+    def _score(self, ctx: LayerContext, window: int) -> torch.Tensor:
+        """``[B, Hkv, T]`` scores of every sample as if its observation window were ``window``."""
         T = ctx.seq_len
-        window = min(self.window, T)
+        window = min(window, T)
+        if window == T:  # the whole (padded) prompt is the window: everything is kept
+            return torch.full((ctx.batch_size, ctx.num_kv_heads, T), float("inf"), device=ctx.keys.device)
         scores = ctx.window_attention_scores(window)  # [B, H, T]: sum over the window (kernel on CUDA)
         if self.agg == "mean":
             scores = scores / window
@@ -78,6 +98,20 @@ class WindowAttentionScorer(ImportanceScorer):
         out = torch.full((ctx.batch_size, ctx.num_kv_heads, T), float("inf"), device=past.device)
         out[..., : T - window] = past
         return out
+
+
+def per_window(windows: torch.Tensor, compute) -> torch.Tensor:
+    """``compute(w)`` for each distinct window ``w`` of ``windows`` ``[B]``; row b from its own window.
+
+    ``compute`` returns a tensor whose first dimension is the batch; one distinct window (the
+    usual case) is a single call.
+    """
+    distinct = sorted(set(windows.tolist()))
+    out = compute(distinct[0])
+    for window in distinct[1:]:
+        rows = (windows == window).to(out.device).view(-1, *([1] * (out.dim() - 1)))
+        out = torch.where(rows, compute(window), out)
+    return out
 
 
 @IMPORTANCE.register("cumulative_attention")

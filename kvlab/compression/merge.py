@@ -86,8 +86,7 @@ class MergeSelector(Selector):
         indices = topk_indices(scores, counts)
         selection = Selection(indices=indices, counts=counts)
         slots = selection.mask()  # [B, Hkv, K]
-        kept = torch.zeros_like(scores, dtype=torch.bool)
-        kept.scatter_(-1, indices, slots)
+        kept = selection.kept_mask(scores.shape[-1])  # [B, Hkv, T]
         evicted = ctx.valid[:, None, :] & ~kept
         if not bool(evicted.any()):
             return selection

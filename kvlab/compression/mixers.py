@@ -1,34 +1,52 @@
-"""Mixers: combine the importance and diversity scores of a layer into one ``[B, Hkv, T]`` score."""
+"""Mixers: combine the importance and diversity scores of a layer into one ``[B, Hkv, T]`` score.
+
+Scorers are keyed by the role they play (``importance: {attention: {...}, value_norm: {}}``);
+a mixer receives the scores by role and names the roles it gives a part to (MixKV's
+``extrinsic: attention``), so nothing depends on the order scorers are written in. Every
+mixer checks at config time that the roles it names exist and that every scorer has a part.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.context import LayerContext
-from kvlab.config.errors import ConfigError
+from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.registry import Registry
 
 
 class Mixer:
-    """Base class: override :meth:`mix`."""
+    """Base class: override :meth:`mix` and :meth:`check_roles`."""
 
     registry_name: str = ""
 
-    def mix(
-        self, importance: list[torch.Tensor], diversity: list[torch.Tensor], ctx: LayerContext
-    ) -> torch.Tensor:
-        """Each input is ``[B, Hkv, T]``; return ``[B, Hkv, T]`` (higher means keep)."""
+    def mix(self, scores: Mapping[str, torch.Tensor], ctx: LayerContext) -> torch.Tensor:
+        """``scores`` maps each scorer's role to its ``[B, Hkv, T]`` score (importance roles first,
+        then diversity, in YAML order); return ``[B, Hkv, T]`` (higher means keep)."""
         raise NotImplementedError
 
-    def check_inputs(self, num_importance: int, num_diversity: int, where: str) -> None:
-        """Raise :class:`ConfigError` (at config time) if this mixer cannot take these scorer counts."""
+    def check_roles(self, importance: Sequence[str], diversity: Sequence[str], where: str) -> None:
+        """Raise :class:`ConfigError` (at config time) unless the roles this mixer names exist among
+        the ``importance`` and ``diversity`` roles and every scorer has a part in the mix."""
 
 
 MIXERS: Registry[Mixer] = Registry("mixer", "model.compression.mixer")
+
+
+def _unknown_roles(names: Sequence[str], roles: Sequence[str], field_path: str, kind: str) -> None:
+    """ConfigError naming ``field_path`` if any of ``names`` is not one of ``roles``."""
+    for name in names:
+        if name not in roles:
+            raise ConfigError(
+                f"{field_path} names '{name}', which is not one of the {kind} roles "
+                f"({', '.join(roles) or 'none configured'}).{did_you_mean(name, roles)} Name a key of "
+                f"model.compression.{kind}, or add a scorer under that key."
+            )
 
 
 def _finite_stats(
@@ -63,7 +81,7 @@ def masked_mean(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def minmax_scaled(
     scores: torch.Tensor, reference_mean: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MixKV's scale matching (spec Sec. 2.2, 2.6): min-max normalise, then rescale to a reference mean.
+    """MixKV's scale matching (Sec. 3.3 of the paper): min-max normalise, then rescale to a reference mean.
 
     ``minmax(s) * ref_mean / (mean(minmax(s)) + eps)`` per (sample, head), statistics over the
     finite ``mask`` positions; returns ``(scaled [B, Hkv, T], its mean [B, Hkv, 1])``. One pass
@@ -80,58 +98,68 @@ def minmax_scaled(
 @MIXERS.register("weighted_sum")
 @dataclass
 class WeightedSumMixer(Mixer):
-    """``s = sum_i w_i * s_i`` over importance then diversity scores (in YAML order).
+    """``s = sum_r w_r * s_r`` over every scorer's role r (importance then diversity, YAML order).
 
-    ``weights`` defaults to 1 for every score. ``normalize`` puts scores of different scales on
-    one footing first, per (sample, head) over the candidate tokens (valid, not protected):
+    ``weights`` maps roles to weights; empty means 1 for every scorer, otherwise it names every
+    role. ``normalize`` puts scores of different scales on one footing first, per (sample,
+    head) over the candidate tokens (valid, not protected):
 
     - ``minmax``: each score to [0, 1];
-    - ``scale_to_first``: the first score as it is, every other one min-max normalised and
-      rescaled to the first one's mean. With ``importance: [window_attention, value_norm]`` this
-      is MixKV's integrated importance ``s_ex + s_in_scaled`` (its "+VNorm" ablation).
+    - ``scale_to_reference``: the ``reference`` role's score as it is, every other one min-max
+      normalised and rescaled to the reference's mean. With ``importance: {attention:
+      {name: window_attention}, value_norm: {}}`` and ``reference: attention`` this is MixKV's
+      integrated importance ``s_ex + s_in_scaled`` (its "+VNorm" ablation).
 
     A single score with the default settings passes through unchanged. The released MixKV
     code's fixed ``1/3, 1/3, 1/3`` mix of attention, VNorm and diversity (not in the paper) is
-    ``weights: [0.333, 0.333, 0.333], normalize: scale_to_first``.
+    ``weights: {attention: 0.333, value_norm: 0.333, mean_key_diversity: 0.333}, normalize:
+    scale_to_reference, reference: attention``.
     """
 
-    weights: tuple[float, ...] = ()
-    normalize: Literal["none", "minmax", "scale_to_first"] = "none"
+    weights: dict[str, float] = field(default_factory=dict)
+    normalize: Literal["none", "minmax", "scale_to_reference"] = "none"
+    reference: str | None = None
 
-    def check_inputs(self, num_importance: int, num_diversity: int, where: str) -> None:
-        count = num_importance + num_diversity
-        if self.weights and len(self.weights) != count:
+    def check_roles(self, importance: Sequence[str], diversity: Sequence[str], where: str) -> None:
+        roles = [*importance, *diversity]
+        _unknown_roles(list(self.weights), roles, f"{where}.weights", "importance or diversity")
+        for role, weight in self.weights.items():
+            if isinstance(weight, bool) or not isinstance(weight, int | float):
+                raise ConfigError(f"{where}.weights.{role} must be a number, got {weight!r}.")
+        missing = [role for role in roles if role not in self.weights]
+        if self.weights and missing:
             raise ConfigError(
-                f"{where}.weights has {len(self.weights)} entries for {count} scores ({num_importance} "
-                f"importance + {num_diversity} diversity); give one weight per scorer, in YAML order."
+                f"{where}.weights gives no weight to {', '.join(missing)}: name every scorer's role "
+                "(or leave weights out for 1 each)."
             )
+        if (self.normalize == "scale_to_reference") != (self.reference is not None):
+            raise ConfigError(
+                f"{where}: `normalize: scale_to_reference` and `reference: <role>` go together (the "
+                f"role whose scale the others take); got normalize={self.normalize}, "
+                f"reference={self.reference}."
+            )
+        if self.reference is not None:
+            _unknown_roles([self.reference], roles, f"{where}.reference", "importance or diversity")
 
-    def mix(
-        self, importance: list[torch.Tensor], diversity: list[torch.Tensor], ctx: LayerContext
-    ) -> torch.Tensor:
-        scores = importance + diversity
-        weights = self.weights or (1.0,) * len(scores)
-        if len(weights) != len(scores):
-            raise ValueError(
-                f"mixer 'weighted_sum' has {len(weights)} weights for {len(scores)} scores; "
-                "give one weight per importance and diversity scorer"
-            )
-        if len(scores) == 1 and weights[0] == 1.0 and self.normalize == "none":
-            return scores[0]
+    def mix(self, scores: Mapping[str, torch.Tensor], ctx: LayerContext) -> torch.Tensor:
+        roles = list(scores)
+        weights = [float(self.weights.get(role, 1.0)) for role in roles]
+        if len(roles) == 1 and weights[0] == 1.0 and self.normalize == "none":
+            return scores[roles[0]]
         mask = ctx.candidates
-        total = torch.zeros_like(scores[0])
-        for i, (weight, score) in enumerate(zip(weights, scores, strict=True)):
-            part = score
+        total = torch.zeros_like(scores[roles[0]])
+        for role, weight in zip(roles, weights, strict=True):
+            part = scores[role]
             if self.normalize == "minmax":
-                part = minmax(score, mask)
-            elif self.normalize == "scale_to_first" and i > 0:
-                part, _ = minmax_scaled(score, masked_mean(scores[0], mask), mask)
+                part = minmax(part, mask)
+            elif self.normalize == "scale_to_reference" and role != self.reference:
+                part, _ = minmax_scaled(part, masked_mean(scores[self.reference], mask), mask)
             total = total + weight * part
         return total
 
 
 def head_redundancy(ctx: LayerContext) -> torch.Tensor:
-    """MixKV's per-head key redundancy r̄ (spec Eq. 4), ``[B, Hkv]`` fp32 in [0, 1].
+    """MixKV's per-head key redundancy r̄ (Eq. 4 of the paper), ``[B, Hkv]`` fp32 in [0, 1].
 
     The mean off-diagonal cosine similarity of a head's keys, in O(T D) from the mean unit key
     ``m``: ``r̄ = (T ||m||^2 - 1) / (T - 1)`` with T the sample's valid tokens (window included,
@@ -148,13 +176,14 @@ def head_redundancy(ctx: LayerContext) -> torch.Tensor:
 class MixKVMixer(Mixer, UsesArtefact):
     """MixKV (Liu et al. 2025): ``s = (1 - r̄) s_imp + r̄ s_div_scaled`` per (sample, KV head).
 
-    Inputs (spec Sec. 2): ``importance[0]`` is the extrinsic importance ``s_ex`` (SnapKV window
-    attention); further importance scores (VNorm: ``value_norm``) are min-max normalised and
-    rescaled to ``mean(s_ex)`` and added: ``s_imp = s_ex + s_in_scaled``. Diversity scores
-    (``mean_key_diversity``) are summed, min-max normalised and rescaled to the mean of
-    ``s_ex`` (``diversity_scale: ex``, the released code, default per spec A1) or of ``s_imp``
-    (``imp``, the paper). Every min/max/mean runs over the candidate tokens (valid, not in the
-    window; spec A3, A14).
+    Roles (Sec. 3.2 and 3.3 of the paper): ``extrinsic`` names the extrinsic importance
+    ``s_ex`` (SnapKV's window attention in the paper); the ``intrinsic`` roles (VNorm:
+    ``value_norm``) are min-max normalised, rescaled to ``mean(s_ex)`` and added: ``s_imp =
+    s_ex + s_in_scaled``. The ``diversity`` roles (``mean_key_diversity``) are summed, min-max
+    normalised and rescaled to the mean of ``s_ex`` (``diversity_scale: ex``, the released
+    code, kvlab's default) or of ``s_imp`` (``imp``, the paper's text; see
+    ``docs/methods/mixkv.md``). Every min/max/mean runs over the candidate tokens (valid, not
+    in the protected window).
 
     ``redundancy`` chooses r̄ ``[B, Hkv]``: ``online`` (per sample from the keys, Eq. 4, the
     paper's default), ``offline`` (a ``redundancy`` calibration artefact ``[L, Hkv]``, the
@@ -166,6 +195,9 @@ class MixKVMixer(Mixer, UsesArtefact):
     Shapes: every score ``[B, Hkv, T]`` -> ``[B, Hkv, T]`` fp32.
     """
 
+    extrinsic: str
+    diversity: tuple[str, ...]
+    intrinsic: tuple[str, ...] = ()
     redundancy: Literal["online", "offline", "fixed"] = "online"
     fixed_redundancy: float = 0.5
     diversity_scale: Literal["ex", "imp"] = "ex"
@@ -178,12 +210,24 @@ class MixKVMixer(Mixer, UsesArtefact):
         if not 0.0 <= self.fixed_redundancy <= 1.0:
             raise ValueError(f"fixed_redundancy must be in [0, 1], got {self.fixed_redundancy}")
 
-    def check_inputs(self, num_importance: int, num_diversity: int, where: str) -> None:
-        if num_importance < 1 or num_diversity < 1:
+    def check_roles(self, importance: Sequence[str], diversity: Sequence[str], where: str) -> None:
+        _unknown_roles([self.extrinsic], importance, f"{where}.extrinsic", "importance")
+        _unknown_roles(self.intrinsic, importance, f"{where}.intrinsic", "importance")
+        _unknown_roles(self.diversity, diversity, f"{where}.diversity", "diversity")
+        if not self.diversity:
             raise ConfigError(
-                f"{where} 'mixkv' needs importance scorers (the first is the window attention s_ex, "
-                "e.g. [window_attention, value_norm]) and at least one diversity scorer (e.g. "
-                f"[mean_key_diversity]); got {num_importance} importance and {num_diversity} diversity."
+                f"{where}.diversity is empty: MixKV mixes in at least one diversity scorer (e.g. "
+                "`diversity: {mean_key_diversity: {}}` and `mixer: {..., diversity: [mean_key_diversity]}`)."
+            )
+        named = [self.extrinsic, *self.intrinsic, *self.diversity]
+        twice = sorted({role for role in named if named.count(role) > 1})
+        unused = [role for role in [*importance, *diversity] if role not in named]
+        if twice or unused:
+            raise ConfigError(
+                f"{where}: every scorer plays exactly one MixKV role (extrinsic, intrinsic or "
+                f"diversity); {'named twice: ' + ', '.join(twice) if twice else ''}"
+                f"{'; ' if twice and unused else ''}{'no role for: ' + ', '.join(unused) if unused else ''}. "
+                "List each under the mixer's extrinsic, intrinsic or diversity, or remove the scorer."
             )
 
     def bind_model(self, model: str) -> None:
@@ -199,20 +243,18 @@ class MixKVMixer(Mixer, UsesArtefact):
             return table[ctx.layer_idx].to(ctx.keys.device).expand(ctx.batch_size, -1)
         return torch.full((ctx.batch_size, ctx.num_kv_heads), self.fixed_redundancy, device=ctx.keys.device)
 
-    def mix(
-        self, importance: list[torch.Tensor], diversity: list[torch.Tensor], ctx: LayerContext
-    ) -> torch.Tensor:
-        if not importance or not diversity:
-            raise ValueError("mixer 'mixkv' needs at least one importance and one diversity scorer")
+    def mix(self, scores: Mapping[str, torch.Tensor], ctx: LayerContext) -> torch.Tensor:
         mask = ctx.candidates
-        s_ex = importance[0].float()
+        s_ex = scores[self.extrinsic].float()
         s_imp = s_ex
         mean_ex = mean_imp = masked_mean(s_ex, mask)
-        for extra in importance[1:]:
-            scaled, mean_scaled = minmax_scaled(extra.float(), mean_ex, mask, self.eps)
+        for role in self.intrinsic:
+            scaled, mean_scaled = minmax_scaled(scores[role].float(), mean_ex, mask, self.eps)
             s_imp, mean_imp = s_imp + scaled, mean_imp + mean_scaled
         reference = mean_ex if self.diversity_scale == "ex" else mean_imp
-        s_div, _ = minmax_scaled(sum(d.float() for d in diversity), reference, mask, self.eps)
+        s_div, _ = minmax_scaled(
+            sum(scores[role].float() for role in self.diversity), reference, mask, self.eps
+        )
         r = self.redundancy_of(ctx)[..., None]  # [B, Hkv, 1]
         mixed = (1.0 - r) * s_imp + r * s_div
         return mixed.masked_fill(~mask[:, None, :], float("-inf"))

@@ -113,8 +113,9 @@ class DecoupledAllocator(ModalityAllocator):
         B_s^T = B_s - B_s^V
 
     Each part is clamped to its modality's candidates; with ``spill`` the shortfall goes to
-    the other modality so the head still keeps B_s (DAVID spec A7). Scores are compared only
-    within a modality (the other one is masked with -inf, not zeroed, spec A6); any pooling the
+    the other modality so the head still keeps B_s (the paper leaves a short modality open; kvlab
+    keeps the head's budget). Scores are compared only within a modality (the other one is
+    masked with -inf, not zeroed, so a zero score is never mistaken for a weak one); any pooling the
     scorer does happens before the split (Alg. 1 order). Without vision tokens this is the
     unified top-B_s.
     """

@@ -3,18 +3,27 @@
 Schema of ``model.compression`` (every field optional; no scorer at all means the full cache)::
 
     budget: {tokens: 128, window: 32, sinks: 0}      # or {ratio: 0.2, ...}; see budget.py
-    importance: [{name: window_attention, window: 32, kernel: 5, pool: avg}]
-    diversity: []                                    # e.g. [{name: keydiff}]
-    mixer: {name: weighted_sum}                      # how importance and diversity combine
+    importance:                                      # scorers keyed by the role they play
+      attention: {name: window_attention, kernel: 5, pool: avg}
+      value_norm: {}                                 # no `name`: the key is the component's name
+    diversity: {}                                    # e.g. {keydiff: {}}
+    mixer: {name: weighted_sum}                      # combines the roles; mixkv names them
     allocate:
       layer: {name: uniform}                         # or pyramid
-      head: {name: uniform}
+      head: {name: uniform}                          # adakv: {name: adakv, signal: attention}
       modality: {name: none}
     select: {name: topk}
     decode: {name: none}                             # decode-time policy
     route:                                           # optional: per-layer branches (see routing.py)
       rule: {name: latch, metric: {name: ncar}, before: decoupled, after: unified}
       branches: {decoupled: {allocate: {modality: {name: decoupled}}}, unified: {}}
+
+Roles, not positions: a scorer's key under ``importance``/``diversity`` is its role, one
+namespace for both; the mixer and a head allocator's ``signal`` refer to scorers by role, and a
+key set to ``null`` removes a scorer inherited from a preset. Lists are refused (their order
+used to decide roles). Settings have one source: the recent window is ``budget.window``; a
+component restating it (``window_attention.window``, ``ncar.window``, ``h2o.recent``) takes it
+from there and refuses a different value (``budget_settings`` on the component class).
 
 One layer's compression (:meth:`Pipeline.compress`):
 
@@ -36,22 +45,29 @@ picks a branch per sample at every layer and the branches' selections are combin
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvlab.compression.allocators import HEAD_ALLOCATORS, LAYER_ALLOCATORS, MODALITY_ALLOCATORS
+from kvlab.compression.allocators import (
+    HEAD_ALLOCATORS,
+    LAYER_ALLOCATORS,
+    MODALITY_ALLOCATORS,
+    HeadAllocator,
+    LayerAllocator,
+    ModalityAllocator,
+)
 from kvlab.compression.budget import Budget
 from kvlab.compression.context import LayerContext
 from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
-from kvlab.compression.diversity import DIVERSITY
-from kvlab.compression.importance import IMPORTANCE, WindowAttentionScorer
-from kvlab.compression.merge import MergeSelector  # noqa: F401  (registers the merge selector)
-from kvlab.compression.mixers import MIXERS
+from kvlab.compression.diversity import DIVERSITY, DiversityScorer
+from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
+from kvlab.compression.mixers import MIXERS, Mixer
 from kvlab.compression.modality import group_topk_mask
-from kvlab.compression.routing import ROUTE_RULES, RouteDecision, combine_selections, pick_rows
-from kvlab.compression.selectors import SELECTORS, Selection
+from kvlab.compression.routing import ROUTE_RULES, RouteDecision, RouteRule, combine_selections, pick_rows
+from kvlab.compression.selectors import SELECTORS, Selection, Selector
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import merge
 from kvlab.config.registry import to_plain
@@ -60,6 +76,7 @@ WHERE = "model.compression"
 FIELDS = ("budget", "importance", "diversity", "mixer", "allocate", "select", "decode", "schedule", "route")
 ROUTE_FIELDS = ("rule", "branches")
 ALLOCATE_FIELDS = ("layer", "head", "modality")
+ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _check_fields(node: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
@@ -71,14 +88,81 @@ def _check_fields(node: dict[str, Any], allowed: tuple[str, ...], where: str) ->
             )
 
 
-def _as_list(node: Any, where: str) -> list[Any]:
+def _keyed_by_role(node: Any, where: str) -> dict[str, dict[str, Any]]:
+    """``{role: component node}`` from a scorer section (a mapping keyed by role; ``null`` entries dropped).
+
+    A component node without ``name`` takes its role as the name (``value_norm: {}``). A list
+    (the old positional form) or a bare component is refused with the mapping to write instead.
+    """
     if node is None:
-        return []
-    if isinstance(node, list):
-        return node
-    if isinstance(node, dict | str):
-        return [node]
-    raise ConfigError(f"{where} must be a list of components ({{name: ...}} mappings), got {node!r}.")
+        return {}
+    if isinstance(node, list) or (isinstance(node, dict) and isinstance(node.get("name"), str)):
+        items = node if isinstance(node, list) else [node]
+        suggestion = ", ".join(
+            f"{item['name']}: {_inline({k: v for k, v in item.items() if k != 'name'})}"
+            if isinstance(item, dict) and isinstance(item.get("name"), str)
+            else f"{item}: {{}}"
+            for item in items
+        )
+        raise ConfigError(
+            f"{where} must map each scorer's role to the scorer, so that mixers and allocators name "
+            f"the scorer they use instead of relying on list order. Write `{where.rsplit('.', 1)[-1]}: "
+            f"{{{suggestion}}}` (a key may be any name, e.g. `attention: {{name: window_attention}}`) "
+            "and name the roles where they are used: `mixer: {name: mixkv, extrinsic: <role>, "
+            "intrinsic: [<role>], diversity: [<role>]}`, `allocate.head.signal: <role>`."
+        )
+    if not isinstance(node, dict):
+        raise ConfigError(
+            f"{where} must be a mapping from role to scorer, e.g. "
+            f"`{{attention: {{name: window_attention}}}}`, got {node!r}."
+        )
+    roles: dict[str, dict[str, Any]] = {}
+    for role, component in node.items():
+        if component is None:
+            continue
+        if not isinstance(role, str) or not ROLE.match(role):
+            raise ConfigError(
+                f"{where}: role {role!r} must be a name (letters, digits, underscores), e.g. attention."
+            )
+        if isinstance(component, str):
+            component = {"name": component}
+        if not isinstance(component, dict):
+            raise ConfigError(
+                f"{where}.{role} must be a scorer mapping such as {{name: window_attention}} (or {{}} to "
+                f"use the scorer named '{role}'), got {component!r}."
+            )
+        roles[role] = component if "name" in component else {"name": role, **component}
+    return roles
+
+
+def _inline(node: dict[str, Any]) -> str:
+    """``{a: 1, b: x}``: a flow-style YAML mapping for messages."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in node.items()) + "}"
+
+
+def _take_budget_settings(component: Any, where: str, budget: Budget | None) -> None:
+    """Fill the parameters ``component`` restates from the budget; refuse a value that differs.
+
+    ``component.budget_settings`` maps a parameter to a budget field (e.g. ``window``). Unset
+    (None) parameters take the budget's value when it is a token count; a set one must equal it.
+    """
+    for param, setting in getattr(component, "budget_settings", {}).items():
+        own = getattr(component, param)
+        if budget is None:
+            continue
+        value = getattr(budget, setting)
+        is_count = isinstance(value, int) and not isinstance(value, bool)
+        if own is None:
+            if is_count:
+                setattr(component, param, value)
+            continue
+        if not is_count or own != value:
+            raise ConfigError(
+                f"{where}.{param} = {own} differs from {WHERE}.budget.{setting} = {value}: the "
+                f"{setting} is set once, in the budget, and {where.rsplit('.', 1)[-1]} reads it from "
+                f"there. Remove `{param}` from {where} (or make it equal), and set "
+                f"{WHERE}.budget.{setting} to the {setting} you want."
+            )
 
 
 @dataclass
@@ -88,8 +172,10 @@ class LayerReport:
     ``kept`` is ``[B, Hkv]`` (tokens kept per head), ``budget`` the layer budget ``[B]``,
     ``selection`` which positions were kept, and ``scores`` the mixed ``[B, Hkv, T]`` score (only
     when the pipeline is asked to record scores). ``scorer_scores`` then also holds each
-    scorer's own ``[B, Hkv, T]`` output by name (non-candidate positions -inf) for the per-scorer
+    scorer's own ``[B, Hkv, T]`` output by role (non-candidate positions -inf) for the per-scorer
     TensorBoard histograms. ``route`` says which branch each sample took when the pipeline routes.
+    ``overshoot`` ``[B]`` counts the tokens per head a sample keeps beyond its asked budget
+    because its protected window does not fit (``Budget.overshoot``; None without a budget).
     """
 
     layer_idx: int
@@ -100,23 +186,29 @@ class LayerReport:
     scores: torch.Tensor | None = None
     route: RouteDecision | None = None
     scorer_scores: dict[str, torch.Tensor] | None = None
+    overshoot: torch.Tensor | None = None
 
 
 @dataclass
 class Pipeline:
-    """A compression method built from YAML. ``Pipeline.from_config(node)`` validates everything."""
+    """A compression method built from YAML. ``Pipeline.from_config(node)`` validates everything.
+
+    ``importance`` and ``diversity`` map each scorer's role to the scorer (YAML order kept);
+    the other fields are the one component of each slot. ``branches`` are the sub-pipelines a
+    ``route_rule`` picks from, per sample and layer.
+    """
 
     budget: Budget | None
-    importance: list[Any] = field(default_factory=list)
-    diversity: list[Any] = field(default_factory=list)
-    mixer: Any = None
-    layer_allocator: Any = None
-    head_allocator: Any = None
-    modality_allocator: Any = None
-    selector: Any = None
+    importance: dict[str, ImportanceScorer] = field(default_factory=dict)
+    diversity: dict[str, DiversityScorer] = field(default_factory=dict)
+    mixer: Mixer | None = None
+    layer_allocator: LayerAllocator | None = None
+    head_allocator: HeadAllocator | None = None
+    modality_allocator: ModalityAllocator | None = None
+    selector: Selector | None = None
     decode_policy: DecodePolicy | None = None
     schedule: str = "layerwise"
-    route_rule: Any = None
+    route_rule: RouteRule | None = None
     branches: dict[str, Pipeline] = field(default_factory=dict)
 
     @classmethod
@@ -138,63 +230,106 @@ class Pipeline:
                 f"{WHERE}.schedule '{schedule}' is not supported yet; use 'layerwise' (compress each layer "
                 "right after its prefill attention)."
             )
-        importance = [
-            IMPORTANCE.build(n, f"{WHERE}.importance[{i}]")
-            for i, n in enumerate(_as_list(node.get("importance"), f"{WHERE}.importance"))
-        ]
-        diversity = [
-            DIVERSITY.build(n, f"{WHERE}.diversity[{i}]")
-            for i, n in enumerate(_as_list(node.get("diversity"), f"{WHERE}.diversity"))
-        ]
-        compresses = bool(importance or diversity)
-        if compresses and node.get("budget") is None:
+        importance_nodes = _keyed_by_role(node.get("importance"), f"{WHERE}.importance")
+        diversity_nodes = _keyed_by_role(node.get("diversity"), f"{WHERE}.diversity")
+        for role in importance_nodes.keys() & diversity_nodes.keys():
+            raise ConfigError(
+                f"{WHERE}: role '{role}' names both an importance and a diversity scorer; roles are one "
+                "namespace (mixers refer to them by name), so rename one of the two keys."
+            )
+        if (importance_nodes or diversity_nodes) and node.get("budget") is None:
             raise ConfigError(
                 f"{WHERE}.budget is missing: a pipeline with scorers needs a budget, e.g. "
                 "`budget: {tokens: 128, window: 32}` or `budget: {ratio: 0.2, window: 32}`."
             )
         budget = Budget.from_config(node["budget"]) if node.get("budget") is not None else None
+        importance = {
+            role: cls._component(IMPORTANCE, n, f"{WHERE}.importance.{role}", budget)
+            for role, n in importance_nodes.items()
+        }
+        diversity = {
+            role: cls._component(DIVERSITY, n, f"{WHERE}.diversity.{role}", budget)
+            for role, n in diversity_nodes.items()
+        }
         pipeline = cls(
             budget=budget,
             importance=importance,
             diversity=diversity,
-            mixer=MIXERS.build(node.get("mixer") or "weighted_sum", f"{WHERE}.mixer"),
-            layer_allocator=LAYER_ALLOCATORS.build(
-                allocate.get("layer") or "uniform", f"{WHERE}.allocate.layer"
+            mixer=cls._component(MIXERS, node.get("mixer") or "weighted_sum", f"{WHERE}.mixer", budget),
+            layer_allocator=cls._component(
+                LAYER_ALLOCATORS, allocate.get("layer") or "uniform", f"{WHERE}.allocate.layer", budget
             ),
-            head_allocator=HEAD_ALLOCATORS.build(allocate.get("head") or "uniform", f"{WHERE}.allocate.head"),
-            modality_allocator=MODALITY_ALLOCATORS.build(
-                allocate.get("modality") or "none", f"{WHERE}.allocate.modality"
+            head_allocator=cls._component(
+                HEAD_ALLOCATORS, allocate.get("head") or "uniform", f"{WHERE}.allocate.head", budget
             ),
-            selector=SELECTORS.build(node.get("select") or "topk", f"{WHERE}.select"),
-            decode_policy=DECODE_POLICIES.build(
-                node.get("decode") or "none",
-                f"{WHERE}.decode",
-                # h2o's default recent window (a token count; a ratio window leaves the policy's default)
-                **({"recent": budget.window} if budget and not budget.window_is_ratio else {}),
+            modality_allocator=cls._component(
+                MODALITY_ALLOCATORS, allocate.get("modality") or "none", f"{WHERE}.allocate.modality", budget
             ),
+            selector=cls._component(SELECTORS, node.get("select") or "topk", f"{WHERE}.select", budget),
+            decode_policy=cls._decode_policy(node.get("decode") or "none", budget),
             schedule=schedule,
         )
-        pipeline._check_window()
-        pipeline.mixer.check_inputs(len(importance), len(diversity), f"{WHERE}.mixer")
+        pipeline._check_roles()
         return pipeline
 
-    def _check_window(self) -> None:
-        """SnapKV-style scorers always keep their observation window: it must fit in the budget."""
-        if self.budget is None or self.budget.tokens is None:
-            return
-        for i, scorer in enumerate(self.importance):
-            if isinstance(scorer, WindowAttentionScorer) and scorer.window > self.budget.tokens:
+    @staticmethod
+    def _component(registry: Any, node: Any, where: str, budget: Budget | None) -> Any:
+        """Build one component and give it the budget settings it restates (see module docstring)."""
+        component = registry.build(node, where)
+        _take_budget_settings(component, where, budget)
+        return component
+
+    @staticmethod
+    def _decode_policy(node: Any, budget: Budget | None) -> DecodePolicy:
+        """The decode policy; a policy with a ``recent`` window takes ``budget.window``.
+
+        An explicit ``recent`` must equal a token-count ``budget.window``; with a ratio window
+        (a different count per prompt) or no budget, the policy's ``recent`` must be written.
+        """
+        where = f"{WHERE}.decode"
+        policy = DECODE_POLICIES.build(node, where)
+        if not hasattr(policy, "recent"):
+            return policy
+        written = isinstance(node, dict) and "recent" in node
+        window = budget.window if budget is not None else None
+        if isinstance(window, int) and not isinstance(window, bool):
+            if written and policy.recent != window:
                 raise ConfigError(
-                    f"{WHERE}.importance[{i}].window = {scorer.window} is larger than the budget "
-                    f"({WHERE}.budget.tokens = {self.budget.tokens}); the observation window is always kept. "
-                    "Lower the window or raise the budget."
+                    f"{where}.recent = {policy.recent} differs from {WHERE}.budget.window = {window}: the "
+                    f"recent window is set once, in the budget, and the decode policy keeps it too. Remove "
+                    f"`recent` from {where} and set {WHERE}.budget.window to the window you want."
                 )
+            policy.recent = window
+        elif not written:
+            raise ConfigError(
+                f"{where} '{policy.registry_name}' keeps a recent window of a fixed size, and "
+                f"{WHERE}.budget.window is {'a fraction of each prompt' if budget else 'not set'}: write "
+                f"the decode window in tokens, e.g. `decode: {{name: {policy.registry_name}, recent: 32}}`."
+            )
+        return policy
+
+    @property
+    def roles(self) -> list[str]:
+        """Every scorer's role: importance roles then diversity roles, in YAML order."""
+        return [*self.importance, *self.diversity]
+
+    def _check_roles(self) -> None:
+        """The mixer's and the head allocator's roles exist; every scorer has a part in the mix."""
+        self.mixer.check_roles(list(self.importance), list(self.diversity), f"{WHERE}.mixer")
+        signal = self.head_allocator.signal
+        if signal != "mixed" and signal not in self.roles:
+            raise ConfigError(
+                f"{WHERE}.allocate.head.signal = '{signal}' is not a scorer's role "
+                f"({', '.join(self.roles) or 'no scorers'}).{did_you_mean(signal, self.roles)} Write "
+                "`signal: mixed` (the mixed score) or the key of the scorer to allocate from."
+            )
 
     def components(self) -> list[Any]:
-        """Every configured component (scorers, mixer, allocators, selector, decode policy)."""
-        parts = [*self.importance, *self.diversity, self.mixer, self.layer_allocator, self.head_allocator]
+        """Every configured component (scorers, mixer, allocators, selector, decode policy, branches)."""
+        parts = [*self.importance.values(), *self.diversity.values(), self.mixer, self.layer_allocator]
         branches = [c for branch in self.branches.values() for c in branch.components()]
-        return [*parts, self.modality_allocator, self.selector, self.decode_policy, *branches]
+        slots = [self.head_allocator, self.modality_allocator, self.selector, self.decode_policy]
+        return [*parts, *slots, *branches]
 
     def bind_model(self, model: str) -> None:
         """Tell components that load per-model artefacts which model runs; fails fast on a mismatch.
@@ -236,19 +371,19 @@ class Pipeline:
         layer_budget = self.layer_allocator.allocate(budget, lengths, protected_counts, ctx)
         layer_budget = torch.clamp(torch.as_tensor(layer_budget, device=lengths.device), min=protected_counts)
 
-        protected = self.budget.protected_mask(valid)  # [B, T]
-        ctx.protected = protected
-        importance = [scorer.score(ctx) for scorer in self.importance]
-        diversity = [scorer.score(ctx) for scorer in self.diversity]
-        mixed = self.mixer.mix(importance, diversity, ctx).float()  # [B, Hkv, T]
+        protected = self._protect(ctx)  # [B, T]
+        scores = {
+            role: scorer.score(ctx) for role, scorer in [*self.importance.items(), *self.diversity.items()]
+        }
+        mixed = self.mixer.mix(scores, ctx).float()  # [B, Hkv, T]
 
         candidates = (valid & ~protected)[:, None, :]
         candidate_scores = mixed.masked_fill(~candidates, float("-inf"))
         available = candidates.sum(-1)  # [B, 1]
         free = layer_budget - protected_counts
         signal = candidate_scores
-        if self.head_allocator.signal == "importance" and importance:
-            signal = importance[0].float().masked_fill(~candidates, float("-inf"))
+        if self.head_allocator.signal != "mixed":
+            signal = scores[self.head_allocator.signal].float().masked_fill(~candidates, float("-inf"))
         head_counts = self.head_allocator.allocate(signal, free, ctx)
         head_counts = torch.minimum(torch.clamp(head_counts, min=0), available)
         uncompressed = layer_budget >= lengths  # [B]
@@ -264,23 +399,24 @@ class Pipeline:
         counts = head_counts + protected_counts[:, None]
         selection = self.selector.select(final, counts, ctx)
         report = LayerReport(
-            ctx.layer_idx, selection.counts, layer_budget, selection, scores=mixed if record_scores else None
+            ctx.layer_idx,
+            selection.counts,
+            layer_budget,
+            selection,
+            scores=mixed if record_scores else None,
+            overshoot=self.budget.overshoot(lengths),
         )
-        if record_scores:
-            report.scorer_scores = self._scorer_scores(importance, diversity, candidates)
+        if record_scores:  # each scorer's own score by role, candidates only
+            report.scorer_scores = {
+                role: score.float().masked_fill(~candidates, float("-inf")) for role, score in scores.items()
+            }
         return selection, report
 
-    def _scorer_scores(
-        self, importance: list[torch.Tensor], diversity: list[torch.Tensor], candidates: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """Each scorer's output by name (a name used twice gets its position: ``key_norm_2``)."""
-        scorers = [*self.importance, *self.diversity]
-        named: dict[str, torch.Tensor] = {}
-        for i, (scorer, scores) in enumerate(zip(scorers, [*importance, *diversity], strict=True)):
-            name = scorer.registry_name
-            name = f"{name}_{i}" if name in named else name
-            named[name] = scores.float().masked_fill(~candidates, float("-inf"))
-        return named
+    def _protect(self, ctx: LayerContext) -> torch.Tensor:
+        """Set the budget's recent window ``[B]`` and protected tokens ``[B, T]`` on ``ctx``; return these."""
+        ctx.window = self.budget.window_counts(ctx.lengths)
+        ctx.protected = self.budget.protected_mask(ctx.valid)
+        return ctx.protected
 
     # --- routing -------------------------------------------------------------------------------
     @classmethod
@@ -317,12 +453,16 @@ class Pipeline:
                     f"(it defines: {', '.join(branches) or 'none'}).{did_you_mean(name, list(branches))}"
                 )
         pipeline = cls.from_config(parent)
+        for name, part in rule.parts().items():  # e.g. the metric observing the budget's window
+            _take_budget_settings(part, f"{where}.rule.{name}", pipeline.budget)
         pipeline.route_rule = rule
         pipeline.branches = branches
         return pipeline
 
     def _select_routed(self, ctx: LayerContext, record_scores: bool) -> tuple[Selection, LayerReport]:
         """Run the branch each sample is routed to; combine the selections row by row."""
+        if self.budget is not None:  # the rule's metric observes the parent budget's window
+            self._protect(ctx)
         decision = self.route_rule.decide(ctx)
         names = sorted(set(decision.branches))
         runs = [self.branches[name]._select(ctx, record_scores) for name in names]
@@ -338,6 +478,7 @@ class Pipeline:
                 pick_rows([r.budget for r in reports], choice),
                 selection,
                 scores=pick_rows([r.scores for r in reports], choice),
+                overshoot=pick_rows([r.overshoot for r in reports], choice),
             )
         report.route = decision
         return selection, report

@@ -4,7 +4,7 @@ A ``route`` node in ``model.compression`` names its branches (partial pipelines 
 the parent node) and a rule that picks one branch per sample at every layer::
 
     route:
-      rule: {name: latch, metric: {name: ncar, window: 32}, test: delta_lt, threshold: 0.3,
+      rule: {name: latch, metric: {name: ncar}, test: delta_lt, threshold: 0.3,
              before: decoupled, after: unified}
       branches:
         decoupled: {allocate: {modality: {name: decoupled, rho: 2.0}}}
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from kvlab.compression.context import LayerContext
+from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
 from kvlab.compression.selectors import Selection
 from kvlab.config.registry import Registry
@@ -35,9 +36,13 @@ from kvlab.config.registry import Registry
 
 
 class LayerMetric:
-    """Base class: override :meth:`measure` (one value per sample for the current layer)."""
+    """Base class: override :meth:`measure` (one value per sample for the current layer).
+
+    ``budget_settings``: parameters restating a budget setting (see :class:`ImportanceScorer`).
+    """
 
     registry_name: str = ""
+    budget_settings: ClassVar[dict[str, str]] = {}
 
     def measure(self, ctx: LayerContext) -> torch.Tensor:
         """``[B]`` float32; NaN where the metric is undefined for a sample."""
@@ -60,17 +65,25 @@ class NCARMetric(LayerMetric):
     The sum over j covers every key, window included; the 1/r of Eq. 6 is kept (Alg. 1 drops
     it, which would tie theta to r). theta = 1 when vision gets exactly its share of the
     attention. NaN for a sample without vision tokens (text-only prompts). Shares the memoised
-    window attention with SnapKV-style scorers of the same window.
+    window attention with SnapKV-style scorers of the same window. The window is the budget's
+    recent window (``budget.window``); ``window`` may restate it but not differ from it.
     """
 
-    window: int = 32
+    window: int | None = None
+
+    budget_settings: ClassVar[dict[str, str]] = {"window": "window"}
 
     def __post_init__(self) -> None:
-        if self.window < 1:
+        if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
 
     def measure(self, ctx: LayerContext) -> torch.Tensor:
-        window = min(self.window, ctx.seq_len)
+        windows = ctx.observation_windows(self.window, "ncar")  # [B]
+        return per_window(windows, lambda window: self._measure(ctx, window))
+
+    def _measure(self, ctx: LayerContext, window: int) -> torch.Tensor:
+        """``[B]`` theta of every sample as if its window were ``window``."""
+        window = min(window, ctx.seq_len)
         probs = ctx.window_attention(window)  # [B, H, W, T]
         vision = (modality_groups(ctx.modality) == VISION_GROUP).float()  # [B, T]
         mass = torch.einsum("bhwt,bt->bh", probs, vision).mean(-1)  # [B]
@@ -114,6 +127,10 @@ class RouteRule:
     def decide(self, ctx: LayerContext) -> RouteDecision:
         """The branch of every sample at layer ``ctx.layer_idx``."""
         raise NotImplementedError
+
+    def parts(self) -> dict[str, Any]:
+        """Components the rule built from its own fields, by field name (e.g. its ``metric``)."""
+        return {}
 
     def _decision(self, switched: torch.Tensor, metric: torch.Tensor | None = None) -> RouteDecision:
         names = [self.after if s else self.before for s in switched.tolist()]
@@ -163,6 +180,9 @@ class MetricLatchRule(RouteRule):
 
     def __post_init__(self) -> None:
         self._metric = LAYER_METRICS.build(self.metric, "model.compression.route.rule.metric")
+
+    def parts(self) -> dict[str, Any]:
+        return {"metric": self._metric}
 
     def decide(self, ctx: LayerContext) -> RouteDecision:
         key = ("route_latch", id(self))

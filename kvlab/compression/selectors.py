@@ -37,11 +37,12 @@ class Selection:
         return torch.arange(K, device=self.counts.device) < self.counts[..., None]
 
     def kept_mask(self, length: int) -> torch.Tensor:
-        """``[B, Hkv, length]`` bool on the CPU: which prompt positions each (sample, head) kept."""
+        """``[B, Hkv, length]`` bool (on the indices' device): which prompt positions each (sample,
+        head) kept. Unused slots (index 0 past a row's count) go to a spare column, so they can
+        never clear or set position 0."""
         B, Hkv, _ = self.indices.shape
-        mask = torch.zeros(B, Hkv, length + 1, dtype=torch.bool)
-        index = torch.where(self.mask().cpu(), self.indices.cpu(), length)  # padding -> spare column
-        mask.scatter_(2, index, True)
+        mask = torch.zeros(B, Hkv, length + 1, dtype=torch.bool, device=self.indices.device)
+        mask.scatter_(2, torch.where(self.mask(), self.indices, length), True)
         return mask[..., :length]
 
     def kept_positions(self, b: int, h: int) -> list[int]:

@@ -8,6 +8,10 @@ From the per-sample records (batch timings are split evenly over the batch's sam
   ``decode_seconds``: means over samples (prefill excludes the compression inside it);
 - ``compression_over_prefill``: total compression seconds / total prefill seconds;
 - ``decode_tokens_per_second``: total generated tokens / total decode seconds;
+- ``budget_overshoot_samples`` / ``budget_overshoot_max``: samples whose protected window did
+  not fit their asked budget (a short prompt under a ratio budget) and so kept more than asked,
+  and the largest excess in tokens per head (``budget.max_window_share`` shrinks the window
+  instead; see ``docs/architecture.md``);
 - ``kv_bytes_allocated_peak``: the most bytes one batch's ``CompressedCache`` allocated (kept
   prompt K/V, reserved decode region, offsets);
 - ``peak_memory_bytes``: ``torch.cuda.max_memory_allocated`` over the run's batches on CUDA;
@@ -34,6 +38,7 @@ SUM_FIELDS = (
     "decode_seconds",
 )
 MAX_FIELDS = ("kv_bytes_allocated", "peak_memory_bytes")
+OVERSHOOT = "budget_overshoot"  # per record: tokens per head kept beyond the asked budget
 MEAN_FIELDS = SUM_FIELDS[3:] + SUM_FIELDS[:1]
 NO_PEAK_NOTE = (
     "process peak memory is not available on this device (CUDA only); "
@@ -53,11 +58,18 @@ class CostMetrics(Metric):
             self.add_state(name, torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         for name in MAX_FIELDS:  # -1: never reported
             self.add_state(name, torch.tensor(-1.0, dtype=torch.float64), dist_reduce_fx="max")
+        self.add_state("overshoot_samples", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("overshoot_max", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="max")
 
     def update(self, values: dict[str, torch.Tensor]) -> None:
         self.samples += values["kv_ratio"].numel()
         for name in SUM_FIELDS:
             setattr(self, name, getattr(self, name) + values[name].to(torch.float64).nansum())
+        overshoot = values.get(OVERSHOOT)
+        if overshoot is not None:
+            overshoot = overshoot.to(torch.float64).nan_to_num(0.0)
+            self.overshoot_samples += (overshoot > 0).sum()
+            self.overshoot_max = torch.maximum(self.overshoot_max, overshoot.max())
         for name in MAX_FIELDS:
             value = values.get(name)
             if value is not None and (~torch.isnan(value)).any():
@@ -84,9 +96,11 @@ class CostMetrics(Metric):
         out["peak_memory_bytes"] = int(peak) if peak >= 0 else None
         if peak < 0:
             out["peak_memory_note"] = NO_PEAK_NOTE
+        out["budget_overshoot_samples"] = int(self.overshoot_samples)
+        out["budget_overshoot_max"] = int(self.overshoot_max)
         return out
 
     def update_records(self, records: list[dict[str, Any]]) -> None:
         """Update from prediction records."""
         if records:
-            self.update(record_values(records, SUM_FIELDS + MAX_FIELDS))
+            self.update(record_values(records, (*SUM_FIELDS, *MAX_FIELDS, OVERSHOOT)))

@@ -95,6 +95,13 @@ def format_summary(metrics: dict[str, Any], run_dir: str | Path) -> str:
             lines += [f"    {k:<28} {_format(k, metrics[k])}" for k in present]
     if "peak_memory_note" in metrics:
         lines.append(f"  note: {metrics['peak_memory_note']}")
+    if metrics.get("budget_overshoot_samples"):
+        lines.append(
+            f"  warning: {metrics['budget_overshoot_samples']} samples kept more than their budget (up to "
+            f"{metrics['budget_overshoot_max']} tokens per head): their prompts are too short for the "
+            "protected window under this ratio; see `budget_overshoot` in predictions.jsonl, or set "
+            "model.compression.budget.max_window_share (e.g. 0.5) to shrink the window instead"
+        )
     lines.append(
         f"  files: config.yaml predictions.jsonl metrics.json tensorboard/ (tensorboard --logdir {run_dir})"
     )

@@ -54,7 +54,7 @@ def modality_counts(selection: Any, modality: torch.Tensor) -> tuple[torch.Tenso
     Present counts are multiplied by the number of KV heads, so kept / present is the fraction.
     """
     modality = modality.cpu()
-    kept = selection.kept_mask(modality.shape[1])  # [B, Hkv, T]
+    kept = selection.kept_mask(modality.shape[1]).cpu()  # [B, Hkv, T]
     Hkv = kept.shape[1]
     kept_counts = torch.stack([(kept & (modality == m)[:, None]).sum() for m in MODALITY_NAMES])
     present = torch.stack([(modality == m).sum() * Hkv for m in MODALITY_NAMES])
@@ -201,7 +201,7 @@ class Inspector:
             if not -len(reports) <= layer < len(reports):
                 continue
             report = reports[layer]
-            share = report.selection.kept_mask(T)[0].float().mean(0)  # [T] share of heads keeping each token
+            share = report.selection.kept_mask(T)[0].float().cpu().mean(0)  # [T] share of heads keeping it
             for i, (first, rows, cols) in enumerate(grids):
                 patch = share[first : first + rows * cols].view(rows, cols)
                 image = patch_overlay(batch["samples"][0].images[i], patch)
