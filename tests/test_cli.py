@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from PIL import Image
 
 import kvlab.models
-from kvlab.config.cli import main
+from kvlab.config.cli import main, plural
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
@@ -57,9 +58,7 @@ def test_predict_writes_predictions_metrics_config_and_tensorboard(tmp_path):
         f"{{name: jsonl, path: {data}}}",
         "--model.compression.budget.tokens",
         "40",
-        "--model.compression.importance",
-        "[{name: window_attention, window: 8}]",
-        "--model.compression.budget.window",
+        "--model.compression.budget.window",  # SnapKV's scorer observes the budget's window
         "8",
     )
     run = tmp_path / "runs" / "exp" / "snapkv"
@@ -108,12 +107,12 @@ def test_rerun_skips_written_samples_and_keeps_them(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model.compression.importance", "[{name: window_atention}]"], "Did you mean 'window_attention'"),
-        (["--model.compression.importance", "[{name: window_attention, kernal: 3}]"], "'kernal'"),
         (
-            ["--model.compression.importance", "[{name: window_attention, kernel: big}]"],
-            "'kernel' must be int",
+            ["--model.compression.importance.attention", "{name: window_atention}"],
+            "Did you mean 'window_attention'",
         ),
+        (["--model.compression.importance.attention", "{kernal: 3}"], "'kernal'"),
+        (["--model.compression.importance.attention", "{kernel: big}"], "'kernel' must be int"),
         (["--model.compression.budget", "{tokens: 16, window: 32}"], "below the protected tokens"),
         (["--model.compression.budget", "{ratio: 2.0, window: 32}"], "ratio must be in [0, 1]"),
         (["--data.dataset", "{name: jsonl, path: /nonexistent/data.jsonl}"], "/nonexistent/data.jsonl"),
@@ -188,6 +187,59 @@ def test_list_prints_every_component_with_parameters(capsys):
     assert "snapkv" in out.split("presets")[-1]
 
 
+# One fresh interpreter: what `import kvlab.compression` registers against what every compression
+# module registers; then `kvlab list` with only the imports the command makes; then every Registry
+# defined anywhere in kvlab (all modules imported), each with whether it is enrolled.
+ENROLMENT_SCRIPT = """
+import importlib, json, pkgutil
+import kvlab.compression
+from kvlab.config.registry import REGISTRIES, Registry
+names = lambda: {r.field: r.names() for r in REGISTRIES}
+first = names()
+for info in pkgutil.walk_packages(kvlab.compression.__path__, "kvlab.compression."):
+    importlib.import_module(info.name)
+print(json.dumps([first, names()]))
+from kvlab.config.cli import main
+main(["list"])
+import kvlab.kernels
+found = {}
+for package in (kvlab, kvlab.kernels):
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        for value in vars(importlib.import_module(info.name)).values():
+            if isinstance(value, Registry):
+                enrolled = any(value is r for r in REGISTRIES)
+                found[id(value)] = [value.kind, value.field, value.names(), enrolled]
+print(json.dumps(list(found.values())))
+"""
+
+
+def test_every_registry_is_enrolled_and_listed_with_its_kind_and_field():
+    out = subprocess.run(
+        [sys.executable, "-c", ENROLMENT_SCRIPT], check=True, capture_output=True, text=True, cwd=REPO
+    ).stdout
+    first_line, listing = out.split("\n", 1)
+    listing, last_line = listing.rstrip("\n").rsplit("\n", 1)
+    on_import, everything = json.loads(first_line)
+    assert on_import == everything  # importing kvlab.compression registers every component module
+    assert everything["model.compression.select"] == ["merge", "topk"]
+    registries = json.loads(last_line)
+    assert len(registries) >= 13
+    for kind, field, names, enrolled in registries:
+        assert enrolled, kind
+        assert f"{plural(kind)}  (YAML field: {field})" in listing
+        assert all(f"  {name}: " in listing for name in names)
+
+
+def test_resolved_config_file_is_deleted_after_the_run(tmp_path, monkeypatch, capsys):
+    temp_dir = tmp_path / "tmp"
+    temp_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp_dir))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", "--config", "snapkv", "--print_config"])
+    assert exit_info.value.code == 0 and "window_attention" in capsys.readouterr().out
+    assert not list(temp_dir.iterdir())
+
+
 def test_wheel_ships_configs_and_kernels(tmp_path):
     """Non-editable install: build a wheel, install it into a directory, find a preset by bare name."""
     subprocess.run(
@@ -233,8 +285,7 @@ def test_predict_prints_a_one_screen_summary_and_uses_the_datasets_task_metrics(
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "word " * 30, "answers": ["word"]}])
     dataset = f"{{name: jsonl, path: {data}, metrics: [token_f1, rouge_l]}}"
     predict(tmp_path, "--config", "snapkv", *TINY, "--data.dataset", dataset,
-            "--model.compression.budget", "{tokens: 16, window: 4}",
-            "--model.compression.importance", "[{name: window_attention, window: 4}]")  # fmt: skip
+            "--model.compression.budget", "{tokens: 16, window: 4}")  # fmt: skip
     out = capsys.readouterr().out
     summary = out[out.index("kvlab: 1 samples") :]
     assert len(summary.splitlines()) < 40

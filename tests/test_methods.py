@@ -1,44 +1,66 @@
 """Invariants of every shipped method preset, end to end through the model on tiny random models.
 
-One table of presets; each invariant is parametrised over it, so a new preset is tested by
-adding its name. (Random weights: plumbing and invariants only, never quality.)
+The cases are every shipped preset (``preset_names()``), text presets on the tiny text models and
+VLM presets on the tiny VLMs with image samples, so a new preset is tested without being added
+here; what an invariant expects (ragged heads, layer-wise budgets, a text prior that may keep more
+than the budget) is read from the preset's own config. (Random weights: plumbing and invariants
+only, never quality.)
 """
 
 import functools
+import math
 import tempfile
+from dataclasses import dataclass
 
 import e2e
 import pytest
 import torch
 from e2e import kvlab_model
+from preset_runs import is_vlm_preset, preset_models, preset_samples
 from transformers import DynamicCache
 
 from kvlab.calibration import Artefact
 from kvlab.calibration.synthetic import synthetic_visual_heads
 from kvlab.compression.pipeline import Pipeline
-from kvlab.config.loader import resolve
+from kvlab.config.loader import merge, preset_names, resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.masking import load_masked_model
+from kvlab.models.base import TEXT
 
-PRESETS = [
-    "random",
-    "streamingllm",
-    "snapkv",
-    "knorm",
-    "h2o",
-    "pyramidkv",
-    "adakv",
-    "sparsemm",
-    "keydiff",
-    "mixkv_snapkv",
-    "mixkv_adakv",
-    "mixkv_pyramidkv",
-    "mixkv_sparsemm",
+PRESETS = [name for name in preset_names() if resolve([name], [])["model"].get("compression")]  # not `full`
+# every preset on each of its tiny models
+CASES = [(preset, model) for preset in PRESETS for model in preset_models(preset)]
+# the heavier invariants (several runs per case) take one tiny model per VLM preset: tiny-qwen2-vl
+# (test_vlm.py runs the padded-batch check on both tiny VLMs)
+LIGHT_CASES = [
+    (preset, model) for preset, model in CASES if not is_vlm_preset(preset) or model == "tiny-qwen2-vl"
 ]
-RAGGED = {"adakv", "sparsemm", "mixkv_adakv", "mixkv_sparsemm"}  # per-head budgets differ
-LAYERWISE = {"pyramidkv", "mixkv_pyramidkv"}  # per-layer budgets differ
-TEXT_MODELS = ["tiny-llama", "tiny-qwen2"]
 NEW_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a preset's config says about the kept counts (derived, never listed by name)."""
+
+    ragged: bool  # a head allocator other than uniform: heads of a layer keep different counts
+    layerwise: bool  # a layer allocator other than uniform: layers get different budgets
+    adakv: bool  # heads of a layer share its budget: their kept counts sum to it
+    sparsemm: bool  # static per-head capacities from a visual-head artefact
+    keeps_all_text: bool  # a text prior keeping every text token, even beyond the budget
+
+
+def traits(name: str) -> Traits:
+    allocate = resolve([name], [])["model"]["compression"].get("allocate") or {}
+    head = (allocate.get("head") or {}).get("name", "uniform")
+    layer = (allocate.get("layer") or {}).get("name", "uniform")
+    modality = allocate.get("modality") or {}
+    return Traits(
+        ragged=head != "uniform",
+        layerwise=layer != "uniform",
+        adakv=head == "adakv",
+        sparsemm=head == "sparsemm",
+        keeps_all_text=modality.get("name") == "text_prior" and modality.get("overflow") == "keep_all_text",
+    )
 
 
 @functools.cache
@@ -48,9 +70,10 @@ def visual_heads_artefact(model: str) -> str:
 
 
 def preset_compression(name, model="tiny-qwen2", **budget):
+    """The preset's compression node; ``budget`` fields are merged in (``tokens`` replaces a ratio)."""
     node = resolve([name], [])["model"]["compression"]
     if budget:
-        node["budget"] = {**node["budget"], **budget}
+        node["budget"] = merge(node["budget"], budget)
     head = node.get("allocate", {}).get("head", {})
     if head.get("name") == "sparsemm":
         head["artefact"] = visual_heads_artefact(model)
@@ -66,6 +89,17 @@ def samples(n=2, words=60):
     return SyntheticRetrieval(num_samples=n, context_words=words, seed=1).samples()
 
 
+@functools.cache
+def samples_for(model):
+    """Two text samples for a text model; two image samples and a text one for a VLM."""
+    return preset_samples(vlm=True) if kvlab_model(model).info.vision_language else samples()
+
+
+@functools.cache
+def full_run(model):
+    return run(kvlab_model(model), Pipeline.from_config(None), samples_for(model))
+
+
 def batch_of(loaded, items):
     return loaded.processor.collate(list(items))
 
@@ -74,53 +108,62 @@ def run(loaded, pipe, items):
     return e2e.run(loaded, pipe, items, NEW_TOKENS)
 
 
-def window_of(name):
-    return preset_compression(name)["budget"].get("window", 0)
+def protected(name, length):
+    """``(window, sinks)`` of a preset for a prompt of ``length`` tokens (a float window is a fraction)."""
+    budget = preset_compression(name)["budget"]
+    window = budget.get("window", 0)
+    return (math.floor(window * length) if isinstance(window, float) else window), budget.get("sinks", 0)
 
 
-@pytest.mark.parametrize("model", TEXT_MODELS)
-@pytest.mark.parametrize("preset", PRESETS)
-def test_budget_at_least_the_prompt_is_identical_to_full(model, preset):
+@pytest.mark.parametrize("preset, model", CASES)
+def test_budget_at_least_the_prompt_is_identical_to_full(preset, model):
     loaded = kvlab_model(model)
-    full = run(loaded, Pipeline.from_config(None), samples())
+    full = full_run(model)
     longest = int(full.prompt_lengths.max())
-    big = run(loaded, pipeline(preset, model, tokens=longest), samples())
+    big = run(loaded, pipeline(preset, model, tokens=longest), samples_for(model))
     assert big.tokens == full.tokens
     assert torch.equal(big.step_logits, full.step_logits)
     assert torch.equal(big.kept, full.kept)
 
 
-@pytest.mark.parametrize("model", TEXT_MODELS)
-@pytest.mark.parametrize("preset", PRESETS)
-def test_kept_counts_equal_layer_budgets_and_window_is_kept(model, preset):
+@pytest.mark.parametrize("preset, model", CASES)
+def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
     loaded = kvlab_model(model)
     budget = 48
     pipe = pipeline(preset, model, tokens=budget)
-    result = run(loaded, pipe, samples())
+    items = samples_for(model)
+    result = run(loaded, pipe, items)
     lengths = result.prompt_lengths
-    T = batch_of(loaded, samples())["input_ids"].shape[1]
-    window = window_of(preset)
+    batch = batch_of(loaded, items)
+    T = batch["input_ids"].shape[1]
+    trait = traits(preset)
+    window = protected(preset, T)[0]  # an int window in the ragged checks below (AdaKV, SparseMM)
     Hkv = loaded.info.num_kv_heads
     for report in result.reports:
         expected = torch.minimum(report.budget, lengths)
-        if preset in RAGGED:  # heads differ; the layer (AdaKV) or the model (SparseMM) sums to the budget
+        if trait.ragged:  # heads differ; the layer (AdaKV) or the model (SparseMM) sums to the budget
             assert len(set(report.kept.flatten().tolist())) > 1, report.layer_idx
+        elif trait.keeps_all_text:  # the budget, raised to the text tokens it must keep
+            assert bool((report.kept >= expected[:, None]).all()), report.layer_idx
         else:
             assert torch.equal(report.kept, expected[:, None].expand_as(report.kept)), report.layer_idx
-        if "adakv" in preset:
+        if trait.adakv:
             assert torch.equal((report.kept - window).sum(-1), Hkv * (expected - window))
         for b in range(len(lengths)):
             pad = T - int(lengths[b])
+            recent, sinks = protected(preset, int(lengths[b]))
+            text = {p for p in range(pad, T) if int(batch["modality"][b, p]) == TEXT}
             for h in range(report.kept.shape[1]):
                 kept = report.selection.kept_positions(b, h)
                 assert len(set(kept)) == len(kept)
                 assert all(pad <= p < T for p in kept)  # padding never kept
-                assert set(range(T - window, T)) <= set(kept)  # recent window kept
-    if preset not in LAYERWISE:
+                assert set(range(T - recent, T)) <= set(kept)  # recent window kept
+                assert set(range(pad, pad + sinks)) <= set(kept)  # sinks kept
+                if trait.keeps_all_text and int(report.budget[b]) < int(lengths[b]):
+                    assert text <= set(kept)
+    if not trait.layerwise:
         assert all(int(r.budget.max()) == budget for r in result.reports)
-    if (
-        "sparsemm" in preset
-    ):  # global over layers and heads: sum of caps, less what short heads could not hold
+    if trait.sparsemm:  # global over layers and heads: sum of caps, less what short heads could not hold
         free = budget - window
         allocator = pipe.head_allocator
         head_scores = Artefact.load(allocator.artefact).tensors["scores"]
@@ -134,32 +177,41 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(model, preset):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
-    loaded = kvlab_model("tiny-qwen2")
+    model = "tiny-qwen2-vl" if is_vlm_preset(preset) else "tiny-qwen2"
+    loaded = kvlab_model(model)
     info = loaded.info
     per_token = info.num_layers * info.num_kv_heads * info.head_dim * 2 * 4
+    trait = traits(preset)
     kept = {}
     for budget in (64, 32):
-        result = run(loaded, pipeline(preset, tokens=budget), samples())
+        result = run(loaded, pipeline(preset, model, tokens=budget), samples_for(model))
         kept[budget] = result.kv_bytes_kept
         assert torch.equal(result.kv_bytes_full, result.prompt_lengths * per_token)
-        if "sparsemm" in preset:  # caps above a short head's candidates are clamped
+        if trait.sparsemm:  # caps above a short head's candidates are clamped
             assert bool((result.kv_bytes_kept <= budget * per_token).all())
-        elif preset not in LAYERWISE:
+        elif trait.keeps_all_text:  # every text token is kept: the text-only sample is not compressed
+            assert bool((result.kv_bytes_kept >= budget * per_token).all())
+        elif not trait.layerwise:
             assert torch.equal(
                 result.kv_bytes_kept, torch.full_like(result.kv_bytes_kept, budget * per_token)
             )
+    if trait.keeps_all_text:  # on these samples the text alone outgrows both budgets
+        assert bool((kept[32] <= kept[64]).all())
+        return
     assert bool((kept[32] < kept[64]).all())
     # pyramid budgets average to the configured one up to the schedule's floor
     ratio = (kept[32].float() / kept[64].float()).tolist()
     assert all(0.4 < r < 0.6 for r in ratio)
 
 
-@pytest.mark.parametrize("model", TEXT_MODELS)
-@pytest.mark.parametrize("preset", ["full", *PRESETS])
-def test_padded_batch_equals_samples_one_by_one(model, preset):
+@pytest.mark.parametrize("preset, model", [("full", "tiny-llama"), ("full", "tiny-qwen2"), *LIGHT_CASES])
+def test_padded_batch_equals_samples_one_by_one(preset, model):
     loaded = kvlab_model(model)
     pipe = pipeline(preset, model, tokens=40) if preset != "full" else Pipeline.from_config(None)
-    items = samples(2, 60)[:1] + SyntheticRetrieval(num_samples=1, context_words=35, seed=5).samples()
+    if loaded.info.vision_language:  # two, one and no images
+        items = samples_for(model)
+    else:
+        items = samples(2, 60)[:1] + SyntheticRetrieval(num_samples=1, context_words=35, seed=5).samples()
     e2e.assert_batch_equals_alone(loaded, pipe, items, NEW_TOKENS)
 
 
@@ -186,8 +238,8 @@ def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
     torch.testing.assert_close(result.step_logits[0, : want.shape[0]], want, atol=1e-4, rtol=1e-4)
 
 
-HOSTS = {"mixkv_snapkv": "snapkv", "mixkv_adakv": "adakv", "mixkv_pyramidkv": "pyramidkv",
-         "mixkv_sparsemm": "sparsemm"}  # fmt: skip
+# each MixKV preset `mixkv_<host>` and its host preset
+HOSTS = {name: name[len("mixkv_") :] for name in PRESETS if name.startswith("mixkv_") and name[6:] in PRESETS}
 
 
 @pytest.mark.parametrize("mixkv, host", HOSTS.items())
@@ -195,8 +247,9 @@ def test_mixkv_without_diversity_and_intrinsic_term_keeps_the_hosts_tokens(mixkv
     """MixKV spec Sec. 8: r = 0 and no VNorm term reduce MixKV to its host exactly (any allocator)."""
     loaded = kvlab_model("tiny-qwen2")
     node = preset_compression(mixkv)
-    node["importance"] = node["importance"][:1]
-    node["mixer"] = {**node["mixer"], "redundancy": "fixed", "fixed_redundancy": 0.0}
+    extrinsic = node["mixer"]["extrinsic"]
+    node["importance"] = {extrinsic: node["importance"][extrinsic]}
+    node["mixer"] = {**node["mixer"], "intrinsic": [], "redundancy": "fixed", "fixed_redundancy": 0.0}
     got = run(loaded, Pipeline.from_config(node), samples())
     want = run(loaded, pipeline(host), samples())
     assert got.tokens == want.tokens and torch.equal(got.kept, want.kept)
@@ -215,7 +268,7 @@ def test_scores_are_aggregated_to_kv_heads_as_configured():
     chosen = {}
     for gqa in ("mean", "max"):
         node = preset_compression("mixkv_adakv")
-        node["importance"][0]["gqa"] = gqa
+        node["importance"][node["mixer"]["extrinsic"]]["gqa"] = gqa
         result = run(loaded, Pipeline.from_config(node), samples())
         assert result.kept.shape[-1] == loaded.info.num_kv_heads
         chosen[gqa] = torch.cat([r.selection.indices.flatten() for r in result.reports])

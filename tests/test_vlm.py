@@ -5,14 +5,25 @@ import e2e
 import pytest
 import torch
 from e2e import kvlab_model
+from preset_runs import VLM_MODELS
 
 from kvlab.compression.pipeline import Pipeline
+from kvlab.config.loader import merge, resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
 from kvlab.models import load_model
 from kvlab.models.base import IMAGE
 
-VLMS = ["tiny-qwen2-vl", "tiny-llava"]
-SNAP = {"budget": {"tokens": 24, "window": 8}, "importance": [{"name": "window_attention", "window": 8}]}
+VLMS = list(VLM_MODELS)
+BUDGET = 40  # below every mixed sample's prompt length
+
+
+def snapkv(tokens: int = BUDGET) -> dict:
+    """The shipped SnapKV preset's compression with a token budget of ``tokens``."""
+    node = resolve(["snapkv"], [])["model"]["compression"]
+    return {**node, "budget": merge(node["budget"], {"tokens": tokens})}
+
+
+SNAP = snapkv()
 
 
 def mixed_samples():
@@ -65,7 +76,9 @@ def test_only_language_model_layers_are_compressed_and_image_tokens_found(name):
     assert (batch["modality"] == IMAGE).sum(-1).tolist() == [2 * per_image, per_image, 0]
     result = run(loaded, SNAP, items)
     assert result.kept.shape == (loaded.info.num_layers, 3, loaded.info.num_kv_heads)
-    assert bool((result.kept == torch.minimum(result.prompt_lengths, torch.tensor(24))[None, :, None]).all())
+    assert bool(
+        (result.kept == torch.minimum(result.prompt_lengths, torch.tensor(BUDGET))[None, :, None]).all()
+    )
 
 
 @pytest.mark.parametrize("name", VLMS)
@@ -73,6 +86,6 @@ def test_budget_at_least_the_prompt_is_identical_to_full(name):
     loaded = kvlab_model(name)
     items = mixed_samples()
     full = run(loaded, None, items)
-    big = run(loaded, {**SNAP, "budget": {"tokens": int(full.prompt_lengths.max()), "window": 8}}, items)
+    big = run(loaded, snapkv(int(full.prompt_lengths.max())), items)
     assert big.tokens == full.tokens
     assert torch.equal(big.step_logits, full.step_logits)

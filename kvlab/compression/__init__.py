@@ -1,0 +1,13 @@
+"""Compression components. Importing the package registers every component module's components."""
+
+from kvlab.compression import (  # noqa: F401  (imported for their registrations)
+    allocators,
+    decode,
+    diversity,
+    importance,
+    merge,
+    mixers,
+    modality,
+    routing,
+    selectors,
+)

@@ -4,7 +4,13 @@
   method on a dataset (LightningCLI: ``--print_config``, dotted overrides, ``--help``);
   writes ``<run.dir>/<run.experiment>/<run.method>/`` with ``config.yaml``,
   ``predictions.jsonl``, ``metrics.json`` and TensorBoard events.
-- ``kvlab list``: every registered component with its parameters and defaults, and the presets.
+- ``kvlab list``: every registry (its kind and the YAML field where its components are written),
+  each registered component with its parameters and defaults, and the presets.
+
+User plugins (:mod:`kvlab.config.plugins`) load before the config is used: the ``kvlab.plugins``
+entry points when the command starts, a config's top-level ``imports:`` before its pipeline is
+built (the key is kvlab's, removed before LightningCLI sees the config, and written back into the
+run's ``config.yaml``).
 
 Bad configuration exits with status 2 and a one-paragraph message, before any model loads.
 """
@@ -13,10 +19,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import preset_names, resolve, split_overrides
+from kvlab.config.plugins import IMPORTS_KEY, import_plugins, load_entry_points
+from kvlab.config.registry import REGISTRIES, Registry
 from kvlab.metrics.reference import REFERENCE_DIR
 from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, validate_task_metrics
 from kvlab.runner.progress import RunProgress, format_summary
@@ -33,7 +42,15 @@ from kvlab.runner.writer import METRICS, PredictionWriter
 
 
 class KVLabCLI(LightningCLI):
-    """LightningCLI with a ``run`` group (output directory) and resumable prediction writing."""
+    """LightningCLI with a ``run`` group (output directory) and resumable prediction writing.
+
+    ``imports`` (the config's plugin modules, already imported) is not a LightningCLI argument;
+    it is only written into the run's ``config.yaml``.
+    """
+
+    def __init__(self, *args: Any, imports: Sequence[str] = (), **kwargs: Any) -> None:
+        self.imports = list(imports)
+        super().__init__(*args, **kwargs)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -54,6 +71,9 @@ class KVLabCLI(LightningCLI):
         run_dir.mkdir(parents=True, exist_ok=True)
         parser = self._parser("predict")
         parser.save(self.config["predict"], run_dir / "config.yaml", overwrite=True, skip_validation=True)
+        if self.imports:
+            with (run_dir / "config.yaml").open("a") as file:
+                yaml.safe_dump({IMPORTS_KEY: self.imports}, file, sort_keys=False)
         validate_task_metrics(getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS)
         self.model.reference_dir = str(run_dir.parent / REFERENCE_DIR)
         writer = PredictionWriter(run_dir)
@@ -70,11 +90,12 @@ class KVLabCLI(LightningCLI):
         print(format_summary(metrics, self.run_dir()))
 
 
-def print_components(out=None) -> None:
-    """``kvlab list``: every registry's components with parameters and defaults, then the presets."""
+def print_components(out: Any = None) -> None:
+    """``kvlab list``: for every registry its kind and YAML field (the role its components play),
+    each component with parameters and defaults; then the presets."""
     out = out or sys.stdout
-    for registry in all_registries():
-        print(f"{registry.kind}s  ({registry.field})", file=out)
+    for registry in sorted(all_registries(), key=lambda r: r.field):
+        print(f"{plural(registry.kind)}  (YAML field: {registry.field})", file=out)
         for name, doc, params in registry.describe():
             print(f"  {name}: {doc}", file=out)
             for param, type_name, default in params:
@@ -84,34 +105,22 @@ def print_components(out=None) -> None:
     print("  " + ", ".join(preset_names()), file=out)
 
 
-def all_registries() -> list[Any]:
-    from kvlab.calibration.statistics import CALIBRATIONS
-    from kvlab.compression.allocators import HEAD_ALLOCATORS, LAYER_ALLOCATORS, MODALITY_ALLOCATORS
-    from kvlab.compression.decode import DECODE_POLICIES
-    from kvlab.compression.diversity import DIVERSITY
-    from kvlab.compression.importance import IMPORTANCE
-    from kvlab.compression.mixers import MIXERS
-    from kvlab.compression.pipeline import Pipeline  # noqa: F401  (imports every component module)
-    from kvlab.compression.routing import LAYER_METRICS, ROUTE_RULES
-    from kvlab.compression.selectors import SELECTORS
-    from kvlab.data import DATASETS
-    from kvlab.models import MODELS
+def plural(kind: str) -> str:
+    """``"decode policy"`` -> ``"decode policies"``, ``"mixer"`` -> ``"mixers"``."""
+    if kind.endswith("y") and kind[-2:-1] not in tuple("aeiou"):
+        return kind[:-1] + "ies"
+    return kind + "s"
 
-    return [
-        IMPORTANCE,
-        DIVERSITY,
-        MIXERS,
-        LAYER_ALLOCATORS,
-        HEAD_ALLOCATORS,
-        MODALITY_ALLOCATORS,
-        SELECTORS,
-        DECODE_POLICIES,
-        ROUTE_RULES,
-        LAYER_METRICS,
-        DATASETS,
-        MODELS,
-        CALIBRATIONS,
-    ]
+
+def all_registries() -> list[Registry[Any]]:
+    """Every registry, as enrolled on creation: importing the packages that define registries
+    (and every component module, through ``kvlab.compression``) fills the list."""
+    importlib.import_module("kvlab.compression")
+    importlib.import_module("kvlab.calibration.statistics")
+    importlib.import_module("kvlab.data")
+    importlib.import_module("kvlab.models")
+    load_entry_points()
+    return list(REGISTRIES)
 
 
 def predict(args: list[str]) -> None:
@@ -123,45 +132,62 @@ def predict(args: list[str]) -> None:
         run_predict(None, rest)
         return
     resolved = resolve(configs, overrides)
+    imports = resolved.pop(IMPORTS_KEY, [])
+    import_plugins(imports)  # before any component is built (relative paths are already absolute)
     if configs:
         resolved.setdefault("run", {}).setdefault("method", Path(configs[-1]).stem)
     points = expand(resolved, overrides)
     if len(points) == 1:
-        run_predict(points[0][1], rest)
+        run_predict(points[0][1], rest, imports)
         return
     rest, run_args = pop_run_args(rest)
     run = {"dir": "runs", "experiment": "default", "method": "method", **resolved.get("run", {}), **run_args}
     for suffix, cfg in points:
-        run_predict({**cfg, "run": {**run, "method": f"{run['method']}@{suffix}"}}, rest)
+        run_predict({**cfg, "run": {**run, "method": f"{run['method']}@{suffix}"}}, rest, imports)
     from kvlab.runner.compare import compare_experiment
 
     print(compare_experiment(Path(run["dir"]) / run["experiment"]))
 
 
-def run_predict(resolved: dict[str, Any] | None, rest: list[str]) -> None:
-    """One ``kvlab predict`` run of a resolved config (None: LightningCLI's own arguments only)."""
+def run_predict(resolved: dict[str, Any] | None, rest: list[str], imports: Sequence[str] = ()) -> None:
+    """One ``kvlab predict`` run of a resolved config (None: LightningCLI's own arguments only).
+
+    The resolved config reaches LightningCLI as a temporary file, deleted when the run ends;
+    ``imports`` (plugin modules, already imported) is recorded in the run's ``config.yaml``.
+    """
     from kvlab.data import KVLabDataModule
     from kvlab.runner.module import KVLabModule
 
+    if resolved is not None and IMPORTS_KEY in resolved:  # a caller that did not import them first
+        resolved = dict(resolved)
+        imports = list(dict.fromkeys([*imports, *resolved.pop(IMPORTS_KEY)]))
+        import_plugins(imports)
+    config_file = None
     if resolved is not None:
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kvlab-", delete=False) as tmp:
             yaml.safe_dump(resolved, tmp, sort_keys=False)
-        rest = ["--config", tmp.name, *rest]
+        config_file = tmp.name
+        rest = ["--config", config_file, *rest]
     # kvlab rewrites the arguments it received (resolved config file): not a user mistake.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    KVLabCLI(
-        KVLabModule,
-        KVLabDataModule,
-        args=["predict", *rest],
-        save_config_callback=None,
-        trainer_defaults={
-            "logger": False,
-            "enable_checkpointing": False,
-            "enable_model_summary": False,
-            "devices": 1,
-        },
-        seed_everything_default=0,
-    )
+    try:
+        KVLabCLI(
+            KVLabModule,
+            KVLabDataModule,
+            args=["predict", *rest],
+            save_config_callback=None,
+            trainer_defaults={
+                "logger": False,
+                "enable_checkpointing": False,
+                "enable_model_summary": False,
+                "devices": 1,
+            },
+            seed_everything_default=0,
+            imports=imports,
+        )
+    finally:
+        if config_file is not None:
+            os.unlink(config_file)
 
 
 def compare_command(args: list[str]) -> None:
@@ -225,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"unknown command '{command}'.{did_you_mean(command, list(COMMANDS))} "
                 f"Commands: {', '.join(COMMANDS)}."
             )
+        load_entry_points()
         COMMANDS[command][0](args)
     except ConfigError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)

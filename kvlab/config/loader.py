@@ -11,6 +11,9 @@
   are merged into the resolved config the same way (values parsed as YAML), so
   ``--model.compression.budget.tokens 128`` changes the budget and keeps its window. Other
   dotted options go to LightningCLI unchanged.
+- ``imports: [module, path/to/file.py]`` lists user plugin modules (:mod:`kvlab.config.plugins`):
+  ``.py`` paths are made absolute against the file that lists them, and the lists of a config
+  and of the presets it inherits are concatenated (not replaced).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import yaml
 
 from kvlab.config.errors import ConfigError, did_you_mean
+from kvlab.config.plugins import IMPORTS_KEY, resolve_imports
 
 PRESET_KEY = "preset"
 MERGED_PREFIXES = ("model.compression", "data.dataset")
@@ -91,12 +95,21 @@ def load_config(name: str, relative_to: Path | None = None, _seen: tuple[Path, .
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must contain a YAML mapping at the top level, got {type(raw).__name__}.")
     parent = raw.pop(PRESET_KEY, None)
+    imports = resolve_imports(raw.pop(IMPORTS_KEY, None), path.parent)
     if parent is None:
-        return raw
+        return with_imports(raw, imports)
     if not isinstance(parent, str):
         raise ConfigError(f"{path}: `{PRESET_KEY}` must be a preset name or a path, got {parent!r}.")
     base = load_config(parent, relative_to=path.parent, _seen=(*_seen, path))
-    return merge(base, raw)
+    return with_imports(merge(base, raw), imports)
+
+
+def with_imports(cfg: dict[str, Any], imports: list[str]) -> dict[str, Any]:
+    """``cfg`` with ``imports`` appended to its own ``imports`` list (duplicates dropped)."""
+    if not imports:
+        return cfg
+    merged = list(dict.fromkeys([*cfg.get(IMPORTS_KEY, []), *imports]))
+    return {**cfg, IMPORTS_KEY: merged}
 
 
 def apply_override(cfg: dict[str, Any], dotted: str, value_text: str) -> dict[str, Any]:
@@ -144,7 +157,11 @@ def resolve(configs: list[str], overrides: list[tuple[str, str]]) -> dict[str, A
     """Merge the given configs (later wins) and overrides into one plain dict."""
     cfg: dict[str, Any] = {}
     for name in configs:
-        cfg = merge(cfg, load_config(name))
+        loaded = load_config(name)
+        earlier = cfg.get(IMPORTS_KEY, [])
+        cfg = with_imports({**merge(cfg, loaded), IMPORTS_KEY: earlier}, loaded.get(IMPORTS_KEY, []))
+        if not cfg[IMPORTS_KEY]:
+            del cfg[IMPORTS_KEY]
     for dotted, value in overrides:
         cfg = apply_override(cfg, dotted, value)
     return cfg

@@ -4,8 +4,10 @@ A component is a dataclass whose fields are its parameters (typed, with defaults
 registered under a short snake_case name and built from a YAML/omegaconf node of the form
 ``{name: <registered name>, <param>: <value>, ...}``. Building validates the node: unknown
 names (listing the known ones and the closest match), unknown, missing or mistyped parameters
-(naming the component and the field). ``kvlab list`` prints :meth:`Registry.describe` for
-every registry.
+(naming the component and the field). Every registry enrols itself in :data:`REGISTRIES` when
+it is created, so ``kvlab list`` prints :meth:`Registry.describe` for each one without a
+hand-written list. The first lookup loads the installed plugins' ``kvlab.plugins`` entry points
+(:mod:`kvlab.config.plugins`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from typing import Any, Generic, TypeVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from kvlab.config.errors import ConfigError, did_you_mean
+from kvlab.config.plugins import load_entry_points
 
 T = TypeVar("T")
 
 _MISSING = dataclasses.MISSING
+
+# every Registry ever created, in creation order (filled by Registry.__init__)
+REGISTRIES: list[Registry[Any]] = []
 
 
 def to_plain(node: Any) -> Any:
@@ -94,6 +100,7 @@ class Registry(Generic[T]):
         self.kind = kind
         self.field = field
         self._entries: dict[str, type[T] | Callable[..., T]] = {}
+        REGISTRIES.append(self)
 
     def register(self, name: str) -> Callable[[type[T]], type[T]]:
         """Class decorator: ``@IMPORTANCE.register("window_attention")``."""
@@ -114,7 +121,12 @@ class Registry(Generic[T]):
         return name in self._entries
 
     def get(self, name: str, where: str | None = None) -> type[T]:
-        """The class registered as ``name``; a :class:`ConfigError` listing known names otherwise."""
+        """The class registered as ``name``; a :class:`ConfigError` listing known names otherwise.
+
+        The first lookup loads the ``kvlab.plugins`` entry points (once per process), so an
+        installed plugin's components are found by name.
+        """
+        load_entry_points()
         if name not in self._entries:
             known = ", ".join(self.names())
             raise ConfigError(
