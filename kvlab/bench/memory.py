@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+import kvlab
 from kvlab.bench.common import add_threads_option, context_label, parse_list, print_table
 from kvlab.calibration.synthetic import synthetic_visual_heads
 from kvlab.engine.masking import MASKS, load_masked_model
@@ -42,16 +43,13 @@ def parse(args: list[str]) -> argparse.Namespace:
     return p.parse_args(args)
 
 
-def pipeline_for(method: str, budget: int, info: Any, directory: str):
-    from kvlab.compression.pipeline import Pipeline
-    from kvlab.config.loader import resolve
-
-    node = resolve([method], [])["model"]["compression"]
-    node["budget"] = {**node["budget"], "tokens": budget}
-    head = node.get("allocate", {}).get("head", {})
+def pipeline_for(method: str, budget: int, info: Any, directory: str) -> kvlab.Pipeline:
+    """Preset ``method`` at ``budget`` tokens per head (SparseMM: seeded synthetic visual heads)."""
+    overrides: dict[str, Any] = {"budget.tokens": budget}
+    head = kvlab.compression_config(method).get("allocate", {}).get("head", {})
     if head.get("name") == "sparsemm":
-        head["artefact"] = synthetic_visual_heads(info, directory)
-    return Pipeline.from_config(node)
+        overrides["allocate.head.artefact"] = synthetic_visual_heads(info, directory)
+    return kvlab.load_pipeline(method, overrides)
 
 
 def prompt_batch(loaded: Any, T: int, batch: int) -> dict[str, Any]:
@@ -100,20 +98,15 @@ def fastest(loaded: Any, pipe: Any, batch: dict[str, Any], opts: argparse.Namesp
 
 
 def run(args: list[str]) -> None:
-    from kvlab.compression.pipeline import Pipeline
-    from kvlab.engine.attention import enable_kvlab_attention
-    from kvlab.models import load_model
-
     opts = parse(args)
     torch.set_num_threads(opts.threads)
-    loaded = load_model(opts.model)
-    enable_kvlab_attention(loaded.model, loaded.info.vision_language)
+    loaded = kvlab.load_model(opts.model)  # attention routed through kvlab
     info = loaded.info
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for T in parse_list(opts.contexts, int):
             batch = prompt_batch(loaded, T, opts.batch)
-            full, full_step = fastest(loaded, Pipeline.from_config(None), batch, opts)
+            full, full_step = fastest(loaded, kvlab.load_pipeline("full"), batch, opts)
             rows.append(
                 [
                     context_label(T),

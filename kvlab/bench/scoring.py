@@ -81,17 +81,14 @@ def fastest_interleaved(pipes: list, fresh, device: torch.device, repeat: int) -
 
 
 def run(args: list[str]) -> None:
-    from kvlab.compression.pipeline import Pipeline
-    from kvlab.config.loader import resolve
+    import kvlab
 
     opts = parse(args)
     torch.set_num_threads(opts.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    def pipeline(name: str) -> Pipeline:
-        node = resolve([name], [])["model"]["compression"]
-        node["budget"] = {**node["budget"], "tokens": opts.budget}
-        return Pipeline.from_config(node)
+    def pipeline(name: str) -> kvlab.Pipeline:
+        return kvlab.load_pipeline(name, {"budget.tokens": opts.budget})
 
     rows = []
     for T in parse_list(opts.contexts, int):

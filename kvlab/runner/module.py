@@ -7,10 +7,9 @@ from typing import Any, Literal
 import lightning as L
 import torch
 
-from kvlab.compression.pipeline import Pipeline
+from kvlab.api import load_model, load_pipeline
 from kvlab.compression.routing import route_metric, switch_layers
 from kvlab.config.errors import ConfigError
-from kvlab.engine.attention import enable_kvlab_attention
 from kvlab.engine.generation import GenerationResult, generate
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
 from kvlab.metrics.evaluation import FidelityEvaluator
@@ -20,6 +19,13 @@ from kvlab.models.base import LoadedModel
 from kvlab.runner.views import Inspector
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def budget_overshoot(reports: list[Any]) -> torch.Tensor | None:
+    """Tokens per head each sample kept beyond its asked budget, ``[B]`` (the most over layers),
+    or None when no layer reported one (nothing compressed)."""
+    values = [r.overshoot for r in reports if getattr(r, "overshoot", None) is not None]
+    return torch.stack(values).amax(0).cpu() if values else None
 
 
 class KVLabModule(L.LightningModule):
@@ -67,7 +73,7 @@ class KVLabModule(L.LightningModule):
             )
         validate_model_name(model)
         self.model_name = model
-        self.pipeline = Pipeline.from_config(compression)
+        self.pipeline = load_pipeline(compression)
         self.pipeline.bind_model(model)  # a calibration artefact of another model fails here, before loading
         self.max_new_tokens = max_new_tokens
         self.dtype_name = dtype
@@ -86,10 +92,7 @@ class KVLabModule(L.LightningModule):
         """Load the model (once) and route its language-model attention through kvlab."""
         if self.loaded is not None:
             return
-        from kvlab.models import load_model
-
-        self.loaded = load_model(self.model_name, self.dtype_name)
-        enable_kvlab_attention(self.loaded.model, self.loaded.info.vision_language)
+        self.loaded = load_model(self.model_name, self.dtype_name)  # attention routed through kvlab
         self.language_model = self.loaded.model  # registered so Lightning moves it to the device
 
     def on_predict_start(self) -> None:
@@ -139,6 +142,7 @@ class KVLabModule(L.LightningModule):
         records = []
         B = len(batch["ids"])
         switch = switch_layers(result.reports)  # routed pipelines (DAVID): first layer switched
+        overshoot = budget_overshoot(result.reports)  # [B] or None (full cache)
         for b, sample in enumerate(batch["samples"]):
             text = self.loaded.processor.decode(result.tokens[b])
             record = {
@@ -157,6 +161,8 @@ class KVLabModule(L.LightningModule):
                 "answers": sample.answers,
                 "meta": sample.meta,
             }
+            if overshoot is not None:
+                record["budget_overshoot"] = int(overshoot[b])
             record.update(score_output(text, sample, self.task_metrics))
             if switch is not None:
                 record["route_switch_layer"] = switch[b]
