@@ -1,4 +1,4 @@
-"""Fixtures and independent naive references (loops written from the spec formulas) for component tests."""
+"""Fixtures and independent naive references (loops written from the papers' formulas) for component tests."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def sample_lists(ctx: LayerContext, b: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# naive references (written from the spec formulas)
+# naive references (written from the papers' formulas)
 
 
 def dot(a: list[float], b: list[float]) -> float:

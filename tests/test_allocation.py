@@ -68,7 +68,7 @@ def test_pyramid_int_matches_kvcf_schedule(beta):
                         continue
                     assert caps == expected, (C, w, T, L, beta)
                     checked += 1
-                    # invariants (§4.1.4): non-increasing, mean in [B', B' + (L - 1) / 2]
+                    # invariants: non-increasing, mean in [B', B' + (L - 1) / 2]
                     assert all(x >= y for x, y in zip(caps, caps[1:], strict=False))
                     free = [c - w for c in caps]
                     mean = sum(free) / L
@@ -100,7 +100,7 @@ def test_pyramid_float_mean_layer_budget(C, L):
 
 def test_pyramid_float_matches_kvpress_formula():
     allocator = PyramidLayerAllocator(arithmetic="float")
-    # spec §2.3 worked example: T = 640, keep 50 % (n_kept = 320), w = 64 -> no fallback, min_num = 64
+    # worked example: T = 640, keep 50 % (n_kept = 320), w = 64 -> no fallback, min_num = 64
     for T, C, w, L in ((640, 320, 64, 32), (4096, 2048, 64, 32), (4096, 1024, 32, 64)):
         got = [pyramid_alloc(allocator, C, w, [T], L, layer)[0] for layer in range(L)]
         assert got == [naive_kvpress_total(C, w, T, L, layer) for layer in range(L)], (T, C, w, L)
@@ -380,7 +380,7 @@ def test_e6_pyramid_short_prompt_pipeline_equals_snapkv():
 
 
 def test_e6_pyramid_float_fallback_is_snapkv_budget():
-    """kvpress: min_num < w falls back to the uniform budget (spec §2.3: T = 640, keep 20 %, w = 64)."""
+    """kvpress: min_num < w falls back to the uniform budget (T = 640, keep 20 %, w = 64)."""
     allocator = PyramidLayerAllocator(arithmetic="float")
     for T, C, w, L in ((640, 128, 64, 32), (4096, 512, 64, 32), (1000, 100, 16, 8)):
         assert all(naive_kvpress_total(C, w, T, L, layer) == C for layer in range(L))  # the fallback fires

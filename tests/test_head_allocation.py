@@ -1,4 +1,4 @@
-"""AdaKV and SparseMM head allocators against naive loops written from david spec Sec. 2.4-2.5."""
+"""AdaKV and SparseMM head allocators against naive loops written from their papers' formulas."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""LOOK-M merge selector: the spec's hand example, a naive per-(sample, head) loop, and invariants."""
+"""LOOK-M merge selector: a hand-computed example, a naive per-(sample, head) loop, and invariants."""
 
 import math
 
@@ -13,7 +13,7 @@ RULES = ["averaged", "pivotal", "weighted"]
 
 
 def hand_ctx():
-    """lookm.md §6.2: kept c1=(1,0), c2=(0,1); evicted e1=(2,.1), e2=(1,.2), e3=(.1,3)."""
+    """Hand example: kept c1=(1,0), c2=(0,1); evicted e1=(2,.1), e2=(1,.2), e3=(.1,3)."""
     keys = torch.tensor([[1, 0], [2, 0.1], [0, 1], [1, 0.2], [0.1, 3]])
     values = torch.tensor([[1, 1], [2, 2], [0, 0], [4, 0], [3, 3]])
     T = keys.shape[0]
@@ -29,7 +29,7 @@ def hand_ctx():
     )
 
 
-EXPECTED = {  # (k_c1, k_c2, v_c1, v_c2) from the spec's table
+EXPECTED = {  # (k_c1, k_c2, v_c1, v_c2) computed by hand
     "averaged": ([1.333333, 0.1], [0.05, 2.0], [2.333333, 1.0], [1.5, 1.5]),
     "pivotal": ([1.166667, 0.05], [0.025, 1.5], [1.666667, 1.0], [0.75, 0.75]),
     "weighted": ([1.326028, 0.098664], [0.049972, 1.999167], [2.306609, 0.999168], [1.499167, 1.499167]),
@@ -37,7 +37,7 @@ EXPECTED = {  # (k_c1, k_c2, v_c1, v_c2) from the spec's table
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_hand_example_of_the_spec(rule):
+def test_hand_example(rule):
     ctx = hand_ctx()
     scores = torch.tensor([[[1.0, 0, 1, 0, 0]]])  # keep positions 0 and 2
     sel = MergeSelector(rule=rule).select(scores, torch.tensor([[2]]), ctx)

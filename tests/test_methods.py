@@ -217,7 +217,7 @@ def test_padded_batch_equals_samples_one_by_one(preset, model):
 
 @pytest.mark.parametrize("preset", ["snapkv", "h2o", "pyramidkv", "streamingllm", "adakv", "mixkv_sparsemm"])
 def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
-    """Strongest end-to-end check (david.md §4.1.6): positions continue from the prompt length and
+    """Strongest end-to-end check (docs/methods/david.md): positions continue from the prompt length and
     the ragged cache attends to exactly the kept entries (against kvpress-style masking of a
     full cache, the baseline of `kvlab bench memory`)."""
     loaded = kvlab_model("tiny-qwen2")
@@ -244,7 +244,7 @@ HOSTS = {name: name[len("mixkv_") :] for name in PRESETS if name.startswith("mix
 
 @pytest.mark.parametrize("mixkv, host", HOSTS.items())
 def test_mixkv_without_diversity_and_intrinsic_term_keeps_the_hosts_tokens(mixkv, host):
-    """MixKV spec Sec. 8: r = 0 and no VNorm term reduce MixKV to its host exactly (any allocator)."""
+    """MixKV with r = 0 and no VNorm term reduce MixKV to its host exactly (any allocator)."""
     loaded = kvlab_model("tiny-qwen2")
     node = preset_compression(mixkv)
     extrinsic = node["mixer"]["extrinsic"]

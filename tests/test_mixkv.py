@@ -1,4 +1,4 @@
-"""MixKV components against independent naive implementations of the formulas in shared/specs/mixkv.md."""
+"""MixKV components against independent naive implementations of the paper's formulas (Sec. 3.2-3.3)."""
 
 import math
 
@@ -40,7 +40,7 @@ def naive_unit_mean(keys: list[list[float]]) -> list[float]:
 
 
 def naive_redundancy_explicit(keys: list[list[float]]) -> float:
-    """Mean off-diagonal cosine similarity, the O(T^2) definition (spec Eq. 3)."""
+    """Mean off-diagonal cosine similarity, the O(T^2) definition (MixKV Eq. 3)."""
     n = len(keys)
     total = sum(
         dot(keys[i], keys[j]) / (norm(keys[i]) * norm(keys[j])) for i in range(n) for j in range(n) if i != j
@@ -49,7 +49,7 @@ def naive_redundancy_explicit(keys: list[list[float]]) -> float:
 
 
 def naive_mixkv(q, k, v, scaling, window, diversity_scale="ex", r_mode="online", r_fixed=0.5, vnorm=True):
-    """Spec Sec. 2.11 for one unpadded sample: (composite scores [Hkv][P], r [Hkv])."""
+    """MixKV Eq. 5 (scales matched as in Sec. 3.3), one unpadded sample: (scores [Hkv][P], r [Hkv])."""
     s_ex_all = naive_window_scores(q, k, scaling, window, kernel=5, pool="avg", agg="mean")
     n = len(k[0])
     P = n - window
@@ -158,7 +158,7 @@ def test_mixkv_fixed_redundancy_matches_naive(fixed):
 
 
 def test_mixkv_ranking_is_invariant_to_the_scale_of_window_attention():
-    """Spec 2.7: every term scales with s_ex, so sum vs mean over the window keeps the same tokens."""
+    """Every term scales with s_ex, so sum vs mean over the window keeps the same tokens."""
     ctx = make_ctx(LENGTHS, seed=35)
     mean_cfg = mixkv_config(12)
     sum_cfg = mixkv_config(12)
@@ -169,7 +169,7 @@ def test_mixkv_ranking_is_invariant_to_the_scale_of_window_attention():
 
 
 def test_integrated_importance_is_window_attention_plus_scaled_vnorm():
-    """weighted_sum scaled to the attention role: s_ex + s_in_scaled (spec Sec. 2.2-2.3), candidates only."""
+    """weighted_sum scaled to the attention role is s_ex + s_in_scaled, over candidates only."""
     ctx = make_ctx(LENGTHS, seed=36)
     cfg = {
         "budget": {"tokens": 12, "window": W},

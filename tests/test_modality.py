@@ -27,7 +27,7 @@ def with_modality(lengths, seed=0, **kw):
 
 
 def naive_modality_keep(scores, modality, n, budget, window, allocator):
-    """Kept positions (sample coordinates) of one head from the spec's rules, by sorting lists."""
+    """One head's kept positions (sample coordinates) by LOOK-M Eq. 5-8 / DAVID Eq. 4-5, sorting lists."""
     if budget >= n:
         return list(range(n))
     win = list(range(n - window, n))

@@ -20,7 +20,7 @@ VLMS = ["tiny-qwen2-vl", "tiny-llava"]
 
 
 def test_ncar_closed_form_under_uniform_attention():
-    """david.md §4.3: zero queries give uniform causal rows,
+    """NCAR (DAVID Eq. 6) by hand: zero queries give uniform causal rows,
     theta = T/(n_V r) sum_i |V ∩ [0, T-r+i]| / (T-r+i+1)."""
     ctx = with_modality([29, 20], seed=4)
     ctx.queries.zero_()
@@ -51,7 +51,7 @@ class Sequence:
 
 @pytest.mark.parametrize("test, switch", [("delta_lt", 2), ("theta_lt", 1), ("delta_gt", 0)])
 def test_latch_switches_once_and_stays(test, switch):
-    """david.md §4.3: theta = [0.6, 0.25, 0.2, 0.9] with threshold 0.3."""
+    """DAVID's latch (Alg. 1) by hand: theta = [0.6, 0.25, 0.2, 0.9] with threshold 0.3."""
     rule = ROUTE_RULES.build({"name": "latch", "test": test, "threshold": 0.3})
     rule._metric = Sequence([0.6, 0.25, 0.2, 0.9])
     state = {}

@@ -58,7 +58,7 @@ def test_window_attention_matches_naive(pool, kernel, agg, gqa, order):
 
 
 def test_window_attention_sanity():
-    """§4.1.7: rows sum to 1, S >= 0, sum_j S_j <= W, kernel 1 == no pooling, window = +inf."""
+    """SnapKV invariants: rows sum to 1, S >= 0, sum_j S_j <= W, kernel 1 == no pooling, window = +inf."""
     ctx = make_ctx(LENGTHS, seed=2)
     W = 6
     probs = ctx.window_attention(W)
