@@ -9,7 +9,9 @@ cosine weights scale the evicted entries but every entry counts 1 in the denomin
 result is not a convex combination and the weights may be negative). Missing weights are 1.
 Kept rows no evicted entry points to are returned unchanged.
 
-The three LOOK-M rules (``/work/shared/specs/lookm.md`` §2.7) for keys (values the same):
+The three LOOK-M merge rules (Wan et al. 2024, "LOOK-M: Look-Once Optimization in KV Cache for
+Efficient Multimodal Long-Context Inference"; ``docs/methods/lookm.md``) for keys (values the
+same):
 
 - averaged: ``merge_scatter(kc, ke, tgt)``;
 - pivotal: ``merge_scatter(kc, (ke + kc[tgt]) / 2, tgt)`` (the pivot average is the source);

@@ -7,25 +7,30 @@ numpy) but cover GQA, odd head dims and lengths, several split-K chunks, padding
 """
 
 import functools
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kvlab.engine.cache import CompressedLayer  # noqa: E402
 from kvlab.compression.context import LayerContext  # noqa: E402
 from kvlab.compression.selectors import Selection, topk_indices  # noqa: E402
 from kvlab.config.errors import ConfigError  # noqa: E402
+from kvlab.engine.cache import CompressedLayer  # noqa: E402
 from kvlab.kernels import dispatch  # noqa: E402
 from kvlab.kernels.compaction import compact_kv_reference  # noqa: E402
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402
 from kvlab.kernels.merge import merge_scatter, merge_scatter_reference  # noqa: E402
 from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
 from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton  # noqa: E402
+from kvlab.kernels.tl.launches import record_launches  # noqa: E402
 from kvlab.kernels.tl.merge import merge_scatter_triton  # noqa: E402
 from kvlab.kernels.tl.window_scores import window_attention_scores_triton  # noqa: E402
-from kvlab.kernels.window_scores import window_attention_scores_reference  # noqa: E402
+from kvlab.kernels.window_scores import (  # noqa: E402
+    window_attention_scores,
+    window_attention_scores_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -71,20 +76,52 @@ def ragged_inputs(B, Hkv, G, q, D, max_len, dtype, decode_length=3, seed=0):
     )
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "B, Hkv, G, q, D, max_len, split",
-    [
-        (2, 2, 3, 1, 8, 150, None),  # GQA 3, one split per head
-        (2, 2, 2, 2, 12, 150, 64),  # two-token chunk, odd head dim, several splits per head
-        (1, 3, 1, 1, 16, 70, 64),  # MHA, lengths around one split boundary
-    ],
-)
+# Each case has one dtype (every dtype is covered across the cases): every distinct
+# (dtype, head dim) is one more compilation in tests/test_kernel_compile.py.
+DECODE_CASES = [  # B, Hkv, G, q, D, max_len, split, dtype
+    (2, 2, 3, 1, 8, 150, None, torch.bfloat16),  # GQA 3, one split per head, D padded to 16
+    (2, 2, 2, 2, 12, 150, 64, torch.float16),  # two-token chunk, odd head dim, several splits
+    (1, 3, 1, 1, 16, 70, 64, torch.float32),  # MHA, lengths around one split boundary
+]
+# Real models: every head dim (64 .. 256), GQA group (1, 4, 7, 8) and dtype, prompt lengths that
+# are multiples of no block, and the split count the sizing picks on a GPU with GPU_SLOTS
+# programs in flight (an H100: 132 SMs x 2), not the interpreter's 4. D, G, dtype, max_len, q:
+GPU_SLOTS = 264
+REAL_DECODE = [
+    (64, 1, torch.bfloat16, 700, 1),
+    (64, 8, torch.float32, 1100, 1),
+    (80, 7, torch.float16, 900, 2),
+    (96, 4, torch.bfloat16, 700, 1),
+    (128, 8, torch.bfloat16, 1100, 1),
+    (128, 4, torch.float16, 700, 1),
+    (128, 1, torch.float32, 900, 1),
+    (256, 7, torch.bfloat16, 700, 1),
+]
+
+
+def run_decode(B, Hkv, G, q, D, max_len, split, dtype, slots=None, decode_length=3):
+    """``(triton output, reference output)`` of one decode case."""
+    inputs = ragged_inputs(B, Hkv, G, q, D, max_len, dtype, decode_length=decode_length)
+    got = ragged_decode_attention_triton(**inputs, split_size=split, slots=slots)
+    return got, ragged_decode_attention_reference(**inputs)
+
+
+def run_real_decode(D, G, dtype, max_len, q):
+    """A real-shape decode case: head (0, 0) keeps nothing, splits sized for ``GPU_SLOTS``."""
+    return run_decode(1, 2, G, q, D, max_len, None, dtype, slots=GPU_SLOTS, decode_length=5)
+
+
+@pytest.mark.parametrize("B, Hkv, G, q, D, max_len, split, dtype", DECODE_CASES)
 def test_ragged_decode_attention_kernel_matches_reference(B, Hkv, G, q, D, max_len, split, dtype):
-    inputs = ragged_inputs(B, Hkv, G, q, D, max_len, dtype)
-    got = ragged_decode_attention_triton(**inputs, split_size=split)
-    want = ragged_decode_attention_reference(**inputs)
+    got, want = run_decode(B, Hkv, G, q, D, max_len, split, dtype)
     assert got.dtype == dtype and got.shape == (B, Hkv * G, q, D)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("D, G, dtype, max_len, q", REAL_DECODE)
+def test_ragged_decode_attention_at_real_model_shapes(D, G, dtype, max_len, q):
+    got, want = run_real_decode(D, G, dtype, max_len, q)
+    assert got.shape == (1, 2 * G, q, D)
     assert_close(got, want, dtype)
 
 
@@ -97,24 +134,46 @@ def window_inputs(B, Hkv, G, W, T, D, dtype, seed=0):
     return queries.to(DEVICE), keys.to(DEVICE), valid.to(DEVICE)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "B, Hkv, G, W, T, D, split",
-    [
-        (2, 2, 2, 5, 37, 8, None),
-        (1, 1, 3, 7, 131, 12, 64),  # odd head dim, three statistics splits
-        (1, 1, 1, 130, 133, 8, None),  # window longer than one 128-row tile
-    ],
-)
-def test_window_scores_kernel_matches_reference(B, Hkv, G, W, T, D, split, dtype):
+WINDOW_CASES = [  # B, Hkv, G, W, T, D, split, dtype
+    (2, 2, 2, 5, 37, 8, None, torch.float16),
+    (1, 1, 3, 7, 131, 12, 64, torch.bfloat16),  # odd head dim, three statistics splits
+    (1, 1, 1, 130, 133, 8, None, torch.float32),  # window longer than one 128-row tile
+]
+REAL_WINDOW = [  # D, G, dtype, W, T: real head dims and groups, GPU split sizing (two splits)
+    (64, 4, torch.bfloat16, 16, 1100),
+    (80, 7, torch.float16, 8, 1100),
+    (96, 1, torch.float32, 32, 1100),
+    (128, 8, torch.bfloat16, 8, 1100),
+    (256, 4, torch.float16, 8, 1100),
+]
+
+
+def run_window(B, Hkv, G, W, T, D, split, dtype, slots=None):
+    """``(triton scores, reference scores, valid)`` of one window-scoring case."""
     queries, keys, valid = window_inputs(B, Hkv, G, W, T, D, dtype)
-    got = window_attention_scores_triton(queries, keys, valid, D**-0.5, split_size=split)
-    want = window_attention_scores_reference(queries, keys, valid, D**-0.5)
+    got = window_attention_scores_triton(queries, keys, valid, D**-0.5, split_size=split, slots=slots)
+    return got, window_attention_scores_reference(queries, keys, valid, D**-0.5), valid
+
+
+@pytest.mark.parametrize("B, Hkv, G, W, T, D, split, dtype", WINDOW_CASES)
+def test_window_scores_kernel_matches_reference(B, Hkv, G, W, T, D, split, dtype):
+    got, want, valid = run_window(B, Hkv, G, W, T, D, split, dtype)
     assert got.dtype == torch.float32 and got.shape == (B, Hkv * G, T)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # every valid window query distributes exactly one unit of attention
     valid_queries = valid[:, T - W :].sum(-1).float()[:, None].expand(-1, Hkv * G)
     torch.testing.assert_close(got.sum(-1), valid_queries, atol=1e-4, rtol=1e-5)
+
+
+def run_real_window(D, G, dtype, W, T):
+    """A real-shape window case (two samples, the last one padded), splits sized for ``GPU_SLOTS``."""
+    return run_window(2, 1, G, W, T, D, None, dtype, slots=GPU_SLOTS)
+
+
+@pytest.mark.parametrize("D, G, dtype, W, T", REAL_WINDOW)
+def test_window_scores_at_real_model_shapes(D, G, dtype, W, T):
+    got, want, _ = run_real_window(D, G, dtype, W, T)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def layer_context(B=2, Hkv=2, G=2, T=23, D=8):
@@ -152,10 +211,8 @@ def naive_compaction(keys, indices, counts):
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("merged", [False, True])
-def test_compaction_kernel_matches_reference_exactly(dtype, merged):
-    B, Hkv, T, D = 2, 3, 37, 12
+def compaction_inputs(dtype, merged, D, B=2, Hkv=3, T=37):
+    """Keys, values, kept positions (None: the first ``count`` rows, a merge's replacements), counts."""
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(B, Hkv, T, D, generator=gen).to(dtype).to(DEVICE)
     values = torch.randn(B, Hkv, T, D, generator=gen).to(dtype).to(DEVICE)
@@ -166,10 +223,27 @@ def test_compaction_kernel_matches_reference_exactly(dtype, merged):
     if merged:  # replacement entries: positions 0 .. count-1 of [B, Hkv, K, D]
         K = int(counts.max())
         keys, values, indices = keys[:, :, :K], values[:, :, :K], None
+    return keys, values, indices, counts
+
+
+COMPACTION_CASES = [  # dtype, merged, D: both layouts in every dtype, a test and a real head dim
+    (torch.float32, False, 12),
+    (torch.float32, True, 128),
+    (torch.float16, False, 128),
+    (torch.float16, True, 12),
+    (torch.bfloat16, False, 12),
+    (torch.bfloat16, True, 128),
+]
+
+
+@pytest.mark.parametrize("dtype, merged, D", COMPACTION_CASES)
+def test_compaction_kernel_matches_reference_exactly(dtype, merged, D):
+    keys, values, indices, counts = compaction_inputs(dtype, merged, D)
     got = compact_kv_triton(keys, values, indices, counts)
     want = compact_kv_reference(keys, values, indices, counts)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+    B, Hkv, T = keys.shape[:3]
     positions = indices if indices is not None else torch.arange(T).expand(B, Hkv, T)
     assert torch.equal(want[0], naive_compaction(keys, positions, counts))
     assert torch.equal(want[1], naive_compaction(values, positions, counts))
@@ -183,21 +257,74 @@ def merge_inputs(N=7, M=23, D=12, dtype=torch.float32, seed=0):
     return kept, evicted, target
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("normalize", ["weights", "count"])
-@pytest.mark.parametrize("weighted", [False, True])
-def test_merge_kernel_matches_reference(dtype, normalize, weighted):
-    kept, evicted, target = merge_inputs(dtype=dtype)
+def merge_case(dtype, normalize, weighted, **sizes):
+    """Arguments of ``merge_scatter_*``: kept, evicted, target, weights (or None), normalize."""
+    kept, evicted, target = merge_inputs(dtype=dtype, **sizes)
     gen = torch.Generator().manual_seed(1)
     ew = torch.rand(target.shape[0], generator=gen) + 0.1 if weighted else None
     kw = torch.rand(kept.shape[0], generator=gen) + 0.5 if weighted else None
-    args = [t.to(DEVICE) if t is not None else None for t in (kept, evicted, target, ew, kw)]
-    got = merge_scatter_triton(*args, normalize)
-    want = merge_scatter_reference(*args, normalize)
+    return [t.to(DEVICE) if t is not None else None for t in (kept, evicted, target, ew, kw)] + [normalize]
+
+
+MERGE_CASES = [  # dtype, normalize, weighted: every pair of the three in one case or another
+    (torch.float32, "weights", False),
+    (torch.float32, "count", True),
+    (torch.float16, "weights", True),
+    (torch.float16, "count", False),
+    (torch.bfloat16, "weights", False),
+    (torch.bfloat16, "count", True),
+]
+
+
+@pytest.mark.parametrize("dtype, normalize, weighted", MERGE_CASES)
+def test_merge_kernel_matches_reference(dtype, normalize, weighted):
+    args = merge_case(dtype, normalize, weighted)
+    got = merge_scatter_triton(*args)
+    want = merge_scatter_reference(*args)
     assert got.dtype == dtype
     assert_close(got, want, dtype)
-    if kw is None:
+    if not weighted:
         assert torch.equal(got[-1], args[0][-1])  # a row no evicted entry merges into is unchanged
+
+
+CROWDED_MERGE = dict(N=5, M=700, D=128)  # 700 entries over 4 kept rows, at most 32 per program
+CROWDED_RUN = 32
+
+
+def run_crowded_merge(dtype, normalize):
+    """``(triton, reference, arguments)`` of a merge where each kept row absorbs ~175 entries."""
+    args = merge_case(dtype, normalize, True, **CROWDED_MERGE)
+    return merge_scatter_triton(*args, max_run=CROWDED_RUN), merge_scatter_reference(*args), args
+
+
+CROWDED_CASES = [(torch.bfloat16, "count"), (torch.float32, "weights")]
+
+
+@pytest.mark.parametrize("dtype, normalize", CROWDED_CASES)
+def test_merge_bounds_the_work_of_a_program_when_many_entries_merge_into_one(dtype, normalize):
+    with record_launches() as launches:
+        got, want, args = run_crowded_merge(dtype, normalize)
+    assert_close(got, want, dtype)
+    counts = torch.bincount(args[2], minlength=CROWDED_MERGE["N"])
+    assert int(counts.max()) > 4 * CROWDED_RUN  # one serial program per row would sum them all
+    # level 1: each row's run cut into pieces of <= 32; level 2: <= 32 pieces per kept row
+    pieces = int((-(-counts // CROWDED_RUN)).sum())
+    assert [launch.grid for launch in launches] == [(pieces,), (CROWDED_MERGE["N"],)]
+
+
+def kernel_test_launches() -> Iterator[tuple[Callable[..., object], tuple]]:
+    """``(function, arguments)`` of every Triton launcher call the kernel tests above make.
+
+    ``tests/test_kernel_compile.py`` records the launches these calls make and compiles them
+    for sm_80 and sm_90.
+    """
+    yield from ((run_decode, case) for case in DECODE_CASES)
+    yield from ((run_real_decode, case) for case in REAL_DECODE)
+    yield from ((run_window, case) for case in WINDOW_CASES)
+    yield from ((run_real_window, case) for case in REAL_WINDOW)
+    yield from ((lambda *c: compact_kv_triton(*compaction_inputs(*c)), case) for case in COMPACTION_CASES)
+    yield from ((lambda *c: merge_scatter_triton(*merge_case(*c)), case) for case in MERGE_CASES)
+    yield from ((run_crowded_merge, case) for case in CROWDED_CASES)
 
 
 def test_merge_reference_gives_the_three_lookm_rules():
@@ -232,15 +359,20 @@ def test_reference_mode_never_runs_triton(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto picks Triton on CUDA tensors")
 def test_auto_on_cpu_tensors_uses_the_references():
+    """``auto`` with triton importable (and the interpreter on) still runs torch on CPU tensors."""
+    assert dispatch.triton_available() and dispatch.interpreter()
     dispatch.CALLS.clear()
     dispatch.set_mode("auto")
     layer, query = decoded_layer()
     layer.decode_attention(query, 0.3)
     merge_scatter(*merge_inputs())
+    queries, keys, valid = window_inputs(1, 1, 2, 4, 9, 8, torch.float32)
+    window_attention_scores(queries, keys, valid, 0.3)
     assert dispatch.CALLS == {
         ("compact_kv", "reference"): 1,
         ("ragged_decode_attention", "reference"): 1,
         ("merge_scatter", "reference"): 1,
+        ("window_attention_scores", "reference"): 1,
     }
 
 
@@ -279,7 +411,7 @@ def test_cache_decode_through_the_kernels_equals_the_reference_path():
 
 
 def test_module_kernels_argument_sets_the_mode_and_rejects_unknown_values():
-    from kvlab.module import KVLabModule
+    from kvlab.runner.module import KVLabModule
 
     KVLabModule(model="tiny-qwen2", kernels="reference")
     assert dispatch.get_mode() == "reference"
@@ -328,7 +460,7 @@ def test_generation_through_the_triton_kernels_equals_the_torch_path():
 
     loaded = kvlab_model("tiny-qwen2")
     pipeline = Pipeline.from_config(
-        {"budget": {"tokens": 40, "window": 8}, "importance": [{"name": "window_attention", "window": 8}]}
+        {"budget": {"tokens": 40, "window": 8}, "importance": {"window_attention": {"window": 8}}}
     )
     items = SyntheticRetrieval(num_samples=2, context_words=40, seed=1).samples()
     dispatch.set_mode("reference")

@@ -9,8 +9,13 @@ and runs an online softmax over tokens ``[s*split, (s+1)*split)`` of that head's
 (kept prompt tokens, then the decode tokens), writing a partial ``(max, sum, acc)``. The number
 of splits ``S`` is sized from the longest head so that ``B * Hkv * S`` fills the device: one
 long head does not serialise the batch, and a head shorter than ``s*split`` exits at once.
-The second kernel merges the ``S`` partials of each query row (log-sum-exp weights) and
-writes the output in the query dtype. Logits, softmax statistics and accumulators are fp32.
+The second kernel, one program per query row, merges the ``S`` partials ``BLOCK_S`` at a time
+(log-sum-exp weights) and writes the output in the query dtype. Logits, softmax statistics and
+accumulators are fp32.
+
+Only the head dim ``D`` and the tile sizes are compile-time constants: the split count, split
+size, decode length, chunk length ``q``, batch size and even the head counts are runtime
+arguments, so a generation compiles each kernel once per dtype and head dim.
 """
 
 from __future__ import annotations
@@ -20,10 +25,22 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.dispatch import dot_upcast
-from kvlab.kernels.tl.common import dot, parallel_slots, pow2
+from kvlab.kernels.tl.common import (
+    EMPTY,
+    LOG2E,
+    check_grid,
+    dot,
+    dot_precision,
+    head_block,
+    launch_options,
+    parallel_slots,
+    pow2,
+    split_size_for,
+)
 
-LOG2E = 1.4426950408889634
-EMPTY = -1.0e30  # finite "minus infinity" for running maxima (exp2(EMPTY - EMPTY) is 1, not nan)
+BLOCK_N = 64  # tokens per K/V tile
+MIN_SPLIT = 256  # fewest tokens per split
+BLOCK_S = 16  # partials merged per step of the combine kernel
 
 
 @triton.jit
@@ -42,18 +59,18 @@ def _load_kv(
     return tl.where(in_prompt[:, None], from_prompt, from_decode)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["decode_length", "split", "n_splits", "Q", "HKV", "G"])
 def _decode_partial(
     q_ptr, pk_ptr, pv_ptr, starts_ptr, lengths_ptr, dk_ptr, dv_ptr,
     part_acc, part_m, part_l,
-    decode_length, scale_log2, split,
+    decode_length, scale_log2, split, n_splits, Q, HKV, G,
     sq_b, sq_h, sq_q, sq_d,
     sp_n,
     sd_b, sd_h, sd_c, sd_d,
-    HKV: tl.constexpr, G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)  # 64-bit: bh * stride passes 2**31 on long caches
     s = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
@@ -67,7 +84,7 @@ def _decode_partial(
     q_off = b * sq_b + (h * G + g) * sq_h + i * sq_q
     q = tl.load(q_ptr + q_off[:, None] + d[None, :] * sq_d, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    start = tl.load(starts_ptr + bh)
+    start = tl.load(starts_ptr + bh).to(tl.int64)
     plen = tl.load(lengths_ptr + bh).to(tl.int32)
     total = plen + decode_length
     lo = s * split
@@ -86,7 +103,7 @@ def _decode_partial(
         rows = start + pos
         dec_idx = pos - plen
         k = _load_kv(pk_ptr, dk_base, rows, dec_idx, in_prompt, in_dec, d, d_ok, sp_n, sd_c, sd_d, BLOCK_D)
-        logits = dot(q, tl.trans(k), UPCAST) * scale_log2  # [ROWS, BLOCK_N], log2 domain
+        logits = dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2  # [ROWS, BLOCK_N], log2 domain
         visible = in_prompt[None, :] | (in_dec[None, :] & (dec_idx[None, :] <= last_visible[:, None]))
         logits = tl.where(visible, logits, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, 1))
@@ -94,41 +111,53 @@ def _decode_partial(
         p = tl.exp2(logits - m_new[:, None])
         lsum = lsum * alpha + tl.sum(p, 1)
         v = _load_kv(pv_ptr, dv_base, rows, dec_idx, in_prompt, in_dec, d, d_ok, sp_n, sd_c, sd_d, BLOCK_D)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST, PRECISION)
         m = m_new
 
-    out = (bh * S + s) * (G * Q) + r
+    out = (bh * n_splits + s) * (G * Q) + r
     tl.store(part_m + out, m, mask=row_ok)
     tl.store(part_l + out, lsum, mask=row_ok)
     tl.store(part_acc + out[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits", "Q", "HKV", "G"])
 def _decode_combine(
-    part_acc, part_m, part_l, out_ptr,
+    part_acc, part_m, part_l, out_ptr, n_splits, Q, HKV, G,
     so_b, so_h, so_q, so_d,
-    HKV: tl.constexpr, G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)  # (b * HKV + h) * G*Q + r
+    row = tl.program_id(0).to(tl.int64)  # (b * HKV + h) * G*Q + r
     bh = row // (G * Q)
     r = row % (G * Q)
     b = bh // HKV
     head = (bh % HKV) * G + r // Q
     i = r % Q
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < S
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    idx = (bh * S + s) * (G * Q) + r
-    m = tl.load(part_m + idx, mask=s_ok, other=EMPTY)
-    lsum = tl.load(part_l + idx, mask=s_ok, other=0.0)
-    acc = tl.load(part_acc + idx[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))
-    denom = tl.sum(w * lsum, 0)
-    o = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
+    m = tl.full([], EMPTY, tl.float32)
+    lsum = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):  # bounded tiles however many splits there are
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = s < n_splits
+        idx = (bh * n_splits + s) * (G * Q) + r
+        m_s = tl.load(part_m + idx, mask=s_ok, other=EMPTY)
+        l_s = tl.load(part_l + idx, mask=s_ok, other=0.0)
+        acc_s = tl.load(
+            part_acc + idx[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        m_new = tl.maximum(m, tl.max(m_s, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(m_s - m_new)
+        lsum = lsum * alpha + tl.sum(w * l_s, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * acc_s, 0)
+        m = m_new
+    o = acc / tl.where(lsum > 0, lsum, 1.0)
     ptr = out_ptr + b * so_b + head * so_h + i * so_q + d * so_d
     tl.store(ptr, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+LAUNCHED = (_decode_partial, _decode_combine)
 
 
 def ragged_decode_attention_triton(
@@ -143,11 +172,13 @@ def ragged_decode_attention_triton(
     scaling: float,
     max_prompt_length: int | None = None,
     split_size: int | None = None,
+    slots: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`~kvlab.kernels.decode_attention.ragged_decode_attention_reference`.
 
-    ``split_size`` (tokens per split, a multiple of the 64-token tile) overrides the automatic
-    split-K sizing (tests use it to exercise several splits on short heads).
+    ``split_size`` (tokens per split, rounded up to the 64-token tile) overrides the automatic
+    split-K sizing; ``slots`` (default :func:`~kvlab.kernels.tl.common.parallel_slots` of the
+    device) is what the automatic sizing fills, so a test can size splits as a GPU would.
     """
     B, H, q, D = query.shape
     Hkv = starts.shape[1]
@@ -155,12 +186,12 @@ def ragged_decode_attention_triton(
     if max_prompt_length is None:
         max_prompt_length = int(lengths.max()) if lengths.numel() else 0
     longest = max_prompt_length + decode_length
-    block_n = 64
     if split_size is None:
-        wanted = max(1, -(-parallel_slots(query.device) // (B * Hkv)))
-        split_size = max(256, -(-longest // wanted))
-    split_size = -(-split_size // block_n) * block_n
-    S = max(1, -(-longest // split_size))
+        slots = slots if slots is not None else parallel_slots(query.device)
+        split_size, S = split_size_for(longest, B * Hkv, slots, MIN_SPLIT, BLOCK_N)
+    else:
+        split_size = -(-split_size // BLOCK_N) * BLOCK_N
+        S = max(1, -(-longest // split_size))
     rows = G * q
     dev = query.device
     part_acc = torch.empty(B * Hkv * S * rows, D, device=dev, dtype=torch.float32)
@@ -173,17 +204,17 @@ def ragged_decode_attention_triton(
     if decode_values.stride() != decode_keys.stride():
         decode_values = decode_values.contiguous()
         decode_keys = decode_keys.contiguous()
-    block_d = pow2(D)
-    _decode_partial[(B * Hkv, S)](
+    block_d = head_block(D)
+    shape = dict(D=D, BLOCK_D=block_d, **launch_options(block_d, query.dtype))
+    _decode_partial[check_grid((B * Hkv, S))](
         query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values,
         part_acc, part_m, part_l,
-        decode_length, scaling * LOG2E, split_size,
+        decode_length, scaling * LOG2E, split_size, S, q, Hkv, G,
         *query.stride(), prompt_keys.stride(0), *decode_keys.stride(),
-        HKV=Hkv, G=G, Q=q, D=D, S=S, ROWS=pow2(rows, 16), BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=dot_upcast(query.dtype),
+        ROWS=pow2(rows, 16), BLOCK_N=BLOCK_N, UPCAST=dot_upcast(query.dtype),
+        PRECISION=dot_precision(query.dtype), **shape,
     )  # fmt: skip
-    _decode_combine[(B * Hkv * rows,)](
-        part_acc, part_m, part_l, out, *out.stride(),
-        HKV=Hkv, G=G, Q=q, D=D, S=S, BLOCK_S=pow2(S), BLOCK_D=block_d,
+    _decode_combine[check_grid((B * Hkv * rows,))](
+        part_acc, part_m, part_l, out, S, q, Hkv, G, *out.stride(), BLOCK_S=BLOCK_S, **shape,
     )  # fmt: skip
     return out
