@@ -166,7 +166,10 @@ def _nest(key: Any, value: Any) -> dict[str, Any]:
 
 # ---- models ----------------------------------------------------------------------------------
 def load_model(
-    name: str, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None
+    name: str,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device | None = None,
+    device_map: str | dict[str, str | int | torch.device] | None = None,
 ) -> LoadedModel:
     """Load a model by built-in name (``kvlab list``), local directory or Hub id, ready for kvlab.
 
@@ -175,6 +178,12 @@ def load_model(
             a Hub id ``org/name``.
         dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` or a :class:`torch.dtype`.
         device: where to put the model (default: stays on the CPU).
+        device_map: spread the model over several devices instead (accelerate): ``"auto"``,
+            ``"balanced"``, ``"balanced_low_0"``, ``"sequential"`` or a module name -> device
+            mapping (``{"model.layers.0": 0, ..., "lm_head": 1}``). Passed to ``from_pretrained``
+            for directories and Hub ids; built-ins are dispatched after building. Each layer's
+            compressed cache then lives on that layer's device (``docs/scaling.md``). Do not
+            ``.to()`` the model afterwards.
 
     Returns:
         A :class:`~kvlab.models.base.LoadedModel` (``.model``: the HF model in eval mode with its
@@ -182,11 +191,17 @@ def load_model(
         heads and KV heads of the language model).
 
     Raises:
-        ConfigError: unknown name, missing directory or bad dtype (before any weight loads).
+        ConfigError: unknown name, missing directory, bad dtype or device map, or both ``device``
+            and ``device_map`` (before any weight loads).
     """
     from kvlab.models import load_model as _load
 
-    loaded = _load(name, dtype)
+    if device is not None and device_map is not None:
+        raise ConfigError(
+            f"load_model got both device={device!r} and device_map={device_map!r}; give one. device puts the "
+            "whole model on one device, device_map spreads its layers over several (e.g. device_map='auto')."
+        )
+    loaded = _load(name, dtype, device_map=device_map)
     if device is not None:
         loaded.model.to(device)
     enable_kvlab_attention(loaded.model, loaded.info.vision_language)

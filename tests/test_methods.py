@@ -30,11 +30,7 @@ from kvlab.models.base import TEXT
 PRESETS = [name for name in preset_names() if resolve([name], [])["model"].get("compression")]  # not `full`
 # every preset on each of its tiny models
 CASES = [(preset, model) for preset in PRESETS for model in preset_models(preset)]
-# the heavier invariants (several runs per case) take one tiny model per VLM preset: tiny-qwen2-vl
-# (test_vlm.py runs the padded-batch check on both tiny VLMs)
-LIGHT_CASES = [
-    (preset, model) for preset, model in CASES if not is_vlm_preset(preset) or model == "tiny-qwen2-vl"
-]
+# a padded batch equals its samples one by one (kept positions included): tests/test_batching.py
 NEW_TOKENS = 6
 
 
@@ -202,17 +198,6 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
     # pyramid budgets average to the configured one up to the schedule's floor
     ratio = (kept[32].float() / kept[64].float()).tolist()
     assert all(0.4 < r < 0.6 for r in ratio)
-
-
-@pytest.mark.parametrize("preset, model", [("full", "tiny-llama"), ("full", "tiny-qwen2"), *LIGHT_CASES])
-def test_padded_batch_equals_samples_one_by_one(preset, model):
-    loaded = kvlab_model(model)
-    pipe = pipeline(preset, model, tokens=40) if preset != "full" else Pipeline.from_config(None)
-    if loaded.info.vision_language:  # two, one and no images
-        items = samples_for(model)
-    else:
-        items = samples(2, 60)[:1] + SyntheticRetrieval(num_samples=1, context_words=35, seed=5).samples()
-    e2e.assert_batch_equals_alone(loaded, pipe, items, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("preset", ["snapkv", "h2o", "pyramidkv", "streamingllm", "adakv", "mixkv_sparsemm"])

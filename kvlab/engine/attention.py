@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -64,6 +65,16 @@ class CompressionSession:
     reports: list[LayerReport] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
     decode_attention: dict[int, torch.Tensor] | None = None
+    _placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def masks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(valid, modality)``, both ``[B, T]``, on ``device`` (a layer's device under a
+        ``device_map``); copied once per device and batch, the tensors themselves on their own."""
+        if device == self.valid.device:
+            return self.valid, self.modality
+        if device not in self._placed:
+            self._placed[device] = (self.valid.to(device), self.modality.to(device))
+        return self._placed[device]
 
     @property
     def compression_seconds(self) -> float:
@@ -148,7 +159,7 @@ def kvlab_attention(
             "kvlab compresses at prefill: the first forward must contain the whole prompt "
             f"(got {query.shape[2]} queries, {key.shape[2]} keys, prompt of {session.valid.shape[1]})"
         )
-    out = prefill_attention(query, key, value, session.valid, scaling)
+    out = prefill_attention(query, key, value, session.masks_on(query.device)[0], scaling)
     _compress_layer(session, layer_idx, query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -162,14 +173,15 @@ def _compress_layer(
     scaling: float,
 ) -> None:
     start = time.perf_counter()
+    valid, modality = session.masks_on(key.device)  # the layer's device (device_map)
     ctx = LayerContext(
         layer_idx=layer_idx,
         num_layers=len(session.cache.layers),
         queries=query,
         keys=key,
         values=value,
-        valid=session.valid,
-        modality=session.modality,
+        valid=valid,
+        modality=modality,
         scaling=scaling,
         state=session.state,
     )
@@ -177,4 +189,20 @@ def _compress_layer(
         selection, report = session.pipeline.compress(ctx, record_scores=session.record_scores)
         session.cache.layers[layer_idx].compress(selection)
     report.seconds = time.perf_counter() - start
+    if key.device != session.valid.device:  # reports live on the batch's device, whatever the layer's
+        report = _report_to(report, session.valid.device)
     session.reports.append(report)
+
+
+def _report_to(value: Any, device: torch.device) -> Any:
+    """``value`` (report, selection, route decision, tensor, dict or list), its tensors on ``device``."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: _report_to(getattr(value, f.name), device) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, dict):
+        return {k: _report_to(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_report_to(v, device) for v in value)
+    return value

@@ -21,6 +21,10 @@ Before compression (during prefill) a layer holds the dense ``[B, Hkv, T, D]`` K
 just computed, so prefill attention sees everything. ``get_seq_length`` reports the *logical*
 length (prompt + decoded tokens), which transformers uses for positions, so RoPE positions
 continue from the original prompt length after compression.
+
+Devices: every buffer and offset of a layer is allocated on the device of the K/V that layer
+received (its attention's device), so a model spread over devices with a ``device_map`` keeps
+each layer's cache beside its weights; nothing is moved between devices by the cache.
 """
 
 from __future__ import annotations
@@ -261,5 +265,11 @@ class CompressedCache(Cache):
         return sum(layer.prompt_kv_bytes() for layer in self.layers)
 
     def kept_tokens(self) -> torch.Tensor:
-        """``[L, B, Hkv]`` kept prompt tokens per layer and head (compressed layers only)."""
-        return torch.stack([layer.lengths for layer in self.layers if layer.compressed])
+        """``[L, B, Hkv]`` kept prompt tokens per layer and head (compressed layers only), on the
+        first compressed layer's device (layers may sit on different devices, see the module docstring)."""
+        lengths = [layer.lengths for layer in self.layers if layer.compressed]
+        return torch.stack([n.to(lengths[0].device) for n in lengths])
+
+    def devices(self) -> list[torch.device | None]:
+        """Each layer's device (where its buffers and offsets live; None before its first update)."""
+        return [layer.device if layer.is_initialized else None for layer in self.layers]

@@ -28,6 +28,7 @@ from kvlab.compression.pipeline import LayerReport, Pipeline
 from kvlab.engine.attention import CompressionSession, compression_session
 from kvlab.engine.cache import CompressedCache
 from kvlab.models.base import LoadedModel
+from kvlab.models.placement import input_device
 
 
 @dataclass
@@ -176,7 +177,7 @@ def prefill(
     """
     model, info = loaded.model, loaded.info
     pipeline.bind_model(info.name)
-    device = next(model.parameters()).device
+    device = input_device(model)  # embeddings' device: with a device_map, not the first parameter's
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device)
     valid = attention_mask.bool()

@@ -26,6 +26,7 @@ from kvlab.models.base import IMAGE, PAD, TEXT, VIDEO, LoadedModel, ModelInfo, P
 from kvlab.models.builtin import MODELS, BuiltinModel
 from kvlab.models.common import resolve_dtype
 from kvlab.models.info import model_info
+from kvlab.models.placement import DeviceMap, dispatch, validate_device_map
 from kvlab.models.processors import ChatProcessor
 
 __all__ = [
@@ -94,28 +95,42 @@ def load_processor(name: str) -> Processor:
     return hub.load_processor(name)
 
 
-def load_model(name: str, dtype: str | torch.dtype = "float32") -> LoadedModel:
+def load_model(
+    name: str, dtype: str | torch.dtype = "float32", device_map: DeviceMap | None = None
+) -> LoadedModel:
     """Load model ``name`` in ``dtype`` (eval mode, ``attn_implementation="sdpa"``).
+
+    ``device_map`` (None: the model stays on the CPU) spreads it over devices: passed to
+    ``from_pretrained`` for a directory or Hub id; a built-in is built on the CPU and then
+    dispatched with accelerate (:func:`kvlab.models.placement.dispatch`). ``extras["device_map"]``
+    records the resolved map.
 
     Returns a :class:`LoadedModel` whose ``info`` describes the language model and whose
     ``extras`` hold ``source`` ("builtin" / "pretrained"), ``dtype``, ``load_seconds`` and, for
     built-in VLMs, ``image_size`` and ``tokens_per_image``.
     """
     validate_model_name(name)
+    validate_device_map(device_map)
     torch_dtype = resolve_dtype(dtype)
     start = time.perf_counter()
     processor = load_processor(name)
     if name in MODELS:
         builder = MODELS.get(name)()
         model = builder.build(torch_dtype)
+        if device_map is not None:
+            model = dispatch(model, device_map, torch_dtype)
         extras = builder.extras()
     else:
-        model = hub.load_model(name, torch_dtype)
+        model = hub.load_model(name, torch_dtype, device_map)
         extras = {"source": "pretrained", "path": str(hub.local_dir(name) or name)}
     info = model_info(model.config, name)
     images = getattr(processor, "images", None)
     if images is not None and extras.get("image_size"):
         size = extras["image_size"]
         extras["tokens_per_image"] = images.process([Image.new("RGB", (size, size))])[1][0]
+    if device_map is not None:
+        # from_pretrained dispatches (and records hf_device_map) only over several devices
+        resolved = getattr(model, "hf_device_map", None) or {"": next(model.parameters()).device}
+        extras["device_map"] = {module: str(device) for module, device in resolved.items()}
     extras.update(dtype=torch_dtype, load_seconds=time.perf_counter() - start)
     return LoadedModel(model=model, processor=processor, info=info, extras=extras)
