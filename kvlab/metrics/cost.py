@@ -14,12 +14,21 @@ From the per-sample records (batch timings are split evenly over the batch's sam
   instead; see ``docs/architecture.md``);
 - ``kv_bytes_allocated_peak``: the most bytes one batch's ``CompressedCache`` allocated (kept
   prompt K/V, reserved decode region, offsets);
-- ``peak_memory_bytes``: ``torch.cuda.max_memory_allocated`` over the run's batches on CUDA;
-  null elsewhere, with ``peak_memory_note`` saying the process peak is not available.
+- ``peak_memory_bytes``: the most memory over the run's batches, of the kind
+  ``peak_memory_kind`` names: ``"cuda_allocated"`` (``torch.cuda.max_memory_allocated``, reset
+  before each batch) on CUDA, ``"process_rss_high_water"`` elsewhere (the process's peak
+  resident set size, ``getrusage(RUSAGE_SELF).ru_maxrss``: a high-water mark over the process's
+  whole life, model loading included, so each record also holds
+  ``peak_memory_rss_before_bytes``, the resident set size when its batch started);
+  ``"mixed"`` when the records mix kinds (a run resumed on another device). Null, with
+  ``peak_memory_note``, only when no record has a figure (records written by older kvlab, or a
+  platform without ``resource``).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -40,14 +49,47 @@ SUM_FIELDS = (
 MAX_FIELDS = ("kv_bytes_allocated", "peak_memory_bytes")
 OVERSHOOT = "budget_overshoot"  # per record: tokens per head kept beyond the asked budget
 MEAN_FIELDS = SUM_FIELDS[3:] + SUM_FIELDS[:1]
+#: ``peak_memory_kind`` of a record: CUDA allocator peak, or the process's resident-set high-water mark
+PEAK_KINDS = ("cuda_allocated", "process_rss_high_water")
 NO_PEAK_NOTE = (
-    "process peak memory is not available on this device (CUDA only); "
-    "kv_bytes_allocated_peak is the largest KV cache kvlab allocated for one batch"
+    "peak memory is not available: no record has a peak_memory_bytes figure (written by an older "
+    "kvlab, or no CUDA and no resource module); kv_bytes_allocated_peak is the largest KV cache "
+    "kvlab allocated for one batch"
 )
 
 
+def process_peak_rss_bytes() -> int | None:
+    """The process's peak resident set size so far (``ru_maxrss``; a lifetime high-water mark).
+
+    ``ru_maxrss`` is in KiB on Linux and in bytes on macOS; None where ``resource`` is missing
+    (Windows). The kernel updates the mark lazily, so it can trail the current resident set
+    size by a few pages: the larger of the two is returned.
+    """
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = int(peak) if sys.platform == "darwin" else int(peak) * 1024
+    return max(peak, process_rss_bytes() or 0)
+
+
+def process_rss_bytes() -> int | None:
+    """The process's resident set size now (psutil, which accelerate installs; else ``/proc``)."""
+    try:
+        import psutil
+    except ImportError:
+        try:
+            with open("/proc/self/statm") as file:
+                return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return None
+    return int(psutil.Process().memory_info().rss)
+
+
 class CostMetrics(Metric):
-    """Memory and time of a run (see the module docstring). ``update(values)`` takes ``{field: [B]}``."""
+    """Memory and time of a run (see the module docstring). ``update(values)`` takes ``{field: [B]}``
+    (``peak_<kind>``: 1 for the records whose ``peak_memory_kind`` is that kind of :data:`PEAK_KINDS`)."""
 
     full_state_update = False
 
@@ -60,6 +102,8 @@ class CostMetrics(Metric):
             self.add_state(name, torch.tensor(-1.0, dtype=torch.float64), dist_reduce_fx="max")
         self.add_state("overshoot_samples", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("overshoot_max", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="max")
+        for kind in PEAK_KINDS:  # records whose peak figure is of that kind
+            self.add_state(f"peak_{kind}", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, values: dict[str, torch.Tensor]) -> None:
         self.samples += values["kv_ratio"].numel()
@@ -70,6 +114,10 @@ class CostMetrics(Metric):
             overshoot = overshoot.to(torch.float64).nan_to_num(0.0)
             self.overshoot_samples += (overshoot > 0).sum()
             self.overshoot_max = torch.maximum(self.overshoot_max, overshoot.max())
+        for kind in PEAK_KINDS:
+            count = values.get(f"peak_{kind}")
+            if count is not None:
+                setattr(self, f"peak_{kind}", getattr(self, f"peak_{kind}") + count.nansum())
         for name in MAX_FIELDS:
             value = values.get(name)
             if value is not None and (~torch.isnan(value)).any():
@@ -96,6 +144,10 @@ class CostMetrics(Metric):
         out["peak_memory_bytes"] = int(peak) if peak >= 0 else None
         if peak < 0:
             out["peak_memory_note"] = NO_PEAK_NOTE
+        else:
+            kinds = [kind for kind in PEAK_KINDS if float(getattr(self, f"peak_{kind}")) > 0]
+            # records from before peak_memory_kind existed measured on CUDA only
+            out["peak_memory_kind"] = "mixed" if len(kinds) > 1 else (kinds or ["cuda_allocated"])[0]
         out["budget_overshoot_samples"] = int(self.overshoot_samples)
         out["budget_overshoot_max"] = int(self.overshoot_max)
         return out
@@ -103,4 +155,9 @@ class CostMetrics(Metric):
     def update_records(self, records: list[dict[str, Any]]) -> None:
         """Update from prediction records."""
         if records:
-            self.update(record_values(records, (*SUM_FIELDS, *MAX_FIELDS, OVERSHOOT)))
+            values = record_values(records, (*SUM_FIELDS, *MAX_FIELDS, OVERSHOOT))
+            for kind in PEAK_KINDS:
+                values[f"peak_{kind}"] = torch.tensor(
+                    [float(r.get("peak_memory_kind") == kind) for r in records], dtype=torch.float64
+                )
+            self.update(values)

@@ -12,8 +12,10 @@ smollm2-qwen2-vl    Qwen2VL...Generation    30     9       3        64       36 
 smollm2-llava       Llava...Generation      30     9       3        64       36 (84x84)
 =================== ======================= ====== ======= ======== ======== ===================
 
-Tiny models have seeded random weights (identical on every call) and share a BPE tokenizer
-trained at runtime; the smollm2 ones carry SmolLM2-135M-Instruct's trained weights.
+Tiny models have seeded random weights and share a BPE tokenizer trained at runtime; the smollm2
+ones carry SmolLM2-135M-Instruct's trained weights (the grafted VLMs with seeded random vision
+parts). Every built-in is bit-identical across loads and processes: every random draw made while
+building one runs under :func:`~kvlab.models.common.seeded` (``tests/test_determinism.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvlab.config.registry import Registry
-from kvlab.models.common import build_from_config
+from kvlab.models.common import build_from_config, seeded
 from kvlab.models.info import model_info
 from kvlab.models.processors import ChatProcessor, ImageAdapter
 from kvlab.models.scaffolding import graft, smollm2, tiny
@@ -45,6 +47,7 @@ class BuiltinModel(ABC):
     family: ClassVar[str] = ""
     #: square size images are squashed to (fixes the tokens per image); None for text-only
     image_size: ClassVar[int | None] = None
+    #: seed of every random draw while building (random weights, and any draw construction makes)
     seed: ClassVar[int] = 0
 
     @abstractmethod
@@ -158,7 +161,11 @@ class SmolLM2(BuiltinModel):
         return AutoTokenizer.from_pretrained(smollm2.ensure_converted())
 
     def build(self, dtype: torch.dtype) -> torch.nn.Module:
-        return smollm2.load_lm(dtype)
+        # every weight comes from the file; seeded anyway, so that the throwaway initialisation
+        # from_pretrained runs before loading draws the same numbers on every load and leaves
+        # the caller's random state alone
+        with seeded(self.seed):
+            return smollm2.load_lm(dtype)
 
     def extras(self) -> dict[str, Any]:
         return {**super().extras(), "path": str(smollm2.cache_dir())}

@@ -75,10 +75,20 @@ def show(progress_bar: Any, postfix: dict[str, str]) -> None:
         progress.update(task, description=f"Predicting {text}")
 
 
+#: how the summary names each ``peak_memory_kind`` beside ``peak_memory_bytes``
+PEAK_KIND_LABELS = {
+    "cuda_allocated": "CUDA allocated, max over batches",
+    "process_rss_high_water": "process RSS high-water mark, model loading included",
+    "mixed": "records of several kinds: CUDA allocated and process RSS",
+}
+
+
 def _format(key: str, value: Any) -> str:
     if value is None:
         return "n/a"
     if "bytes" in key and isinstance(value, int | float):
+        if value >= 2**30:
+            return f"{value / 2**30:.2f} GiB"
         return f"{value / 2**20:.2f} MiB" if value >= 2**20 else f"{value / 2**10:.1f} KiB"
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -86,13 +96,22 @@ def _format(key: str, value: Any) -> str:
 
 
 def format_summary(metrics: dict[str, Any], run_dir: str | Path) -> str:
-    """The one-screen summary of a run's ``metrics.json`` (sections: fidelity, task, memory, time)."""
+    """The one-screen summary of a run's ``metrics.json`` (sections: fidelity, task, memory, time).
+
+    ``peak_memory_bytes`` is followed by what it measures (``peak_memory_kind``); the note on a
+    missing peak appears only when the metrics carry one (no record had a figure).
+    """
     lines = [f"kvlab: {metrics.get('samples', 0)} samples -> {run_dir}"]
     for title, keys in SECTIONS:
         present = [k for k in keys if k in metrics]
         if present:
             lines.append(f"  {title}:")
-            lines += [f"    {k:<28} {_format(k, metrics[k])}" for k in present]
+            for k in present:
+                line = f"    {k:<28} {_format(k, metrics[k])}"
+                if k == "peak_memory_bytes" and metrics.get("peak_memory_kind"):
+                    kind = metrics["peak_memory_kind"]
+                    line += f" ({PEAK_KIND_LABELS.get(kind, kind)})"
+                lines.append(line)
     if "peak_memory_note" in metrics:
         lines.append(f"  note: {metrics['peak_memory_note']}")
     if metrics.get("budget_overshoot_samples"):
@@ -103,6 +122,7 @@ def format_summary(metrics: dict[str, Any], run_dir: str | Path) -> str:
             "model.compression.budget.max_window_share (e.g. 0.5) to shrink the window instead"
         )
     lines.append(
-        f"  files: config.yaml predictions.jsonl metrics.json tensorboard/ (tensorboard --logdir {run_dir})"
+        f"  files: config.yaml predictions.jsonl metrics.json reproduce.json tensorboard/ "
+        f"(tensorboard --logdir {run_dir})"
     )
     return "\n".join(lines)

@@ -103,11 +103,14 @@ def build_grafted(model_cls: Any, config: Any, seed: int, dtype: torch.dtype) ->
     """A ``model_cls`` VLM from ``config`` with SmolLM2 as its LM and a seeded random vision part.
 
     Only the vision tower and projector are randomly initialised (the 135M LM weights are
-    loaded, not initialised twice), in float32, then the model is cast to ``dtype``.
+    loaded, not initialised twice), in float32, then the model is cast to ``dtype``. Every
+    random draw is seeded: the construction too, because ``no_init_weights`` disables
+    ``torch.nn.init`` but not the plain ``torch.randn`` some modules call in ``__init__``
+    (CLIP's ``class_embedding``, which the generic ``_init_weights`` below leaves alone).
     """
     from transformers.initialization import no_init_weights
 
-    with no_init_weights():
+    with seeded(seed + 1), no_init_weights():  # its own stream: the init below draws as before
         vlm = model_cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     with seeded(seed):
         for name, child in vlm.model.named_children():
