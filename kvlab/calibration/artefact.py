@@ -173,6 +173,24 @@ def resolve_path(spec: str, model: str | None, kind: str, where: str) -> Path:
     )
 
 
+def model_shape(model: str) -> dict[str, int]:
+    """``num_layers`` / ``num_heads`` / ``num_kv_heads`` of a built-in model or of a local directory's
+    config, read without weights; empty when unknown (a Hub id is not fetched here)."""
+    try:
+        from kvlab.models import MODELS, hub, model_info
+
+        if model in MODELS:
+            config = MODELS.get(model)().config()
+        elif hub.local_dir(model) is not None:
+            config = hub.load_config(model)
+        else:
+            return {}
+        info = model_info(config, model)
+    except Exception:  # the model itself is reported when it loads; the shape is checked there again
+        return {}
+    return {"num_layers": info.num_layers, "num_heads": info.num_heads, "num_kv_heads": info.num_kv_heads}
+
+
 class UsesArtefact:
     """Mixin for components with an ``artefact`` parameter (a path, or ``auto``).
 
@@ -188,9 +206,12 @@ class UsesArtefact:
         return f"model.compression ({getattr(self, 'registry_name', type(self).__name__)}).artefact"
 
     def bind_model(self, model: str) -> None:
-        """Resolve and load the artefact for ``model`` and check it was made for that model."""
+        """Resolve and load the artefact for ``model`` and check it was made for that model: its
+        name and, when the model's config can be read without weights, its layer and head counts."""
         path = resolve_path(self.artefact, model, self.artefact_kind, self._where())
-        loaded = Artefact.load(path, self._where()).check(self.artefact_kind, self._where(), model=model)
+        loaded = Artefact.load(path, self._where()).check(
+            self.artefact_kind, self._where(), model=model, **model_shape(model)
+        )
         self._loaded_artefact = loaded
 
     def artefact_for(self, ctx: Any) -> Artefact:

@@ -11,6 +11,9 @@
   are merged into the resolved config the same way (values parsed as YAML), so
   ``--model.compression.budget.tokens 128`` changes the budget and keeps its window. Other
   dotted options go to LightningCLI unchanged.
+- Configs hold plain values. YAML tags (``!!python/object/apply:...``) are refused (``yaml.safe_load``),
+  and so are omegaconf interpolations and resolvers (``${model.model}``, ``${oc.env:HOME}``): kvlab
+  does not evaluate them, so a value containing ``${`` is an error naming the field, not a literal.
 - ``imports: [module, path/to/file.py]`` lists user plugin modules (:mod:`kvlab.config.plugins`):
   ``.py`` paths are made absolute against the file that lists them, and the lists of a config
   and of the presets it inherits are concatenated (not replaced).
@@ -18,6 +21,7 @@
 
 from __future__ import annotations
 
+import inspect
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ import yaml
 
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.plugins import IMPORTS_KEY, resolve_imports
+from kvlab.config.registry import _matches, _type_name
 
 PRESET_KEY = "preset"
 MERGED_PREFIXES = ("model.compression", "data.dataset")
@@ -88,10 +93,8 @@ def load_config(name: str, relative_to: Path | None = None, _seen: tuple[Path, .
     if path in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, path))
         raise ConfigError(f"preset cycle: {chain}. Remove one of the `preset:` lines.")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    raw = parse_yaml(path.read_text(), str(path))
+    reject_interpolation(raw, str(path))
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must contain a YAML mapping at the top level, got {type(raw).__name__}.")
     parent = raw.pop(PRESET_KEY, None)
@@ -104,6 +107,82 @@ def load_config(name: str, relative_to: Path | None = None, _seen: tuple[Path, .
     return with_imports(merge(base, raw), imports)
 
 
+def parse_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)``; :class:`ConfigError` naming ``where`` for invalid YAML or a tag."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as exc:
+        mark = f" (line {exc.problem_mark.line + 1})" if exc.problem_mark is not None else ""
+        tag = (exc.problem or "").split("tag ")[-1]
+        raise ConfigError(
+            f"{where}{mark}: the YAML tag {tag} is refused. Configs hold plain values only (mappings, "
+            "lists, strings, numbers, booleans); tags such as !!python/object could construct objects "
+            "or run code, so kvlab reads YAML with safe_load. Remove the tag and write the value itself."
+        ) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"{where} is not valid YAML: {' '.join(str(exc).split())}. Fix the syntax at the position shown."
+        ) from None
+
+
+def reject_interpolation(node: Any, where: str, field: str = "") -> None:
+    """Raise :class:`ConfigError` for any string in ``node`` holding an omegaconf interpolation or
+    resolver (``${...}``): kvlab does not evaluate them (they could read the environment or call
+    registered resolvers), and taking them literally would hide the mistake."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            reject_interpolation(value, where, f"{field}.{key}" if field else str(key))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            reject_interpolation(value, where, f"{field}[{index}]")
+    elif isinstance(node, str) and "${" in node:
+        raise ConfigError(
+            f"{where}: {field or 'the value'} = {node!r} uses an interpolation or resolver (`${{...}}`), "
+            "which kvlab does not evaluate. Write the value itself; to use an environment variable, let "
+            'the shell expand it on the command line (e.g. --run.dir "$HOME/runs").'
+        )
+
+
+def check_fields(cfg: dict[str, Any], sections: dict[str, Any]) -> None:
+    """Check the fields of ``cfg``'s sections against the signatures of the classes they configure
+    (``{"model": KVLabModule, "data": KVLabDataModule}``): an unknown field (with the closest
+    match) or a value of the wrong type (for simple hints) is a one-paragraph :class:`ConfigError`."""
+    for section, cls in sections.items():
+        node = cfg.get(section)
+        if node is None:
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"`{section}` must be a mapping of fields, got {node!r}. Fix the config.")
+        params = {
+            name: param
+            for name, param in inspect.signature(cls.__init__).parameters.items()
+            if name != "self" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+        }
+        hints = _hints(cls.__init__)
+        for key, value in node.items():
+            if key not in params:
+                raise ConfigError(
+                    f"unknown field {section}.{key}.{did_you_mean(key, params)} The fields of `{section}` "
+                    f"are: {', '.join(params)}. Fix or remove it."
+                )
+            tp = hints.get(key)
+            if tp is not None and not _matches(value, tp):
+                raise ConfigError(
+                    f"{section}.{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__}). "
+                    "Fix the value."
+                )
+
+
+def _hints(function: Any) -> dict[str, Any]:
+    """Resolved type hints of ``function`` (empty when they cannot be evaluated)."""
+    import typing
+
+    try:
+        return typing.get_type_hints(function)
+    except Exception:  # hints naming types unavailable at runtime: skip type checks
+        return {}
+
+
 def with_imports(cfg: dict[str, Any], imports: list[str]) -> dict[str, Any]:
     """``cfg`` with ``imports`` appended to its own ``imports`` list (duplicates dropped)."""
     if not imports:
@@ -114,10 +193,8 @@ def with_imports(cfg: dict[str, Any], imports: list[str]) -> dict[str, Any]:
 
 def apply_override(cfg: dict[str, Any], dotted: str, value_text: str) -> dict[str, Any]:
     """Return ``cfg`` with ``dotted = yaml(value_text)`` merged in (same rules as presets)."""
-    try:
-        value = yaml.safe_load(value_text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--{dotted}: cannot parse {value_text!r} as YAML ({exc}).") from None
+    value = parse_yaml(value_text, f"--{dotted}")
+    reject_interpolation(value, f"--{dotted}", dotted)
     for key in reversed(dotted.split(".")):
         value = {key: value}
     return merge(cfg, value)
@@ -148,6 +225,9 @@ def split_overrides(args: list[str]) -> tuple[list[str], list[str], list[tuple[s
                 inline, i = args[i + 1], i + 1
             overrides.append((key[2:], inline))
         else:
+            if "${" in arg:  # passed to LightningCLI: refused like interpolations in config files
+                option = key if key.startswith("--") else (args[i - 1] if i else "argument")
+                reject_interpolation(inline if eq else arg, "the command line", option.lstrip("-"))
             rest.append(arg)
         i += 1
     return configs, rest, overrides

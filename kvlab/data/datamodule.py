@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from dataclasses import replace
+from typing import Any, Literal
 
 import lightning as L
 from torch.utils.data import DataLoader
@@ -13,6 +15,55 @@ from kvlab.data.datasets import build_dataset
 from kvlab.data.sample import Sample
 
 DEFAULT_DATASET: dict[str, Any] = {"name": "synthetic_retrieval", "num_samples": 8, "context_words": 400}
+LONG_PROMPTS = ("refuse", "truncate_left")
+
+
+def context_length(name: str) -> int | None:
+    """The model's context (``max_position_embeddings`` of its config), read without weights;
+    None when ``name`` is neither a built-in, a local directory nor a Hub id."""
+    from kvlab.models import MODELS, hub, model_info
+
+    if name in MODELS:
+        config = MODELS.get(name)().config()
+    elif hub.local_dir(name) is not None or hub.is_hub_id(name):
+        config = hub.load_config(name)
+    else:
+        return None
+    return model_info(config, name).max_position_embeddings
+
+
+def prompt_length(processor: Any, sample: Sample) -> int:
+    """Tokens of ``sample``'s full prompt (chat template, images expanded), as the model sees it.
+    A text-only sample is tokenized without building tensors."""
+    if not sample.images and hasattr(processor, "prompt_text"):
+        return len(processor.tokenizer(processor.prompt_text(sample), add_special_tokens=False)["input_ids"])
+    return int(processor.collate([sample])["input_ids"].shape[-1])
+
+
+def truncate_left(processor: Any, sample: Sample, limit: int) -> tuple[Sample, int]:
+    """``sample`` with the fewest leading words of its prompt dropped so that it fits ``limit``
+    tokens; returns ``(sample, words dropped)``. Raises :class:`ConfigError` when even the
+    empty prompt (chat template, system message, images) does not fit."""
+    words = sample.prompt.split(" ")
+
+    def cut(k: int) -> Sample:
+        return replace(sample, prompt=" ".join(words[k:]))
+
+    if prompt_length(processor, cut(len(words))) > limit:
+        raise ConfigError(
+            f"sample '{sample.id}': even with its whole prompt text removed, the chat template, system "
+            f"message and images take more than the model's context of {limit} tokens, so "
+            "data.long_prompts = truncate_left cannot make it fit. Remove images or the system message "
+            "from this sample, or use a model with a longer context."
+        )
+    low, high = 0, len(words)  # invariant: cut(high) fits
+    while low < high:
+        mid = (low + high) // 2
+        if prompt_length(processor, cut(mid)) <= limit:
+            high = mid
+        else:
+            low = mid + 1
+    return cut(high), high
 
 
 def _validate_model_name(name: str) -> None:
@@ -34,6 +85,11 @@ class KVLabDataModule(L.LightningDataModule):
         batch_size: samples per batch (>= 1).
         num_workers: DataLoader worker processes (0 = collate in the main process).
         limit: use only the first ``limit`` samples (applied before ``skip_ids``).
+        long_prompts: what to do with a prompt longer than the model's context
+            (``max_position_embeddings`` of its config): ``refuse`` (default: stop with an error
+            naming the sample, before the model loads) or ``truncate_left`` (drop the prompt's
+            first words until it fits; the sample's ``meta`` records ``truncated_words`` and a
+            note is printed).
 
     The dataset is built (and validated) in ``__init__``, so data errors surface before a model
     loads. Set :attr:`skip_ids` before predicting to leave out samples already done (resume).
@@ -46,6 +102,7 @@ class KVLabDataModule(L.LightningDataModule):
         batch_size: int = 1,
         num_workers: int = 0,
         limit: int | None = None,
+        long_prompts: Literal["refuse", "truncate_left"] = "refuse",
     ) -> None:
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -59,6 +116,12 @@ class KVLabDataModule(L.LightningDataModule):
             raise ConfigError(
                 f"data.limit must be an integer >= 1 or null (all samples), got {limit!r}. Fix the value."
             )
+        if long_prompts not in LONG_PROMPTS:
+            raise ConfigError(
+                f"data.long_prompts must be one of {', '.join(LONG_PROMPTS)}, got {long_prompts!r}. "
+                "`refuse` stops on a prompt longer than the model's context, `truncate_left` drops its "
+                "first words until it fits."
+            )
         self.save_hyperparameters()
         node = to_plain(dataset) if dataset is not None else dict(DEFAULT_DATASET)
         self.dataset_config: dict[str, Any] | str = node
@@ -67,6 +130,8 @@ class KVLabDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.limit = limit
+        self.long_prompts = long_prompts
+        self._checked = False
         self.skip_ids: set[str] = set()
         self.processor: Any = None
         self._samples: list[Sample] | None = None
@@ -90,12 +155,55 @@ class KVLabDataModule(L.LightningDataModule):
         return [s for s in self.selected_samples if s.id not in skip]
 
     def setup(self, stage: str | None = None) -> None:
-        """Load the model's processor (once) and the samples."""
+        """Load the model's processor (once) and the samples, and check the selected samples
+        against the model (images for a text-only model, prompts longer than its context): the
+        trainer calls this before the model's weights load."""
         if self.processor is None:
             from kvlab.models import load_processor
 
             self.processor = load_processor(self.model_name)
         _ = self.samples
+        if not self._checked:
+            self.check_samples()
+            self._checked = True
+
+    def check_samples(self) -> None:
+        """Refuse images for a text-only model; refuse or left-truncate prompts longer than the
+        model's context (``long_prompts``). Truncated samples replace the originals."""
+        selected = self.selected_samples
+        if getattr(self.processor, "images", True) is None:
+            with_images = [s.id for s in selected if s.images]
+            if with_images:
+                raise ConfigError(
+                    f"sample '{with_images[0]}' ({len(with_images)} samples in all) has images, but "
+                    f"model.model '{self.model_name}' is text-only. Use a vision-language model (e.g. "
+                    "tiny-qwen2-vl, smollm2-qwen2-vl) or a dataset without images."
+                )
+        limit = context_length(self.model_name)
+        if limit is None or not hasattr(self.processor, "tokenizer"):  # a custom processor: not checked
+            return
+        truncated: list[str] = []
+        for index, sample in enumerate(selected):
+            length = prompt_length(self.processor, sample)
+            if length <= limit:
+                continue
+            if self.long_prompts == "refuse":
+                raise ConfigError(
+                    f"sample '{sample.id}': its prompt is {length} tokens, longer than the context of "
+                    f"model.model '{self.model_name}' ({limit} tokens, max_position_embeddings). "
+                    "Shorten or remove the sample, use a model with a longer context, or set "
+                    "`data.long_prompts: truncate_left` to drop the prompt's first words until it fits."
+                )
+            short, dropped = truncate_left(self.processor, sample, limit)
+            self.samples[index] = replace(short, meta={**short.meta, "truncated_words": dropped})
+            truncated.append(f"'{sample.id}' ({length} tokens, {dropped} words dropped)")
+        if truncated:
+            print(
+                f"kvlab: data.long_prompts = truncate_left: {len(truncated)} prompts longer than the "
+                f"context of {self.model_name} ({limit} tokens) lost their first words: "
+                f"{', '.join(truncated[:5])}{' ...' if len(truncated) > 5 else ''}",
+                file=sys.stderr,
+            )
 
     def predict_dataloader(self) -> DataLoader:
         """Batches of the pending samples, collated by ``processor.collate``."""

@@ -166,6 +166,11 @@ class JsonlDataset:
                 f"data.dataset.text_field to the field that holds the prompt."
             )
         images = self._strings(obj, self.images_field, where, sample_id, allow_scalar=True)
+        if not prompt.strip() and not images:
+            raise ConfigError(
+                f"{where}: sample '{sample_id}' has an empty '{self.text_field}' field and no images, so "
+                f"there is nothing to prompt the model with. Write the prompt text, or remove the line."
+            )
         paths = [self._check_image(p, root, where, sample_id) for p in images]
         system = obj.get(self.system_field)
         if system is not None and not isinstance(system, str):

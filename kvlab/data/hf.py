@@ -228,6 +228,12 @@ class HFDataset:
             prompt = self.template.format(**values)
         else:
             prompt = DEFAULT_TEMPLATE.format(**values) if values["context"] else values["prompt"]
+        if not prompt.strip() and not items:
+            raise ConfigError(
+                f"{where}: the prompt is empty (column '{self.fields['prompt']}'"
+                f"{' and the template' if self.template is not None else ''}) and the row has no images. "
+                "Map data.dataset.fields.prompt to the column holding the question, or drop such rows."
+            )
         used = {column.split(".")[0] for column in self.fields.values()}
         meta = {k: v for k, v in row.items() if k not in used and isinstance(v, str | int | float | bool)}
         return Sample(

@@ -9,13 +9,17 @@ to make accidental downloads fail fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvlab.config.errors import ConfigError
 from kvlab.models.info import model_info
 from kvlab.models.processors import ChatProcessor
 from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, chatml_template
@@ -40,11 +44,67 @@ def _source(name: str) -> str:
     return str(path) if path is not None else name
 
 
+def _offline() -> bool:
+    """Whether the Hugging Face libraries are told not to use the network."""
+    return any(
+        os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on")
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def hub_errors(name: str, what: str = "model") -> Iterator[None]:
+    """Turn ``from_pretrained`` failures (OSError and the Hub's errors) for ``model.model = name``
+    into a one-paragraph :class:`ConfigError` naming the id, the likely cause and the fix."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as exc:
+        if local_dir(name) is not None:
+            raise ConfigError(
+                f"model.model '{name}': cannot load the {what} from this directory ({_first_line(exc)}). "
+                "Point model.model at a directory written by save_pretrained() (config.json, tokenizer "
+                "and weight files), or use a built-in model (`kvlab list`)."
+            ) from None
+        chain = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+        if _offline() or "LocalEntryNotFoundError" in chain:
+            cause = (
+                "this machine is offline (HF_HUB_OFFLINE=1 is set)"
+                if _offline()
+                else "the Hugging Face Hub cannot be reached from this machine"
+            )
+            raise ConfigError(
+                f"model.model '{name}': {cause} and '{name}' is not in the local Hugging Face cache, so "
+                f"its {what} cannot be loaded. Check the spelling of the id, download it once where the "
+                f"network is available (`huggingface-cli download {name}`, then copy the cache or set "
+                "HF_HOME), or point model.model at a local directory written by save_pretrained(); "
+                "built-in models need no download (`kvlab list`)."
+            ) from None
+        if chain & {"RepositoryNotFoundError", "GatedRepoError"}:
+            raise ConfigError(
+                f"model.model '{name}': no such model on the Hugging Face Hub, or it is private/gated and "
+                "this machine has no access token. Check the id, or log in (`huggingface-cli login`) "
+                "with an account that can read it."
+            ) from None
+        raise ConfigError(
+            f"model.model '{name}': cannot load its {what} with from_pretrained ({_first_line(exc)}). "
+            "Check the Hub id or local path, and that transformers supports the model as a causal LM "
+            "or an image-text-to-text model."
+        ) from None
+
+
 def load_config(name: str) -> Any:
-    """``AutoConfig.from_pretrained`` of a directory or Hub id."""
+    """``AutoConfig.from_pretrained`` of a directory or Hub id (:class:`ConfigError` when it fails)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(_source(name))
+    with hub_errors(name, "config"):
+        return AutoConfig.from_pretrained(_source(name))
 
 
 def _file(source: str, filename: str) -> str | None:
@@ -96,7 +156,8 @@ def load_processor(name: str) -> ChatProcessor:
 
     source = _source(name)
     config = load_config(name)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    with hub_errors(name, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(source)
     is_vlm = getattr(config, "vision_config", None) is not None
     if tokenizer.chat_template is None:
         tokenizer.chat_template = _chat_template(source) if is_vlm else None
@@ -110,8 +171,13 @@ def load_processor(name: str) -> ChatProcessor:
     )
 
 
-def load_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The model of a directory or Hub id in ``dtype``, sdpa attention, eval mode."""
+def load_model(
+    name: str, dtype: torch.dtype, device_map: str | dict[str, Any] | None = None
+) -> torch.nn.Module:
+    """The model of a directory or Hub id in ``dtype``, sdpa attention, eval mode.
+
+    ``device_map`` goes to ``from_pretrained`` (accelerate places the layers; None: CPU).
+    """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = load_config(name)
@@ -120,5 +186,8 @@ def load_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
         if getattr(config, "vision_config", None) is not None
         else AutoModelForCausalLM
     )
-    model = cls.from_pretrained(_source(name), dtype=dtype, attn_implementation="sdpa")
+    with hub_errors(name, "weights"):
+        model = cls.from_pretrained(
+            _source(name), dtype=dtype, attn_implementation="sdpa", device_map=device_map
+        )
     return model.eval()
