@@ -110,7 +110,8 @@ def test_calibrate_cli_writes_a_versioned_artefact_that_sparsemm_loads(tmp_path,
     assert float(artefact.tensors["scores"].sum()) > 0
     # MixKV on SparseMM's budgets runs end to end through the CLI with it: ragged heads recorded
     main(["predict", "--config", "mixkv_sparsemm", "--model.model", "tiny-qwen2-vl",
-          "--run.dir", str(tmp_path), "--model.compression.allocate.head.artefact", str(out),
+          "--run.dir", str(tmp_path), "--run.method", "mixkv_sparsemm",
+          "--model.compression.allocate.head.artefact", str(out),
           "--model.max_new_tokens", "2",
           "--model.compression.budget", "{ratio: 0.5, window: 4}", "--data.dataset.num_samples", "2",
           "--trainer.enable_progress_bar", "false"])  # fmt: skip

@@ -31,7 +31,21 @@ def write_jsonl(path, rows):
 
 
 def predict(tmp_path, *args):
-    main(["predict", *args, "--run.dir", str(tmp_path / "runs"), "--run.experiment", "exp"])
+    """``kvlab predict`` into ``<tmp_path>/runs/exp/<config stem>`` (``--run.method`` set, so command-line
+    overrides do not name the run; ``tests/test_resume.py`` tests that naming)."""
+    stem = Path(args[args.index("--config") + 1]).stem if "--config" in args else "method"
+    main(
+        [
+            "predict",
+            *args,
+            "--run.dir",
+            str(tmp_path / "runs"),
+            "--run.experiment",
+            "exp",
+            "--run.method",
+            stem,
+        ]
+    )
 
 
 @pytest.fixture

@@ -90,7 +90,7 @@ def test_hf_through_kvlab_predict(saved_hf: Path, tmp_path: Path, capsys: pytest
 
     fields = "{prompt: question, context: passage, answers: answer.text, id: qid}"
     common = ["predict", "--config", "full", "--model.model", "tiny-llama", "--model.max_new_tokens", "3",
-              "--run.dir", str(tmp_path), "--run.experiment", "hf"]  # fmt: skip
+              "--run.dir", str(tmp_path), "--run.experiment", "hf", "--run.method", "full"]  # fmt: skip
     with pytest.raises(SystemExit) as info:  # a bad column: exit 2 naming the columns
         main([*common, "--data.dataset", f"{{name: hf, path: {saved_hf}, fields: {{prompt: q}}}}"])
     assert info.value.code == 2 and "Available columns: qid, question" in capsys.readouterr().err

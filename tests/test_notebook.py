@@ -22,6 +22,6 @@ def test_sweep_notebook_executes(tmp_path, monkeypatch):
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     rich = [o for o in outputs if o.output_type == "execute_result"]
-    assert any("snapkv@budget.tokens=40" in o["data"].get("text/markdown", "") for o in rich)
+    assert any("budget.tokens=40" in o["data"].get("text/markdown", "") for o in rich)
     assert any("image/png" in o["data"] for o in rich)
     assert len(list((tmp_path / "runs" / "notebook").glob("*/metrics.json"))) == 4

@@ -61,6 +61,8 @@ def predict(tmp_path, config, *args):
             str(tmp_path / "runs"),
             "--run.experiment",
             "exp",
+            "--run.method",  # command-line overrides would otherwise name the run
+            "snapkv",
         ]
     )
 

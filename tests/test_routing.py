@@ -145,6 +145,8 @@ def predict(tmp_path, preset, *args):
             str(tmp_path),
             "--run.experiment",
             "exp",
+            "--run.method",
+            preset,
             *args,
         ]
     )

@@ -2,8 +2,12 @@
 
 - ``kvlab predict --config snapkv.yaml [--model.compression.budget.tokens 128 ...]``: run a
   method on a dataset (LightningCLI: ``--print_config``, dotted overrides, ``--help``);
-  writes ``<run.dir>/<run.experiment>/<run.method>/`` with ``config.yaml``,
-  ``predictions.jsonl``, ``metrics.json`` and TensorBoard events.
+  writes ``<run.dir>/<run.experiment>/<run.method>/`` with ``run.json`` (the fingerprint),
+  ``config.yaml``, ``predictions.jsonl``, ``metrics.json`` and TensorBoard events. Overrides
+  that change results name the run (``snapkv@budget.tokens=128``, :mod:`kvlab.config.sweep`);
+  a re-run resumes only the same run (:mod:`kvlab.runner.fingerprint`) unless
+  ``--run.overwrite true``. ``--trainer.devices/num_nodes/strategy`` run data-parallel
+  (``docs/scaling.md``).
 - ``kvlab list``: every registry (its kind and the YAML field where its components are written),
   each registered component with its parameters and defaults, and the presets.
 
@@ -32,13 +36,30 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from kvlab.config.errors import ConfigError, did_you_mean
-from kvlab.config.loader import preset_names, resolve, split_overrides
+from kvlab.config.loader import check_fields, preset_names, resolve, split_overrides
 from kvlab.config.plugins import IMPORTS_KEY, import_plugins, load_entry_points
 from kvlab.config.registry import REGISTRIES, Registry
 from kvlab.metrics.reference import REFERENCE_DIR
 from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, validate_task_metrics
+from kvlab.runner.files import atomic_write_text
+from kvlab.runner.fingerprint import check_run, clear_results, fingerprint_fields, record_run
+from kvlab.runner.guards import RunGuard, guarded, make_run_dir
 from kvlab.runner.progress import RunProgress, format_summary
-from kvlab.runner.writer import METRICS, PredictionWriter
+from kvlab.runner.writer import METRICS, PredictionWriter, local_summary, merge_predictions
+
+
+def launch_rank() -> int:
+    """This process's global rank as its launcher set it (0 before a launcher started any process).
+
+    ``RANK`` (torchrun), ``SLURM_PROCID`` under a multi-task SLURM step, else Lightning's own
+    launch: ``NODE_RANK`` and ``LOCAL_RANK`` (0 and 0 only on the first process of the first node).
+    """
+    env = os.environ
+    if "RANK" in env:
+        return int(env["RANK"])
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"])
+    return int(env.get("NODE_RANK", "0")) or int(env.get("LOCAL_RANK", "0"))
 
 
 class KVLabCLI(LightningCLI):
@@ -61,31 +82,54 @@ class KVLabCLI(LightningCLI):
         parser.add_argument("--run.dir", type=str, default="runs", help="root of run directories")
         parser.add_argument("--run.experiment", type=str, default="default", help="experiment name")
         parser.add_argument("--run.method", type=str, default="method", help="method name (the preset's)")
+        parser.add_argument(
+            "--run.overwrite",
+            type=bool,
+            default=False,
+            help="delete the run directory's predictions, metrics and TensorBoard events before running "
+            "(needed to reuse the directory of a run with a different fingerprint)",
+        )
 
     def run_dir(self) -> Path:
         run = self.config["predict"]["run"]
         return Path(run["dir"]) / run["experiment"] / run["method"]
 
     def before_predict(self) -> None:
+        """Check the fingerprint (refuse another run's directory), record the run, set up writing.
+
+        Every process of a data-parallel run gets here; only the launcher's first process clears
+        results on ``--run.overwrite``. Nothing in the directory changes before the check passes.
+        """
         run_dir = self.run_dir()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        parser = self._parser("predict")
-        parser.save(self.config["predict"], run_dir / "config.yaml", overwrite=True, skip_validation=True)
+        config = self.config["predict"]
+        fields = fingerprint_fields(config, self.imports)
+        overwrite = bool(config["run"].get("overwrite", False))
+        check_run(run_dir, fields, overwrite=overwrite)
+        make_run_dir(run_dir)  # a file in the way or a read-only parent: one-paragraph error
+        if overwrite and launch_rank() == 0:
+            clear_results(run_dir)
+        record_run(run_dir, fields)
+        text = self._parser("predict").dump(config, skip_validation=True)
         if self.imports:
-            with (run_dir / "config.yaml").open("a") as file:
-                yaml.safe_dump({IMPORTS_KEY: self.imports}, file, sort_keys=False)
+            text += yaml.safe_dump({IMPORTS_KEY: self.imports}, sort_keys=False)
+        atomic_write_text(run_dir / "config.yaml", text)
         validate_task_metrics(getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS)
         self.model.reference_dir = str(run_dir.parent / REFERENCE_DIR)
-        writer = PredictionWriter(run_dir)
-        writer.drop_partial_line()
-        self.trainer.callbacks.extend([writer, RunProgress()])
+        self.model.run_dir = str(run_dir)
+        writer = PredictionWriter(run_dir, order=[s.id for s in self.datamodule.selected_samples])
+        self.trainer.callbacks.extend([writer, RunProgress(), RunGuard(run_dir)])
         self.trainer.logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="")
         done = writer.completed_ids()
         self.datamodule.skip_ids = done
-        if done:
+        if done and launch_rank() == 0:
             print(f"kvlab: resuming {run_dir}: {len(done)} samples already written are skipped")
 
     def after_predict(self) -> None:
+        if self.trainer.global_rank != 0:
+            return
+        if not (self.run_dir() / METRICS).exists():  # nothing was left to predict: no loop ran
+            records = merge_predictions(self.run_dir(), [s.id for s in self.datamodule.selected_samples])
+            atomic_write_text(self.run_dir() / METRICS, json.dumps(local_summary(records), indent=2) + "\n")
         metrics = json.loads((self.run_dir() / METRICS).read_text())
         print(format_summary(metrics, self.run_dir()))
 
@@ -125,7 +169,14 @@ def all_registries() -> list[Registry[Any]]:
 
 def predict(args: list[str]) -> None:
     """Resolve presets and kvlab-merged overrides, expand a sweep, then hand each run to LightningCLI."""
-    from kvlab.config.sweep import expand, pop_run_args
+    from kvlab.config.sweep import (
+        cli_sweep,
+        expand,
+        has_option,
+        naming_overrides,
+        override_suffix,
+        pop_run_args,
+    )
 
     configs, rest, overrides = split_overrides(args)
     if not (configs or overrides):
@@ -136,14 +187,23 @@ def predict(args: list[str]) -> None:
     import_plugins(imports)  # before any component is built (relative paths are already absolute)
     if configs:
         resolved.setdefault("run", {}).setdefault("method", Path(configs[-1]).stem)
+    # overrides that change results name the run, unless --run.method names it explicitly
+    swept = {dotted for dotted, _ in cli_sweep(overrides)}
+    fixed = [(d, v) for d, v in overrides if d not in swept] + naming_overrides(rest)
+    named = "" if has_option(rest, "--run.method") else override_suffix(fixed)
     points = expand(resolved, overrides)
-    if len(points) == 1:
+    if len(points) == 1 and not named:
         run_predict(points[0][1], rest, imports)
         return
     rest, run_args = pop_run_args(rest)
+    if "overwrite" in run_args:
+        run_args["overwrite"] = yaml.safe_load(run_args["overwrite"])
     run = {"dir": "runs", "experiment": "default", "method": "method", **resolved.get("run", {}), **run_args}
     for suffix, cfg in points:
-        run_predict({**cfg, "run": {**run, "method": f"{run['method']}@{suffix}"}}, rest, imports)
+        name = ",".join(part for part in (named, suffix) if part)
+        run_predict({**cfg, "run": {**run, "method": f"{run['method']}@{name}"}}, rest, imports)
+    if len(points) == 1:
+        return
     from kvlab.runner.compare import compare_experiment
 
     print(compare_experiment(Path(run["dir"]) / run["experiment"]))
@@ -164,6 +224,7 @@ def run_predict(resolved: dict[str, Any] | None, rest: list[str], imports: Seque
         import_plugins(imports)
     config_file = None
     if resolved is not None:
+        check_fields(resolved, {"model": KVLabModule, "data": KVLabDataModule})  # unknown field, wrong type
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kvlab-", delete=False) as tmp:
             yaml.safe_dump(resolved, tmp, sort_keys=False)
         config_file = tmp.name
@@ -252,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"Commands: {', '.join(COMMANDS)}."
             )
         load_entry_points()
-        COMMANDS[command][0](args)
+        guarded(COMMANDS[command][0], args)  # disk full, permissions -> ConfigError; Ctrl-C -> 130
     except ConfigError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         sys.exit(2)

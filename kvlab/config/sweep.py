@@ -16,12 +16,24 @@ Several swept keys give their cartesian product. Each point runs as its own meth
 ``data.dataset.`` or ``model.`` prefix), e.g. ``runs/<experiment>/snapkv@budget=32/``, so the
 points sit next to the other methods of the experiment and ``kvlab compare`` reads the swept
 values back from the directory names (:func:`parse_method`).
+
+Command-line overrides name a run the same way: every override of a field that changes results
+(the run's fingerprint, :mod:`kvlab.runner.fingerprint`: ``--model.compression.*``,
+``--data.dataset*``, ``--model.max_new_tokens``, ``--model.model``, ...; not ``--trainer.*``,
+``--data.batch_size`` or the TensorBoard options) is appended as ``@key=value[,key=value]``, in
+the order given, before any swept values: ``kvlab predict --config my_hybrid.yaml
+--model.compression.budget.ratio 0.1`` writes ``runs/<experiment>/my_hybrid@budget.ratio=0.1/``
+(:func:`override_suffix`). A mapping value names each of its leaves (``--data.dataset '{name:
+jsonl, path: data/qa.jsonl}'`` -> ``name=jsonl,path=qa.jsonl``: a path by its file name). An
+explicit ``--run.method`` wins: no override suffix (a sweep still appends its point).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -31,6 +43,7 @@ from kvlab.config.loader import merge
 
 SWEEP_KEY = "sweep"
 SHORT_PREFIXES = ("model.compression.", "data.dataset.", "model.")
+MAX_SUFFIX = 120  # longer override suffixes are cut and end with a hash of the whole text
 
 
 def split_values(text: str) -> list[str]:
@@ -154,3 +167,68 @@ def pop_run_args(args: list[str]) -> tuple[list[str], dict[str, str]]:
             rest.append(args[i])
         i += 1
     return rest, run
+
+
+def names_run(dotted: str) -> bool:
+    """Whether an override of ``dotted`` changes results (is in the run's fingerprint), so names the run."""
+    from kvlab.runner.fingerprint import DATA_EXCLUDED, MODEL_EXCLUDED
+
+    group, _, field = dotted.partition(".")
+    field = field.split(".")[0]
+    if group == "model":
+        return bool(field) and field not in MODEL_EXCLUDED
+    if group == "data":
+        return bool(field) and field not in DATA_EXCLUDED
+    return dotted in ("seed_everything", "trainer.precision")
+
+
+def naming_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """The ``--key value`` / ``--key=value`` options among LightningCLI arguments that name the run."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        key, eq, value = args[i].partition("=")
+        if key.startswith("--") and names_run(key[2:]):
+            if not eq and i + 1 < len(args):
+                value, i = args[i + 1], i + 1
+            out.append((key[2:], value))
+        i += 1
+    return out
+
+
+def has_option(args: list[str], option: str) -> bool:
+    """Whether ``option`` (``--run.method``) is among the arguments, as ``--opt v`` or ``--opt=v``."""
+    return any(a == option or a.startswith(option + "=") for a in args)
+
+
+def _leaves(dotted: str, value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict) and value:
+        return [leaf for key, item in value.items() for leaf in _leaves(f"{dotted}.{key}", item)]
+    return [(dotted, value)]
+
+
+def override_suffix(overrides: list[tuple[str, str]]) -> str:
+    """The run-name suffix of command-line overrides: ``key=value`` parts joined by commas.
+
+    ``[("model.compression.budget.ratio", "0.1")]`` -> ``"budget.ratio=0.1"``. Values are parsed
+    as YAML; a mapping names each leaf; a string holding ``/`` (a path) is named by its last
+    part; a later override of the same key replaces the earlier one. A suffix longer than 120
+    characters is cut and ends with ``~`` and 8 hex digits of the whole (the run's fingerprint,
+    not its name, decides whether two runs are the same).
+    """
+    parts: dict[str, str] = {}
+    for dotted, text in overrides:
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        for key, leaf in _leaves(dotted, value):
+            if isinstance(leaf, str) and "/" in leaf:
+                leaf = Path(leaf).name or leaf
+            parts.pop(short_key(key), None)
+            parts[short_key(key)] = value_text(leaf)
+    suffix = ",".join(f"{key}={value}" for key, value in parts.items())
+    if len(suffix) > MAX_SUFFIX:
+        digest = hashlib.sha256(suffix.encode()).hexdigest()[:8]
+        suffix = f"{suffix[: MAX_SUFFIX - 9]}~{digest}"
+    return suffix

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -12,13 +15,17 @@ from kvlab.compression.routing import route_metric, switch_layers
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import GenerationResult, generate
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
+from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
 from kvlab.metrics.evaluation import FidelityEvaluator
 from kvlab.metrics.reference import ReferenceStore
 from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, score_output, validate_task_metrics
 from kvlab.models.base import LoadedModel
+from kvlab.runner.files import atomic_write_text
 from kvlab.runner.views import Inspector
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: what a re-run needs to reproduce a run, written into the run directory (``docs/evaluation.md``)
+REPRODUCE = "reproduce.json"
 
 
 def budget_overshoot(reports: list[Any]) -> torch.Tensor | None:
@@ -48,6 +55,11 @@ class KVLabModule(L.LightningModule):
             default ``[0, -1]``.
         kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``reference`` (torch everywhere,
             for debugging) or ``triton``; sets :mod:`kvlab.kernels.dispatch` for the run.
+        device_map: spread the model over several devices (accelerate): ``auto``, ``balanced``,
+            ``balanced_low_0``, ``sequential`` or a module name -> device mapping; each layer's
+            cache lives on its layer's device. Lightning then does not move the model (it is
+            not registered as a submodule) and the run must be one process (``trainer.devices:
+            1``); see ``docs/scaling.md``.
     """
 
     def __init__(
@@ -61,6 +73,7 @@ class KVLabModule(L.LightningModule):
         inspect_samples: int = 4,
         inspect_layers: list[int] | None = None,
         kernels: Literal["auto", "reference", "triton"] = "auto",
+        device_map: str | dict[str, str | int] | None = None,
     ):
         super().__init__()
         from kvlab.models import validate_model_name
@@ -82,9 +95,15 @@ class KVLabModule(L.LightningModule):
         self.inspect_samples = inspect_samples
         self.inspect_layers = tuple(inspect_layers) if inspect_layers is not None else (0, -1)
         self.reference_dir: str | None = None
+        #: the run directory (set by the CLI); ``reproduce.json`` is written there when it is set
+        self.run_dir: str | None = None
         self.task_metrics: tuple[str, ...] = DEFAULT_TASK_METRICS
         self.inspector: Inspector | None = None
         set_kernel_mode(kernels)
+        from kvlab.models.placement import validate_device_map
+
+        validate_device_map(device_map)
+        self.device_map = device_map
         self.loaded: LoadedModel | None = None
         self.save_hyperparameters()
 
@@ -92,15 +111,61 @@ class KVLabModule(L.LightningModule):
         """Load the model (once) and route its language-model attention through kvlab."""
         if self.loaded is not None:
             return
-        self.loaded = load_model(self.model_name, self.dtype_name)  # attention routed through kvlab
-        self.language_model = self.loaded.model  # registered so Lightning moves it to the device
+        if self.device_map is not None and getattr(self._trainer, "world_size", 1) > 1:
+            raise ConfigError(
+                f"model.device_map ({self.device_map!r}) spreads one model over several devices, which needs "
+                f"a single process, but the trainer runs {self._trainer.world_size} (data-parallel). Set "
+                "`--trainer.devices 1` (the device map then uses every visible accelerator), or drop "
+                "model.device_map to run one model copy per device."
+            )
+        # attention routed through kvlab
+        self.loaded = load_model(self.model_name, self.dtype_name, device_map=self.device_map)
+        if self.device_map is None:
+            self.language_model = self.loaded.model  # registered so Lightning moves it to the device
+        # with a device_map the model stays unregistered: Lightning's move of the module to its root
+        # device (strategy.model_to_device) would otherwise pull every layer onto that one device
 
     def on_predict_start(self) -> None:
-        """Task metrics from the dataset (``metrics`` attribute) and the TensorBoard inspector."""
+        """Task metrics from the dataset (``metrics`` attribute), the TensorBoard inspector and, on
+        rank 0 of a run with a directory (:attr:`run_dir`, set by the CLI), ``reproduce.json``."""
         source = getattr(getattr(self._trainer, "datamodule", None), "source", None)
         self.task_metrics = validate_task_metrics(getattr(source, "metrics", None) or DEFAULT_TASK_METRICS)
         if self.logger is not None:
             self.inspector = Inspector(self.logger.experiment, self.inspect_samples, self.inspect_layers)
+        run_dir = getattr(self, "run_dir", None)
+        if run_dir is not None and self.global_rank == 0:
+            record = self.reproduce_record()
+            atomic_write_text(Path(run_dir) / REPRODUCE, json.dumps(record, indent=2) + "\n")
+
+    def reproduce_record(self) -> dict[str, Any]:
+        """:func:`kvlab.models.fingerprint.reproduce_record` of this run (the fingerprint is computed
+        once per loaded model and kept in ``loaded.extras["fingerprint"]``)."""
+        from kvlab.models import MODELS
+        from kvlab.models.fingerprint import model_fingerprint, reproduce_record
+
+        extras = self.loaded.extras
+        if "fingerprint" not in extras:
+            extras["fingerprint"] = model_fingerprint(self.loaded.model)
+        seed = os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything (the CLI's seed_everything)
+        builtin = MODELS.get(self.model_name) if self.model_name in MODELS else None
+        return reproduce_record(
+            model=self.model_name,
+            fingerprint=extras["fingerprint"],
+            model_seed=builtin.seed if builtin is not None else None,
+            seed=int(seed) if seed is not None else None,
+            dtype=self.dtype_name,
+            device=self._compute_device(),
+        )
+
+    def _compute_device(self) -> torch.device:
+        """Where the model computes: its first parameter's device (with a device_map, the first layer's)."""
+        param = next(self.loaded.model.parameters(), None)
+        return param.device if param is not None else self.device
+
+    def _cuda_devices(self) -> list[torch.device]:
+        """The CUDA devices holding the model's parameters (several under a device_map)."""
+        devices = {p.device for p in self.loaded.model.parameters() if p.device.type == "cuda"}
+        return sorted(devices, key=lambda d: d.index or 0)
 
     def on_predict_end(self) -> None:
         if self.inspector is not None:
@@ -108,9 +173,12 @@ class KVLabModule(L.LightningModule):
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
         """One batch -> one prediction record per sample (written by the prediction writer)."""
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        cuda_devices = self._cuda_devices()
+        rss_before = None
+        for device in cuda_devices:
+            torch.cuda.reset_peak_memory_stats(device)
+        if not cuda_devices:
+            rss_before = process_rss_bytes()
         detailed = self.inspector is not None and self.inspector.detailed(batch_idx)
         result = generate(
             self.loaded,
@@ -120,12 +188,18 @@ class KVLabModule(L.LightningModule):
             return_logits=self.fidelity,
             record_scores=self.record_scores or detailed,
         )
-        peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+        if cuda_devices:  # summed over the devices a device_map spreads the model over
+            peak, kind = sum(torch.cuda.max_memory_allocated(d) for d in cuda_devices), "cuda_allocated"
+        else:  # a high-water mark over the process's life: rss_before says where the batch started
+            peak, kind = process_peak_rss_bytes(), "process_rss_high_water"
         records = self.records(result, batch)
         for record in records:
             record["kv_bytes_allocated"] = result.kv_bytes_allocated
             if peak is not None:
-                record["peak_memory_bytes"] = peak
+                record["peak_memory_bytes"] = int(peak)
+                record["peak_memory_kind"] = kind
+            if rss_before is not None:
+                record["peak_memory_rss_before_bytes"] = rss_before
         if self.fidelity:
             evaluator = FidelityEvaluator(
                 self.loaded, ReferenceStore(self.reference_dir), self.max_new_tokens, self.dtype_name
