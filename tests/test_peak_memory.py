@@ -44,10 +44,9 @@ def test_cpu_run_reports_its_peak_rss_kind_and_reproduce_json(tmp_path, capsys):
 def test_process_memory_readings_are_bytes():
     rss, peak = process_rss_bytes(), process_peak_rss_bytes()
     assert rss is not None and peak is not None
-    assert 2**20 < rss <= peak < 2**40  # bytes (ru_maxrss is KiB on Linux)
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    assert process_peak_rss_bytes() >= process_rss_bytes() >= rss + 32 * 2**20
-    del block
+    # both in bytes: ru_maxrss is KiB on Linux, a missed conversion would put the peak ~1000x
+    # below the current RSS (whether a fresh allocation grows the RSS depends on the allocator)
+    assert 2**20 < rss <= peak < 2**40
 
 
 def fake(peak=None, kind=None):
