@@ -21,7 +21,7 @@ class DiversityScorer:
         raise NotImplementedError
 
 
-DIVERSITY: Registry[DiversityScorer] = Registry("diversity scorer", "model.compression.diversity")
+DIVERSITY: Registry[DiversityScorer] = Registry("diversity scorer", "model.compression.diversity.<role>")
 
 
 @DIVERSITY.register("keydiff")
