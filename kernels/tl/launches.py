@@ -17,7 +17,7 @@ usage (registers, stack and local memory: a non-zero stack means spilled registe
   returns one :class:`Compiled` per (launch, target).
 
 ``tests/test_kernel_compile.py`` records the launches of the kernel tests and compiles the
-covering set (every distinct launch with ``KVLAB_COMPILE_ALL=1``) for sm_80 and sm_90.
+distinct launches (the covering set with ``KVLAB_COMPILE_COVERING=1``) for sm_80 and sm_90.
 """
 
 from __future__ import annotations
