@@ -4,6 +4,11 @@
 (:mod:`kvlab.kernels.dispatch`) to the split-K Triton kernel in
 :mod:`kvlab.kernels.tl.decode_attention` on CUDA tensors and to
 :func:`ragged_decode_attention_reference` elsewhere. Both take the same arguments.
+
+Attention variants (a sliding window over the entries' original positions, logit soft-capping,
+per-head sink logits) are implemented by the reference only: the dispatcher sends every call that
+asks for one to the reference, on CUDA too, so such a layer is never run by a kernel that would
+ignore it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ def ragged_decode_attention_reference(
     decode_length: int,
     scaling: float,
     max_prompt_length: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    prompt_positions: torch.Tensor | None = None,
+    decode_positions: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over each (sample, KV head)'s kept prompt tokens plus decoded tokens.
 
@@ -35,6 +47,11 @@ def ragged_decode_attention_reference(
         decode_keys / decode_values: ``[B, Hkv, C, D]`` decode region (first ``decode_length`` used).
         scaling: softmax scale.
         max_prompt_length: ``lengths.max()`` if the caller knows it (saves a device sync per call).
+        sliding_window: query at original position ``p`` sees only entries at positions
+            ``(p - sliding_window, p]``; needs ``prompt_positions`` ``[N]``, ``decode_positions``
+            ``[B, Hkv, C]`` (original positions of the entries) and ``query_positions`` ``[q]``.
+        softcap: logits become ``tanh(logits / softcap) * softcap`` before masking.
+        sinks: ``[H]`` one extra logit per query head in the softmax denominator (no value row).
 
     Returns:
         ``[B, H, q, D]`` in the query dtype; logits, softmax and the weighted sum run in fp32.
@@ -54,19 +71,35 @@ def ragged_decode_attention_reference(
     pk = prompt_keys[rows].float()  # [B, Hkv, width, D]
     pv = prompt_values[rows].float()
     prompt_logits = torch.einsum("bkqd,bktd->bkqt", qf, pk) * scaling
-    prompt_logits = prompt_logits.masked_fill(~present[:, :, None, :], float("-inf"))
+    if softcap is not None:
+        prompt_logits = torch.tanh(prompt_logits / softcap) * softcap
+    present = present[:, :, None, :]  # [B, Hkv, 1 or G*q, width]
+    if sliding_window is not None:
+        first = (query_positions - sliding_window + 1).repeat(G)  # [G*q] oldest visible position
+        present = present & (prompt_positions[rows][:, :, None, :] >= first[:, None])
+    prompt_logits = prompt_logits.masked_fill(~present, float("-inf"))
 
     dk = decode_keys[:, :, :decode_length].float()  # [B, Hkv, t, D]
     dv = decode_values[:, :, :decode_length].float()
     decode_logits = torch.einsum("bkqd,bktd->bkqt", qf, dk) * scaling  # [B, Hkv, G*q, t]
+    if softcap is not None:
+        decode_logits = torch.tanh(decode_logits / softcap) * softcap
     query_step = torch.arange(q, device=query.device).repeat(G)  # row r is query r % q
     visible = (
         torch.arange(decode_length, device=query.device)[None, :] <= (decode_length - q + query_step)[:, None]
     )
-    decode_logits = decode_logits.masked_fill(~visible[None, None], float("-inf"))
+    visible = visible[None, None]
+    if sliding_window is not None:
+        first = (query_positions - sliding_window + 1).repeat(G)
+        visible = visible & (decode_positions[:, :, None, :decode_length] >= first[:, None])
+    decode_logits = decode_logits.masked_fill(~visible, float("-inf"))
 
-    probs = torch.softmax(torch.cat([prompt_logits, decode_logits], dim=-1), dim=-1)
-    out = probs[..., :width] @ pv + probs[..., width:] @ dv  # [B, Hkv, G*q, D]
+    logits = [prompt_logits, decode_logits]
+    if sinks is not None:  # row r of KV head k belongs to query head k * G + r // q
+        sink = sinks.float().view(1, Hkv, G, 1).expand(B, -1, -1, q).reshape(B, Hkv, G * q, 1)
+        logits.append(sink)
+    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    out = probs[..., :width] @ pv + probs[..., width : width + decode_length] @ dv  # [B, Hkv, G*q, D]
     return out.view(B, H, q, D).to(query.dtype)
 
 
@@ -81,9 +114,34 @@ def ragged_decode_attention(
     decode_length: int,
     scaling: float,
     max_prompt_length: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    prompt_positions: torch.Tensor | None = None,
+    decode_positions: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatcher: the Triton kernel on CUDA tensors, the reference elsewhere (same arguments)."""
+    """Dispatcher: the Triton kernel on CUDA tensors, the reference elsewhere (same arguments).
+
+    A call with a sliding window, soft-capping or sinks always runs the reference (the kernel
+    implements none of them).
+    """
     args = (query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values)
+    variants = sliding_window is not None or softcap is not None or sinks is not None
+    if variants:
+        return ragged_decode_attention_reference(
+            *args,
+            decode_length,
+            scaling,
+            max_prompt_length,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+            prompt_positions=prompt_positions,
+            decode_positions=decode_positions,
+            query_positions=query_positions,
+        )
     if use_triton("ragged_decode_attention", query, prompt_keys, decode_keys):
         from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton as impl
     else:

@@ -12,6 +12,15 @@ through a :class:`CompressionSession` held in a context variable while kvlab run
   decode policy asked for them (``session.decode_attention`` is a dict), the step's attention
   probabilities over the layer's entries are stored there for the policy.
 - Without an active session (or for modules without ``layer_idx``) it is plain sdpa.
+
+Per-layer attention arguments transformers passes (:data:`HANDLED_KWARGS`): ``scaling``,
+``sliding_window`` (a query at position ``i`` sees keys in ``(i - window, i]``; at decode the
+window is measured on the original positions of the kept entries, so it stays right after
+compression), ``softcap`` (``tanh(logits / cap) * cap`` before the mask) and ``s_aux`` (one
+extra per-head logit in the softmax denominator, GPT-OSS "sinks"). Keywords in
+:data:`IGNORED_KWARGS` carry nothing attention must act on; any other keyword raises a
+:class:`~kvlab.config.errors.ConfigError`, and :func:`enable_kvlab_attention` refuses model
+configs asking for attention kvlab does not implement.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.compression.context import LayerContext
 from kvlab.compression.pipeline import LayerReport, Pipeline
+from kvlab.config.errors import ConfigError
 from kvlab.engine.cache import CompressedCache
 
 ATTENTION_NAME = "kvlab"
@@ -97,8 +107,72 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, kvlab_attention)
 
 
+# Keywords transformers 5.x passes to attention functions that kvlab implements.
+HANDLED_KWARGS = frozenset({"scaling", "dropout", "is_causal", "sliding_window", "softcap", "s_aux"})
+
+# Keywords that reach attention functions but carry nothing kvlab's attention must act on.
+IGNORED_KWARGS = {
+    # RoPE is applied before the attention function; kvlab masks with its own padding mask and
+    # the cache's positions, never with these.
+    "position_ids": "positions are already in the post-RoPE query/key",
+    # kvlab's cache always stores (it is the reason kvlab exists); the flag changes nothing here.
+    "use_cache": "kvlab always caches",
+    # kvlab returns no attention weights (like transformers' sdpa); decode policies get theirs
+    # through the session.
+    "output_attentions": "no weights are returned, as with sdpa",
+    # The cache index of the new tokens; kvlab's cache keeps its own logical length.
+    "cache_position": "the cache keeps its own logical length",
+    # Mixture-of-experts models (GPT-OSS, Mixtral) pass their router flag down every layer's kwargs.
+    "output_router_logits": "a mixture-of-experts output flag, nothing for attention",
+}
+
+# Attention layer types (``config.layer_types``) kvlab implements.
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def _model_name(model: torch.nn.Module) -> str:
+    """A readable name for error messages: the config's ``name_or_path`` or the class name."""
+    return getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
+
+
+def check_attention_support(model: torch.nn.Module) -> None:
+    """Refuse a model whose language model asks for attention kvlab does not implement.
+
+    Checked on the language model's config: ``layer_types`` other than full/sliding attention
+    (e.g. chunked or linear attention), ``attention_chunk_size`` (chunked local attention) and
+    ``use_bidirectional_attention``. Sliding windows, logit soft-capping and attention sinks are
+    implemented (see the module docstring).
+
+    Raises:
+        ConfigError: naming the model and the config argument.
+    """
+    from kvlab.models.common import text_config
+
+    config = text_config(model.config)
+    name = _model_name(model)
+    layer_types = getattr(config, "layer_types", None) or []
+    unsupported = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
+    if unsupported:
+        raise ConfigError(
+            f"model {name!r}: layer_types {unsupported} are not supported by kvlab attention (only "
+            f"{sorted(SUPPORTED_LAYER_TYPES)}); this model cannot run under kvlab."
+        )
+    for argument in ("attention_chunk_size", "use_bidirectional_attention"):
+        if getattr(config, argument, None):
+            raise ConfigError(
+                f"model {name!r}: config argument {argument}={getattr(config, argument)!r} is not supported "
+                "by kvlab attention; this model cannot run under kvlab."
+            )
+
+
 def enable_kvlab_attention(model: torch.nn.Module, vision_language: bool) -> None:
-    """Route the language model's attention through kvlab; a vision tower keeps sdpa."""
+    """Route the language model's attention through kvlab; a vision tower keeps sdpa.
+
+    Raises:
+        ConfigError: the language model needs an attention feature kvlab does not implement
+            (:func:`check_attention_support`); nothing is changed then.
+    """
+    check_attention_support(model)
     register_attention()
     if vision_language:
         model.set_attn_implementation({"text_config": ATTENTION_NAME, "vision_config": "sdpa"})
@@ -106,25 +180,101 @@ def enable_kvlab_attention(model: torch.nn.Module, vision_language: bool) -> Non
         model.set_attn_implementation(ATTENTION_NAME)
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """A layer's per-call attention variant (all None: plain causal softmax attention).
+
+    Attributes:
+        sliding_window: a query at position ``i`` sees keys at positions ``(i - window, i]``.
+        softcap: logits become ``tanh(logits / softcap) * softcap`` before masking.
+        sinks: ``[H]`` one extra logit per query head in the softmax denominator (no value).
+    """
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        """True when no variant applies (the exact pre-existing code paths are used)."""
+        return self.sliding_window is None and self.softcap is None and self.sinks is None
+
+
+def attention_options(module: torch.nn.Module, kwargs: dict[str, Any]) -> AttentionOptions:
+    """Validate the keywords transformers passed and collect the layer's :class:`AttentionOptions`.
+
+    Raises:
+        ConfigError: a keyword kvlab neither implements nor may ignore, a non-zero ``dropout``
+            or ``is_causal=False`` (naming the model and the argument).
+    """
+    unknown = sorted(set(kwargs) - HANDLED_KWARGS - set(IGNORED_KWARGS))
+    name = getattr(getattr(module, "config", None), "name_or_path", "")
+    owner = f"model {name!r} ({type(module).__name__})" if name else type(module).__name__
+    if unknown:
+        raise ConfigError(
+            f"{owner}: attention argument(s) {unknown} are not implemented by kvlab attention (it "
+            f"implements {sorted(HANDLED_KWARGS)} and ignores {sorted(IGNORED_KWARGS)}); this model cannot "
+            "run under kvlab."
+        )
+    if kwargs.get("dropout"):
+        raise ConfigError(
+            f"{owner}: attention argument dropout={kwargs['dropout']} (training) is not supported."
+        )
+    if kwargs.get("is_causal") is False:
+        raise ConfigError(f"{owner}: attention argument is_causal=False (bidirectional) is not supported.")
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    return AttentionOptions(
+        sliding_window=int(window) if window is not None else None,
+        softcap=float(softcap) if softcap is not None else None,
+        sinks=kwargs.get("s_aux"),
+    )
+
+
 def prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    options: AttentionOptions | None = None,
 ) -> torch.Tensor:
-    """Causal attention over the whole prompt, ``[B, H, T, D]`` -> ``[B, H, T, D]``.
+    """Causal attention over the whole prompt: query ``[B, H, T, D]``, key/value ``[B, Hkv, T, D]``.
+
+    Returns ``[B, H, T, D]``.
 
     Keys at padding positions are masked; a padding query attends to itself only (its output
-    is never used) so no row is empty. Without padding it is sdpa's own causal path.
+    is never used) so no row is empty. Without padding or variants it is sdpa's own causal path.
+    ``options`` (sliding window, soft-capping, sinks) follow transformers' eager attention; the
+    window counts positions in the padded row, which equal each sample's own position differences.
     """
-    if bool(valid.all()):
+    options = options or AttentionOptions()
+    if options.plain and bool(valid.all()):
         return F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scaling, enable_gqa=True
         )
     T = query.shape[2]
     causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
+    if options.sliding_window is not None:
+        causal = causal & ~torch.ones_like(causal).tril(-options.sliding_window)
     mask = causal[None] & valid[:, None, :]
     mask = mask | (torch.eye(T, dtype=torch.bool, device=query.device)[None] & ~valid[:, :, None])
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask[:, None], scale=scaling, enable_gqa=True
-    )
+    if options.softcap is None and options.sinks is None:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask[:, None], scale=scaling, enable_gqa=True
+        )
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    logits = torch.matmul(query, key.transpose(-1, -2)) * scaling  # [B, H, T, T]
+    if options.softcap is not None:
+        logits = torch.tanh(logits / options.softcap) * options.softcap
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    if options.sinks is not None:
+        sinks = options.sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        logits = torch.cat([logits, sinks], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :T]
+    return torch.matmul(probs.to(value.dtype), value)
 
 
 def kvlab_attention(
@@ -140,6 +290,9 @@ def kvlab_attention(
     """transformers attention function: query ``[B, H, q, D]``, key/value ``[B, Hkv, k, D]``.
 
     Returns ``([B, q, H, D], None)`` as transformers expects.
+
+    Raises:
+        ConfigError: an attention keyword kvlab does not implement (:func:`attention_options`).
     """
     session = _SESSION.get()
     layer_idx = getattr(module, "layer_idx", None)
@@ -147,19 +300,21 @@ def kvlab_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    options = attention_options(module, {**kwargs, "dropout": dropout})
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = session.cache.layers[layer_idx]
     if layer.compressed:
-        out = layer.decode_attention(query, scaling)
+        out = layer.decode_attention(query, scaling, options)
         if session.decode_attention is not None:
-            session.decode_attention[layer_idx] = layer.attention_probs(query, scaling)
+            session.decode_attention[layer_idx] = layer.attention_probs(query, scaling, options)
         return out.transpose(1, 2).contiguous(), None
     if query.shape[2] != session.valid.shape[1] or key.shape[2] != query.shape[2]:
         raise RuntimeError(
             "kvlab compresses at prefill: the first forward must contain the whole prompt "
             f"(got {query.shape[2]} queries, {key.shape[2]} keys, prompt of {session.valid.shape[1]})"
         )
-    out = prefill_attention(query, key, value, session.masks_on(query.device)[0], scaling)
+    out = prefill_attention(query, key, value, session.masks_on(query.device)[0], scaling, options)
+    layer.sliding_window = options.sliding_window  # the cache then keeps kept entries' positions
     _compress_layer(session, layer_idx, query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
 

@@ -22,12 +22,19 @@ just computed, so prefill attention sees everything. ``get_seq_length`` reports 
 length (prompt + decoded tokens), which transformers uses for positions, so RoPE positions
 continue from the original prompt length after compression.
 
+Sliding-window layers (the attention function sets ``sliding_window`` before compressing) also
+keep each entry's original position, ``prompt_positions [N]`` and ``decode_positions [B, Hkv, C]``
+(positions in the padded prompt row, decode tokens continuing after it), so decode attention
+masks entries outside the window whatever compression kept or moved. Other layers store none.
+
 Devices: every buffer and offset of a layer is allocated on the device of the K/V that layer
 received (its attention's device), so a model spread over devices with a ``device_map`` keeps
 each layer's cache beside its weights; nothing is moved between devices by the cache.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -55,6 +62,9 @@ class CompressedLayer(CacheLayerMixin):
         self.decode_keys: torch.Tensor | None = None
         self.decode_values: torch.Tensor | None = None
         self.decode_length = 0
+        self.sliding_window: int | None = None
+        self.prompt_positions: torch.Tensor | None = None
+        self.decode_positions: torch.Tensor | None = None
 
     # --- transformers CacheLayerMixin API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -111,6 +121,11 @@ class CompressedLayer(CacheLayerMixin):
         self.decode_keys = keys.new_empty(B, Hkv, self.decode_capacity, D)
         self.decode_values = values.new_empty(B, Hkv, self.decode_capacity, D)
         self.decode_length = 0
+        if self.sliding_window is not None:  # positions of the kept entries, for the window mask
+            self.prompt_positions = selection.indices[selection.mask()].to(torch.int64)
+            self.decode_positions = selection.counts.new_zeros(
+                B, Hkv, self.decode_capacity, dtype=torch.int64
+            )
         self.keys = self.values = None  # free the dense prefill K/V
         self.compressed = True
 
@@ -123,16 +138,51 @@ class CompressedLayer(CacheLayerMixin):
             pad = self.decode_keys.new_empty(*self.decode_keys.shape[:2], grow, self.decode_keys.shape[-1])
             self.decode_keys = torch.cat([self.decode_keys, pad], dim=2)
             self.decode_values = torch.cat([self.decode_values, torch.empty_like(pad)], dim=2)
+            if self.decode_positions is not None:
+                grown = self.decode_positions.new_zeros(*self.decode_positions.shape[:2], grow)
+                self.decode_positions = torch.cat([self.decode_positions, grown], dim=2)
         self.decode_keys[:, :, self.decode_length : needed] = key_states
         self.decode_values[:, :, self.decode_length : needed] = value_states
+        if self.decode_positions is not None:
+            self.decode_positions[:, :, self.decode_length : needed] = self._new_positions(q)
         self.decode_length = needed
 
-    def decode_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _new_positions(self, q: int) -> torch.Tensor:
+        """``[q]`` long: original positions of the ``q`` newest tokens (already counted in the length)."""
+        return torch.arange(
+            self.cumulative_length - q, self.cumulative_length, device=self.decode_keys.device
+        )
+
+    def decode_attention(self, query: torch.Tensor, scaling: float, options: Any = None) -> torch.Tensor:
         """Attention of new queries ``[B, H, q, D]`` over this compressed layer -> ``[B, H, q, D]``.
 
         The queries' own K/V must already be appended (``update``). Dispatches to
-        :func:`kvlab.kernels.decode_attention.ragged_decode_attention`.
+        :func:`kvlab.kernels.decode_attention.ragged_decode_attention`. ``options`` (a
+        :class:`kvlab.engine.attention.AttentionOptions` or None) adds the layer's sliding
+        window (over the stored original positions), logit soft-capping and sinks.
         """
+        if options is not None and not options.plain:
+            window = options.sliding_window
+            if window is not None and self.prompt_positions is None:
+                raise RuntimeError("a sliding-window layer was compressed without its positions")
+            return ragged_decode_attention(
+                query,
+                self.prompt_keys,
+                self.prompt_values,
+                self.starts,
+                self.lengths,
+                self.decode_keys,
+                self.decode_values,
+                self.decode_length,
+                scaling,
+                self.max_prompt_length,
+                sliding_window=window,
+                softcap=options.softcap,
+                sinks=options.sinks,
+                prompt_positions=self.prompt_positions,
+                decode_positions=self.decode_positions,
+                query_positions=self._new_positions(query.shape[2]) if window is not None else None,
+            )
         return ragged_decode_attention(
             query,
             self.prompt_keys,
@@ -174,12 +224,14 @@ class CompressedLayer(CacheLayerMixin):
         _, valid = self.slot_rows()
         return torch.cat([valid, valid.new_ones(*valid.shape[:2], self.decode_length)], -1)
 
-    def attention_probs(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attention_probs(self, query: torch.Tensor, scaling: float, options: Any = None) -> torch.Tensor:
         """Softmax of queries ``[B, H, q, D]`` over every stored entry, ``[B, Hkv, G, q, K + decode_length]``.
 
         fp32, in the slot layout (:meth:`slot_valid`; empty slots get 0), query heads grouped per
         KV head (``G = H / Hkv``). Every query sees every stored entry (one decode token per
-        step: the newest entry is the query's own). A read of the stored K, nothing is kept.
+        step: the newest entry is the query's own). A read of the stored K, nothing is kept. ``options`` (see
+        :meth:`decode_attention`) soft-caps the logits, hides entries outside the newest token's
+        sliding window (probability 0) and adds the sinks to the denominator, as decode attention does.
         """
         B, H, q, D = query.shape
         Hkv, dl = self.lengths.shape[1], self.decode_length
@@ -188,8 +240,20 @@ class CompressedLayer(CacheLayerMixin):
         valid = torch.cat([valid, valid.new_ones(B, Hkv, dl)], -1)
         grouped = query.float().reshape(B, Hkv, (H // Hkv) * q, D)
         logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling
-        probs = torch.softmax(logits.masked_fill(~valid[:, :, None], float("-inf")), -1)
-        return probs.view(B, Hkv, H // Hkv, q, -1)
+        if options is None or options.plain:
+            probs = torch.softmax(logits.masked_fill(~valid[:, :, None], float("-inf")), -1)
+            return probs.view(B, Hkv, H // Hkv, q, -1)
+        if options.softcap is not None:
+            logits = torch.tanh(logits / options.softcap) * options.softcap
+        if options.sliding_window is not None:
+            positions = torch.cat([self.prompt_positions[rows], self.decode_positions[:, :, :dl]], -1)
+            valid = valid & (positions > self.cumulative_length - 1 - options.sliding_window)
+        logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+        if options.sinks is not None:
+            sinks = options.sinks.float().view(1, Hkv, H // Hkv, 1, 1).expand(B, -1, -1, q, 1)
+            logits = torch.cat([logits, sinks.reshape(B, Hkv, -1, 1)], -1)
+            return torch.softmax(logits, -1)[..., :-1].reshape(B, Hkv, H // Hkv, q, -1)
+        return torch.softmax(logits, -1).view(B, Hkv, H // Hkv, q, -1)
 
     def evict_one(self, victim: torch.Tensor) -> None:
         """Evict slot ``victim [B, Hkv]`` (slot layout, see :meth:`slot_valid`) of every (sample, head).
@@ -210,8 +274,13 @@ class CompressedLayer(CacheLayerMixin):
         row = self.starts[pb, ph] + victim[in_prompt]
         self.prompt_keys[row] = self.decode_keys[pb, ph, new]
         self.prompt_values[row] = self.decode_values[pb, ph, new]
+        if self.prompt_positions is not None:
+            self.prompt_positions[row] = self.decode_positions[pb, ph, new]
         db, dh, slot = b[~in_prompt], h[~in_prompt], victim[~in_prompt] - K
-        for buffer in (self.decode_keys, self.decode_values):
+        buffers = [self.decode_keys, self.decode_values]
+        if self.decode_positions is not None:
+            buffers.append(self.decode_positions)
+        for buffer in buffers:
             buffer[db, dh, slot] = buffer[db, dh, new]
         self.decode_length = new
 

@@ -1,0 +1,169 @@
+"""Attention variants (sliding windows, logit soft-capping, sinks) are exact with the full cache.
+
+Tiny random-weight models built from transformers' own config classes, run through kvlab with no
+compression, give transformers' own logits (prompt longer than the sliding window, so the window
+matters); a padded batch gives each sample what it gets alone; what kvlab does not implement is
+refused with a ConfigError naming the model and the argument.
+"""
+
+import functools
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+import kvlab
+from kvlab.api import _collate_ids
+from kvlab.compression.pipeline import Pipeline
+from kvlab.config.errors import ConfigError
+from kvlab.engine.generation import generate
+
+WINDOW = 6
+LENGTHS = (23, 17, 9)  # the longest prompts exceed the window many times over
+STEPS = 4
+SMALL = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    eos_token_id=None,
+    bos_token_id=None,
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(num_hidden_layers=2, **SMALL),
+    "qwen2": lambda: Qwen2Config(num_hidden_layers=2, **SMALL),
+    "mistral-sliding": lambda: MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **SMALL),
+    "gemma2": lambda: Gemma2Config(
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=16,
+        **SMALL,
+    ),
+    "gemma3-text": lambda: Gemma3TextConfig(
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+        **SMALL,
+    ),
+    "gpt-oss-sinks": lambda: GptOssConfig(
+        num_hidden_layers=2,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        **SMALL,
+    ),
+}
+
+
+@functools.cache
+def tokenizer():
+    """A 1024-token tokenizer with a pad token (tiny-qwen2's)."""
+    return kvlab.load_model("tiny-qwen2").processor.tokenizer
+
+
+def build(name: str) -> torch.nn.Module:
+    """The family's tiny model with seeded random weights (sinks randomised too), fp32, eval, eager."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.normal_()
+    return model
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 1024, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def ours(loaded, rows: list[list[int]]):
+    """kvlab's greedy run with the full cache: ``step_logits [B, STEPS, V]``, tokens."""
+    return generate(
+        loaded,
+        Pipeline.from_config(None),
+        _collate_ids(loaded, rows),
+        max_new_tokens=STEPS,
+        return_logits=True,
+    )
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_full_cache_matches_transformers_and_batch_equals_alone(name):
+    model = build(name)
+    rows = prompts()
+    wanted = []
+    with torch.no_grad():
+        for row in rows:
+            out = model.generate(
+                input_ids=torch.tensor([row]),
+                attention_mask=torch.ones(1, len(row), dtype=torch.long),
+                max_new_tokens=STEPS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            wanted.append(torch.stack(out.logits, 1)[0].float())
+    loaded = kvlab.wrap_model(model, tokenizer(), name=name)
+    batched = ours(loaded, rows)
+    for b, row in enumerate(rows):
+        alone = ours(loaded, [row])
+        torch.testing.assert_close(alone.step_logits[0], wanted[b], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(batched.step_logits[b], wanted[b], atol=1e-4, rtol=1e-4)
+        assert batched.tokens[b] == alone.tokens[0]
+
+
+def test_the_window_matters():
+    """Without its sliding window the Mistral model gives other logits (the test above can fail)."""
+    windowed, full = build("mistral-sliding"), build("mistral-sliding")
+    full.config.sliding_window = None
+    row = prompts()[0]
+    with torch.no_grad():
+        a = windowed(torch.tensor([row])).logits[0, -1]
+        b = full(torch.tensor([row])).logits[0, -1]
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_unsupported_config_refused_at_load_time():
+    model = build("llama")
+    model.config.name_or_path = "tiny-chunked"
+    model.config.attention_chunk_size = 8
+    with pytest.raises(ConfigError, match="tiny-chunked.*attention_chunk_size"):
+        kvlab.wrap_model(model, tokenizer())
+    model = build("gemma3-text")
+    model.config.name_or_path = "tiny-linear"
+    model.config.layer_types = ["linear_attention"] * 4
+    with pytest.raises(ConfigError, match="tiny-linear.*linear_attention"):
+        kvlab.wrap_model(model, tokenizer())
+
+
+def test_unknown_attention_keyword_refused_at_call_time():
+    model = build("llama")
+    model.config.name_or_path = "tiny-llama-variant"
+    loaded = kvlab.wrap_model(model, tokenizer())
+    attention = loaded.model.model.layers[0].self_attn
+    forward = attention.forward
+
+    def with_extra_keyword(*args, **kwargs):
+        return forward(*args, position_bias=torch.zeros(1), **kwargs)
+
+    attention.forward = with_extra_keyword
+    with pytest.raises(ConfigError, match="tiny-llama-variant.*LlamaAttention.*position_bias"):
+        ours(loaded, prompts()[:1])
