@@ -209,7 +209,12 @@ def load_model(
 
 
 def wrap_model(
-    model: torch.nn.Module, tokenizer: Any, image_processor: Any = None, *, name: str | None = None
+    model: torch.nn.Module,
+    tokenizer: Any,
+    image_processor: Any = None,
+    *,
+    name: str | None = None,
+    chat_template: str = "auto",
 ) -> LoadedModel:
     """Make a user's already-loaded transformers model and tokenizer runnable by kvlab.
 
@@ -221,23 +226,25 @@ def wrap_model(
     Args:
         model: a ``*ForCausalLM`` (any family whose attention goes through transformers'
             ``AttentionInterface``), or a Qwen2-VL / Qwen2.5-VL / LLaVA ``*ForConditionalGeneration``.
-        tokenizer: its tokenizer. Without a chat template it gets plain ChatML (on a copy).
+        tokenizer: its tokenizer. Without a chat template, prompts are passed raw with its special
+            tokens (a vision-language model then needs ``chat_template``).
         image_processor: vision-language models only: the family's ``*ImageProcessorPil`` (or any
             image processor returning the model's ``pixel_values``/``image_grid_thw``); None takes
             the family's defaults.
         name: the model's name for per-model calibration artefacts (SparseMM's visual heads);
             default: ``model.config.name_or_path`` or the class name.
+        chat_template: ``auto`` (the tokenizer's template, else the raw prompt), ``none`` (always
+            raw) or the path of a Jinja template file, as ``data.chat_template``.
 
     Returns:
         A :class:`~kvlab.models.base.LoadedModel` usable with :func:`compress_and_generate`.
 
     Raises:
-        ConfigError: a vision-language family kvlab cannot feed images to, or a tokenizer with
-            neither a pad nor an eos token.
+        ConfigError: a vision-language family kvlab cannot feed images to, a vision-language
+            model without a chat template, or a tokenizer with neither a pad nor an eos token.
     """
     from kvlab.models.info import model_info
     from kvlab.models.processors import ChatProcessor
-    from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, chatml_template
     from kvlab.models.vlm import image_adapter
 
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
@@ -248,13 +255,12 @@ def wrap_model(
     name = name or getattr(config, "name_or_path", "") or type(model).__name__
     info = model_info(config, name)
     images = image_adapter(config, image_processor) if info.vision_language else None
-    if getattr(tokenizer, "chat_template", None) is None:
-        tokenizer = copy.copy(tokenizer)
-        style = "qwen2_vl" if "qwen2" in getattr(config, "model_type", "") else "llava"
-        tokenizer.chat_template = chatml_template(IMAGE_PLACEHOLDERS[style] if info.vision_language else "")
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
-    processor = ChatProcessor(tokenizer, info.image_token_ids, info.video_token_ids, images, eos)
+    processor = ChatProcessor(
+        tokenizer, info.image_token_ids, info.video_token_ids, images, eos, chat_template=chat_template
+    )
+    processor.check_template()
     model.eval()
     enable_kvlab_attention(model, info.vision_language)
     parameter = next(model.parameters())
@@ -527,10 +533,20 @@ def _chat_sample(messages: Sequence[Mapping[str, Any]], i: int, images: list[Ima
 
 
 def _render_chat(loaded: LoadedModel, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Token ids of a conversation through the tokenizer's chat template, assistant turn opened."""
-    tokenizer = loaded.processor.tokenizer
+    """Token ids of a conversation through the processor's chat template (its ``chat_template``
+    setting: the tokenizer's own or a file), assistant turn opened; a conversation cannot be
+    passed raw, so a model without a template is refused."""
+    processor = loaded.processor
+    template = getattr(processor, "template", None)
+    if template is None:
+        raise ConfigError(
+            f"prompts: a multi-turn chat needs a chat template, and model {loaded.info.name!r} has none in "
+            f"use (chat_template={getattr(processor, 'chat_template', None)!r}). Pass a template file "
+            "(wrap_model(..., chat_template='path/to/template.jinja')) or give the prompt as one string."
+        )
+    tokenizer = processor.tokenizer
     text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
+        [dict(m) for m in messages], add_generation_prompt=True, tokenize=False, chat_template=template
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

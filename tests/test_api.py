@@ -183,6 +183,24 @@ def test_wrap_your_own_transformers_model():
         kvlab.compress_and_generate(mine, snapkv(), [SHORT])
 
 
+def test_a_chat_needs_a_template_and_a_string_without_one_goes_in_raw():
+    """A tokenizer without a chat template: a string prompt is passed raw (tokenizer(prompt), no
+    invented ChatML); a multi-turn chat cannot be passed raw and is refused."""
+    reference = model("tiny-llama")
+    tokenizer = copy.deepcopy(reference.processor.tokenizer)
+    tokenizer.chat_template = None
+    wrapped = kvlab.wrap_model(reference.model, tokenizer)
+    [out] = kvlab.compress_and_generate(wrapped, None, [SHORT], max_new_tokens=2)
+    assert out.prompt_ids == list(tokenizer(SHORT)["input_ids"])
+    chat = [
+        {"role": "user", "content": SHORT},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "y"},
+    ]
+    with pytest.raises(kvlab.ConfigError, match="needs a chat template"):
+        kvlab.compress_and_generate(wrapped, None, [chat])
+
+
 def image(seed):
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (56, 56, 3), generator=g, dtype=torch.uint8)

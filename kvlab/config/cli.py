@@ -119,6 +119,16 @@ class KVLabCLI(LightningCLI):
         writer = PredictionWriter(run_dir, order=[s.id for s in self.datamodule.selected_samples])
         self.trainer.callbacks.extend([writer, RunProgress(), RunGuard(run_dir)])
         self.trainer.logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="")
+        if launch_rank() == 0 and self.datamodule.selected_samples:  # what the model sees, shown once
+            from kvlab.models.processors import describe_prompt
+
+            self.datamodule.setup("predict")
+            sample = self.datamodule.selected_samples[0]
+            text, n_tokens = describe_prompt(self.datamodule.processor, sample)
+            example = f"kvlab: prompt of sample '{sample.id}' ({n_tokens} tokens, data.chat_template = "
+            example += f"{self.datamodule.chat_template}):\n{text}\n"
+            atomic_write_text(run_dir / "prompt_example.txt", example)
+            print(example, end="")
         done = writer.completed_ids()
         self.datamodule.skip_ids = done
         if done and launch_rank() == 0:

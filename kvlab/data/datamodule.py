@@ -35,8 +35,8 @@ def context_length(name: str) -> int | None:
 def prompt_length(processor: Any, sample: Sample) -> int:
     """Tokens of ``sample``'s full prompt (chat template, images expanded), as the model sees it.
     A text-only sample is tokenized without building tensors."""
-    if not sample.images and hasattr(processor, "prompt_text"):
-        return len(processor.tokenizer(processor.prompt_text(sample), add_special_tokens=False)["input_ids"])
+    if not sample.images and hasattr(processor, "prompt_ids"):
+        return len(processor.prompt_ids(sample))
     return int(processor.collate([sample])["input_ids"].shape[-1])
 
 
@@ -90,6 +90,10 @@ class KVLabDataModule(L.LightningDataModule):
             naming the sample, before the model loads) or ``truncate_left`` (drop the prompt's
             first words until it fits; the sample's ``meta`` records ``truncated_words`` and a
             note is printed).
+        chat_template: how a prompt is formatted for the model: ``auto`` (default: the model's own
+            chat template, or the raw prompt with the tokenizer's special tokens when it has none),
+            ``none`` (always the raw prompt) or the path of a Jinja chat template file. A
+            vision-language model without a template is refused. Part of the run's fingerprint.
 
     The dataset is built (and validated) in ``__init__``, so data errors surface before a model
     loads. Set :attr:`skip_ids` before predicting to leave out samples already done (resume).
@@ -103,6 +107,7 @@ class KVLabDataModule(L.LightningDataModule):
         num_workers: int = 0,
         limit: int | None = None,
         long_prompts: Literal["refuse", "truncate_left"] = "refuse",
+        chat_template: str = "auto",
     ) -> None:
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -122,6 +127,15 @@ class KVLabDataModule(L.LightningDataModule):
                 "`refuse` stops on a prompt longer than the model's context, `truncate_left` drops its "
                 "first words until it fits."
             )
+        if not isinstance(chat_template, str) or not chat_template.strip():
+            raise ConfigError(
+                f"data.chat_template must be auto, none or the path of a Jinja chat template file, got "
+                f"{chat_template!r}. Use `auto` (the model's own template, or the raw prompt when it has "
+                "none), `none` (always the raw prompt) or a file path."
+            )
+        from kvlab.models.processors import read_chat_template
+
+        read_chat_template(chat_template)  # a missing file surfaces before anything loads
         self.save_hyperparameters()
         node = to_plain(dataset) if dataset is not None else dict(DEFAULT_DATASET)
         self.dataset_config: dict[str, Any] | str = node
@@ -131,6 +145,7 @@ class KVLabDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.limit = limit
         self.long_prompts = long_prompts
+        self.chat_template = chat_template
         self._checked = False
         self.skip_ids: set[str] = set()
         self.processor: Any = None
@@ -161,7 +176,11 @@ class KVLabDataModule(L.LightningDataModule):
         if self.processor is None:
             from kvlab.models import load_processor
 
-            self.processor = load_processor(self.model_name)
+            processor = load_processor(self.model_name)
+            if hasattr(processor, "with_chat_template"):  # kvlab's ChatProcessor (a copy: the load is cached)
+                processor = processor.with_chat_template(self.chat_template)
+                processor.check_template()
+            self.processor = processor
         _ = self.samples
         if not self._checked:
             self.check_samples()

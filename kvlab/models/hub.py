@@ -22,7 +22,6 @@ import torch
 from kvlab.config.errors import ConfigError
 from kvlab.models.info import model_info
 from kvlab.models.processors import ChatProcessor
-from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, chatml_template
 from kvlab.models.vlm import image_adapter
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*$")
@@ -151,7 +150,12 @@ def _generation_eos(source: str) -> tuple[int, ...]:
 
 
 def load_processor(name: str) -> ChatProcessor:
-    """kvlab processor for a directory or Hub id: AutoTokenizer (+ PIL image processor for VLMs)."""
+    """kvlab processor for a directory or Hub id: AutoTokenizer (+ PIL image processor for VLMs).
+
+    The tokenizer keeps its own chat template (a VLM's may come from ``chat_template.jinja`` or
+    ``.json`` beside it); without one, prompts are passed raw (``data.chat_template``: auto) and a
+    VLM is refused when prompted (:meth:`ChatProcessor.check_template`).
+    """
     from transformers import AutoTokenizer
 
     source = _source(name)
@@ -159,11 +163,10 @@ def load_processor(name: str) -> ChatProcessor:
     with hub_errors(name, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(source)
     is_vlm = getattr(config, "vision_config", None) is not None
-    if tokenizer.chat_template is None:
-        tokenizer.chat_template = _chat_template(source) if is_vlm else None
-    if tokenizer.chat_template is None:  # plain ChatML as the last resort
-        placeholder = IMAGE_PLACEHOLDERS.get("qwen2_vl" if "qwen2" in config.model_type else "llava", "")
-        tokenizer.chat_template = chatml_template(placeholder if is_vlm else "")
+    if tokenizer.chat_template is None and is_vlm:
+        tokenizer.chat_template = _chat_template(source)
+    # no template: the processor passes prompts raw (data.chat_template = auto) and refuses a VLM;
+    # kvlab never invents one
     info = model_info(config, name)
     images = image_adapter(config, _image_processor(source, config)) if is_vlm else None
     return ChatProcessor(

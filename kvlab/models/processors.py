@@ -1,11 +1,25 @@
-"""kvlab's :class:`~kvlab.models.base.Processor`: ChatML prompts, image expansion, left-padded batches.
+"""kvlab's :class:`~kvlab.models.base.Processor`: templated prompts, image expansion, left-padded batches.
 
 One :class:`ChatProcessor` serves every model. What differs between vision-language families is
 how images become pixels and how many placeholder tokens one image takes; that lives in an
 :class:`ImageAdapter` (:class:`Qwen2VLImages`, :class:`LlavaImages`). Nothing here needs
 torchvision: the adapters use the ``*ImageProcessorPil`` classes.
 
-Prompt layout per sample (via the tokenizer's chat template, ``add_generation_prompt=True``)::
+The prompt format is chosen by ``data.chat_template`` (:data:`CHAT_TEMPLATE_MODES` or a path):
+
+- ``auto`` (default): the tokenizer's own chat template when it has one, rendered with
+  ``add_generation_prompt=True`` and tokenized without adding special tokens (the ids equal
+  ``apply_chat_template(..., tokenize=True)``, so a template that writes BOS gets exactly one);
+  without a template, the prompt is passed raw and tokenized with the tokenizer's own special
+  tokens (BOS as ``tokenizer(prompt)`` adds it), as transformers' pipelines do. kvlab never
+  invents a template.
+- ``none``: always the raw prompt, with the tokenizer's special tokens.
+- a path to a ``.jinja`` file: that Jinja chat template instead of the tokenizer's.
+
+A raw prompt with a system message is ``{system}\\n\\n{prompt}``. A vision-language model needs a
+template (it places the image tokens): without one it is refused (:meth:`ChatProcessor.check_template`).
+
+With kvlab's built-in models (ChatML) a prompt reads::
 
     [system turn] <|im_start|>user\\n<image 1>...<image n>{prompt}<|im_end|>\\n<|im_start|>assistant\\n
 
@@ -15,7 +29,9 @@ the processor then repeats that token as many times as the image's vision featur
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +42,34 @@ from kvlab.data.sample import Sample
 from kvlab.models.base import IMAGE, PAD, TEXT, VIDEO
 
 CHATML_END = "<|im_end|>"
+#: the named values of ``data.chat_template`` (anything else is a path to a Jinja template file)
+CHAT_TEMPLATE_MODES = ("auto", "none")
+#: characters of a prompt example kept at each end before the middle is elided
+EXAMPLE_KEEP = 200
+
+
+def read_chat_template(chat_template: str) -> str | None:
+    """The Jinja text ``data.chat_template`` names: None for ``auto``/``none``, the file's text for a path.
+
+    Raises:
+        ConfigError: the path is not a readable file.
+    """
+    if chat_template in CHAT_TEMPLATE_MODES:
+        return None
+    path = Path(str(chat_template)).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"data.chat_template must be auto, none or the path of a Jinja chat template file, got "
+            f"{chat_template!r}, which is not an existing file. Use `auto` (the model's own template, or "
+            "the raw prompt when it has none), `none` (always the raw prompt) or fix the path."
+        )
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"data.chat_template: cannot read the chat template file {str(path)!r} ({exc}). Check its "
+            "permissions and that it is a UTF-8 Jinja text file."
+        ) from None
 
 
 def _resize(images: list[Image.Image], size: int | None) -> list[Image.Image]:
@@ -100,11 +144,13 @@ class ChatProcessor:
     """The kvlab processor for every model (implements :class:`kvlab.models.base.Processor`).
 
     Args:
-        tokenizer: an HF tokenizer with a ChatML chat template that accepts string content and,
-            for VLMs, list content with ``{"type": "image"}`` entries.
+        tokenizer: an HF tokenizer; its chat template (if any) accepts string content and, for
+            VLMs, list content with ``{"type": "image"}`` entries.
         image_token_ids / video_token_ids: from the model config (modality 1 / 2).
         images: how to turn images into inputs; None for text-only models.
         extra_eos_token_ids: more ids that end generation (e.g. from the generation config).
+        chat_template: ``auto``, ``none`` or the path of a Jinja template file (the module
+            docstring says what each does); :meth:`with_chat_template` gives a copy with another.
     """
 
     def __init__(
@@ -114,8 +160,11 @@ class ChatProcessor:
         video_token_ids: tuple[int, ...] = (),
         images: ImageAdapter | None = None,
         extra_eos_token_ids: tuple[int, ...] = (),
+        chat_template: str = "auto",
     ):
         self.tokenizer = tokenizer
+        self.chat_template = str(chat_template)
+        self._file_template = read_chat_template(self.chat_template)
         self.image_token_ids = tuple(image_token_ids)
         self.video_token_ids = tuple(video_token_ids)
         self.images = images
@@ -133,6 +182,42 @@ class ChatProcessor:
         )
 
     # ---- prompt building --------------------------------------------------------------------
+    def with_chat_template(self, chat_template: str) -> ChatProcessor:
+        """A shallow copy of this processor using ``chat_template`` (``auto``, ``none`` or a file path)."""
+        out = copy.copy(self)
+        out.chat_template = str(chat_template)
+        out._file_template = read_chat_template(out.chat_template)
+        return out
+
+    @property
+    def template(self) -> str | None:
+        """The Jinja chat template in use, or None when prompts are passed raw."""
+        if self._file_template is not None:
+            return self._file_template
+        if self.chat_template == "none":
+            return None
+        return getattr(self.tokenizer, "chat_template", None) or None
+
+    def check_template(self) -> None:
+        """Refuse a vision-language model without a chat template (nothing would place its images).
+
+        Raises:
+            ConfigError: naming ``data.chat_template`` and the fix.
+        """
+        if self.images is None or self.template is not None:
+            return
+        why = (
+            "data.chat_template is `none`"
+            if self.chat_template == "none"
+            else "its tokenizer has no chat template (nor a chat_template.jinja/.json next to it)"
+        )
+        raise ConfigError(
+            f"this vision-language model cannot be prompted: {why}, and kvlab does not guess a VLM's "
+            "prompt format (where its image tokens go). Set `data.chat_template` to the path of the "
+            "model family's Jinja chat template (one that renders {'type': 'image'} entries), or use a "
+            "built-in VLM (tiny-qwen2-vl, tiny-llava, smollm2-qwen2-vl, smollm2-llava), which ship theirs."
+        )
+
     def messages(self, sample: Sample) -> list[dict[str, Any]]:
         """ChatML messages: optional system turn, then the user turn (images first, then the text)."""
         msgs: list[dict[str, Any]] = []
@@ -148,10 +233,28 @@ class ChatProcessor:
         return msgs
 
     def prompt_text(self, sample: Sample) -> str:
-        """The chat-templated prompt, with one image token per image (before expansion)."""
+        """The prompt as text: chat-templated (one image token per image, before expansion), or raw
+        (``{system}\\n\\n{prompt}`` with a system message) when no template is in use."""
+        self.check_template()
+        if self.template is None:
+            return sample.prompt if sample.system is None else f"{sample.system}\n\n{sample.prompt}"
         return self.tokenizer.apply_chat_template(
-            self.messages(sample), add_generation_prompt=True, tokenize=False
+            self.messages(sample),
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=self._file_template,
         )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a :meth:`prompt_text` (images expanded): a templated prompt without added
+        special tokens (as ``apply_chat_template(tokenize=True)``: the template writes any BOS), a
+        raw prompt with the tokenizer's own (BOS as ``tokenizer(prompt)`` adds it)."""
+        raw = self.template is None
+        return list(self.tokenizer(text, add_special_tokens=raw)["input_ids"])
+
+    def prompt_ids(self, sample: Sample) -> list[int]:
+        """Token ids of a text-only ``sample``'s prompt, as :meth:`collate` builds them."""
+        return self.encode(self.prompt_text(sample))
 
     def _expand(self, text: str, counts: list[int], sample: Sample) -> str:
         """Repeat the i-th image token of ``text`` ``counts[i]`` times."""
@@ -196,7 +299,7 @@ class ChatProcessor:
             n = len(sample.images)
             text = self._expand(self.prompt_text(sample), counts[start : start + n], sample)
             start += n
-            rows.append(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+            rows.append(self.encode(text))
 
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -241,4 +344,29 @@ class ChatProcessor:
 
     def __repr__(self) -> str:
         kind = type(self.images).__name__ if self.images else "text"
-        return f"ChatProcessor({type(self.tokenizer).__name__}, vocab={len(self.tokenizer)}, images={kind})"
+        return (
+            f"ChatProcessor({type(self.tokenizer).__name__}, vocab={len(self.tokenizer)}, images={kind}, "
+            f"chat_template={self.chat_template!r})"
+        )
+
+
+def elide(text: str, keep: int = EXAMPLE_KEEP) -> str:
+    """``text`` with its middle replaced by a marker when longer than ``2 * keep`` characters
+    (the first and last ``keep`` characters are kept)."""
+    if len(text) <= 2 * keep:
+        return text
+    return f"{text[:keep]}\n[... {len(text) - 2 * keep} characters elided ...]\n{text[-keep:]}"
+
+
+def describe_prompt(processor: Any, sample: Sample) -> tuple[str, int]:
+    """What the model sees for ``sample``: ``(text, token count)``.
+
+    The text is the batch's token ids decoded with special tokens visible (BOS, chat markers, image
+    tokens), its middle elided past ``2 * EXAMPLE_KEEP`` characters; the count is the prompt's tokens.
+    """
+    ids = processor.collate([sample])["input_ids"][0]
+    tokens = [int(t) for t in ids.tolist()]
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is None:  # a custom processor without a tokenizer: the ids themselves
+        return elide(" ".join(map(str, tokens))), len(tokens)
+    return elide(tokenizer.decode(tokens, skip_special_tokens=False)), len(tokens)
