@@ -161,28 +161,13 @@ class CompressedLayer(CacheLayerMixin):
         :class:`kvlab.engine.attention.AttentionOptions` or None) adds the layer's sliding
         window (over the stored original positions), logit soft-capping and sinks.
         """
+        window = softcap = sinks = query_positions = None
         if options is not None and not options.plain:
-            window = options.sliding_window
+            window, softcap, sinks = options.sliding_window, options.softcap, options.sinks
             if window is not None and self.prompt_positions is None:
                 raise RuntimeError("a sliding-window layer was compressed without its positions")
-            return ragged_decode_attention(
-                query,
-                self.prompt_keys,
-                self.prompt_values,
-                self.starts,
-                self.lengths,
-                self.decode_keys,
-                self.decode_values,
-                self.decode_length,
-                scaling,
-                self.max_prompt_length,
-                sliding_window=window,
-                softcap=options.softcap,
-                sinks=options.sinks,
-                prompt_positions=self.prompt_positions,
-                decode_positions=self.decode_positions,
-                query_positions=self._new_positions(query.shape[2]) if window is not None else None,
-            )
+            if window is not None:
+                query_positions = self._new_positions(query.shape[2])
         return ragged_decode_attention(
             query,
             self.prompt_keys,
@@ -194,6 +179,12 @@ class CompressedLayer(CacheLayerMixin):
             self.decode_length,
             scaling,
             self.max_prompt_length,
+            sliding_window=window,
+            softcap=softcap,
+            sinks=sinks,
+            prompt_positions=self.prompt_positions,
+            decode_positions=self.decode_positions,
+            query_positions=query_positions,
         )
 
     # --- slot layout and decode-time eviction (decode policies) ----------------------------
