@@ -295,6 +295,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
         lazy_main("kvlab.calibration.command"),
         "measure per-model statistics into a calibration artefact (kvlab calibrate --help)",
     ),
+    "check-model": (
+        lazy_main("kvlab.runner.check_model"),
+        "kvlab's engine vs transformers' own forward on a model (kvlab check-model MODEL --lengths 256,2048)",
+    ),
     "bench": (lazy_main("kvlab.bench"), "benchmarks printing tables: kernels, memory, scoring"),
     "reference-table": (
         lazy_main("kvlab.runner.reference_table"),

@@ -29,7 +29,8 @@ from kvlab.runner.files import atomic_write_text
 
 RUN_JSON = "run.json"
 MODEL_EXCLUDED = frozenset(
-    {"record_scores", "inspect_samples", "inspect_layers", "kernels", "device_map", "max_memory"}
+    # verify: the first-batch engine check refuses a run or lets it go; it never changes a result
+    {"record_scores", "inspect_samples", "inspect_layers", "kernels", "device_map", "max_memory", "verify"}
 )
 DATA_EXCLUDED = frozenset({"batch_size", "num_workers", "limit", "model"})  # data.model is model.model
 # what `--run.overwrite true` removes (run.json and config.yaml are rewritten by the run itself)

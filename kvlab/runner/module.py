@@ -60,6 +60,9 @@ class KVLabModule(L.LightningModule):
             cache lives on its layer's device. Lightning then does not move the model (it is
             not registered as a submodule) and the run must be one process (``trainer.devices:
             1``); see ``docs/scaling.md``.
+        verify: ``first_batch`` (default): before any prediction, the first sample runs through
+            transformers' own attention and through kvlab's engine with nothing evicted
+            (:func:`kvlab.engine.verify.verify_engine`); a mismatch refuses the run. ``off`` skips it.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class KVLabModule(L.LightningModule):
         inspect_layers: list[int] | None = None,
         kernels: Literal["auto", "reference", "triton"] = "auto",
         device_map: str | dict[str, str | int] | None = None,
+        verify: Literal["first_batch", "off"] = "first_batch",
     ):
         super().__init__()
         from kvlab.models import validate_model_name
@@ -85,6 +89,14 @@ class KVLabModule(L.LightningModule):
                 f"model.inspect_samples must be >= 0 (0 = no detailed views), got {inspect_samples}."
             )
         validate_model_name(model)
+        if verify not in ("first_batch", "off"):
+            raise ConfigError(
+                f"model.verify must be 'first_batch' (check kvlab's engine against transformers on the first "
+                f"sample) or 'off', got {verify!r}."
+            )
+        self.verify = verify
+        #: seconds the first-batch check took (None until it ran); added to the first record
+        self.verify_seconds: float | None = None
         self.model_name = model
         self.pipeline = load_pipeline(compression)
         self.pipeline.bind_model(model)  # a calibration artefact of another model fails here, before loading
@@ -173,6 +185,8 @@ class KVLabModule(L.LightningModule):
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
         """One batch -> one prediction record per sample (written by the prediction writer)."""
+        if self.verify == "first_batch" and self.verify_seconds is None:
+            self.verify_engine(batch)
         cuda_devices = self._cuda_devices()
         rss_before = None
         for device in cuda_devices:
@@ -193,6 +207,9 @@ class KVLabModule(L.LightningModule):
         else:  # a high-water mark over the process's life: rss_before says where the batch started
             peak, kind = process_peak_rss_bytes(), "process_rss_high_water"
         records = self.records(result, batch)
+        if self.verify_seconds is not None and not getattr(self, "_verify_reported", False):
+            records[0]["verify_seconds"] = self.verify_seconds
+            self._verify_reported = True
         for record in records:
             record["kv_bytes_allocated"] = result.kv_bytes_allocated
             if peak is not None:
@@ -210,6 +227,30 @@ class KVLabModule(L.LightningModule):
         if self.inspector is not None:
             self.inspector.log_batch(result, batch, step=batch_idx, processor=self.loaded.processor)
         return records
+
+    def verify_engine(self, batch: dict[str, Any]) -> None:
+        """``model.verify: first_batch``: compare the batch's first sample under kvlab's engine (full
+        cache) with transformers' own forward (:func:`kvlab.engine.verify.verify_engine`).
+
+        Raises:
+            ConfigError: kvlab does not reproduce the model (before any prediction is returned).
+        """
+        from kvlab.engine.verify import verify_engine
+
+        result = verify_engine(self.loaded, batch)
+        self.verify_seconds = result.seconds_native + result.seconds_kvlab
+        if not result.ok:
+            raise ConfigError(
+                f"model.verify: kvlab's engine does not reproduce model {self.model_name!r} "
+                f"({self.dtype_name}) on the first sample with nothing evicted: {result.describe()}. No "
+                "prediction was written. Run with `--model.verify off` to predict anyway at your own risk "
+                "(every result of this model may be wrong), or report the model family to kvlab."
+            )
+        print(
+            "kvlab: engine verified on the first sample (max |logit difference| "
+            f"{result.max_logit_diff:.3g}, "
+            f"greedy tokens match; {self.verify_seconds:.2f} s)"
+        )
 
     def records(self, result: GenerationResult, batch: dict[str, Any]) -> list[dict[str, Any]]:
         """Per-sample JSON-ready records of a batch's :class:`GenerationResult`."""
