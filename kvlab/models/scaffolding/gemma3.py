@@ -22,7 +22,6 @@ prompts are passed raw, with BOS.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import shutil
@@ -92,14 +91,6 @@ def ensure_converted() -> Path:
         return target
     require()
     return convert_once(target, _convert, _is_complete)
-
-
-@functools.cache
-def load_tokenizer() -> Any:
-    """Gemma 3's tokenizer (from the converted cache), cached per process; adds BOS, no chat template."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ensure_converted())
 
 
 def load_config() -> Any:

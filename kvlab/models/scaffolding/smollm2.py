@@ -23,7 +23,6 @@ built-in converted from a packaged GGUF (:mod:`kvlab.models.scaffolding.gemma3`)
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import shutil
@@ -159,14 +158,6 @@ def ensure_converted() -> Path:
         return target
     src = gguf_dir()
     return convert_once(target, lambda dst: _convert(src, dst), _is_complete)
-
-
-@functools.cache
-def load_tokenizer() -> Any:
-    """SmolLM2's tokenizer (from the converted cache), cached per process. eos = pad = ``<|im_end|>``."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ensure_converted())
 
 
 def load_config() -> Any:
