@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels.dispatch import use_triton
+from kvlab.config.errors import ConfigError
+from kvlab.kernels.dispatch import CALLS, get_mode, use_triton
 
 
 def ragged_decode_attention_reference(
@@ -130,6 +131,15 @@ def ragged_decode_attention(
     args = (query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values)
     variants = sliding_window is not None or softcap is not None or sinks is not None
     if variants:
+        if get_mode() == "triton":  # asked for the kernel, which implements none of them: refuse
+            used = [name for name, v in (("sliding_window", sliding_window), ("softcap", softcap),
+                                         ("sinks", sinks)) if v is not None]  # fmt: skip
+            raise ConfigError(
+                f"model.kernels is 'triton', but this layer's attention uses {', '.join(used)}, which the "
+                "Triton decode kernel does not implement. Use `model.kernels: auto` (such layers then run "
+                "the torch reference) or `reference`."
+            )
+        CALLS[("ragged_decode_attention", "reference")] += 1
         return ragged_decode_attention_reference(
             *args,
             decode_length,

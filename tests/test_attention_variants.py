@@ -167,3 +167,20 @@ def test_unknown_attention_keyword_refused_at_call_time():
     attention.forward = with_extra_keyword
     with pytest.raises(ConfigError, match="tiny-llama-variant.*LlamaAttention.*position_bias"):
         ours(loaded, prompts()[:1])
+
+
+def test_forcing_the_triton_decode_kernel_on_a_windowed_layer_is_refused():
+    """kernels: triton asks for the Triton kernel, which has no window, softcap or sinks: such a
+    layer is refused, never quietly run on the reference (under auto it takes the reference)."""
+    from kvlab.kernels.decode_attention import ragged_decode_attention
+    from kvlab.kernels.dispatch import kernel_mode
+
+    z = torch.zeros
+    args = (z(1, 2, 1, 16), z(4, 16), z(4, 16), torch.tensor([[0]]), torch.tensor([[4]]), z(1, 1, 1, 16))
+    kwargs = {
+        "sliding_window": 2,
+        "prompt_positions": torch.arange(4),
+        "decode_positions": torch.tensor([[[4]]]),
+    }
+    with kernel_mode("triton"), pytest.raises(ConfigError, match="sliding_window.*model.kernels: auto"):
+        ragged_decode_attention(*args, z(1, 1, 1, 16), 1, 0.25, 4, softcap=None, **kwargs)
