@@ -109,8 +109,17 @@ def test_rerun_skips_written_samples_and_keeps_them(tmp_path):
             "kv_bytes_kept": 1,
         }
     )
-    (run / "predictions.jsonl").write_text(kept_line + "\n" + '{"id": "s2", "outp')  # crash mid-line
-    predict(tmp_path, "--config", "full", *TINY, "--data.dataset", f"{{name: jsonl, path: {data}}}")
+    planted = kept_line + "\n" + '{"id": "s2", "outp'  # crash mid-line
+    (run / "predictions.jsonl").write_text(planted)
+    args = ("--config", "full", *TINY, "--data.dataset", f"{{name: jsonl, path: {data}}}")
+    with pytest.raises(SystemExit) as refused:  # results without run.json: no telling whose they are
+        predict(tmp_path, *args)
+    assert refused.value.code == 2 and (run / "predictions.jsonl").read_text() == planted
+    (run / "predictions.jsonl").unlink()
+    predict(tmp_path, *args)  # records this run's fingerprint
+    (run / "predictions.jsonl").write_text(planted)  # then a crash left one sample and a cut line
+    (run / "metrics.json").unlink()
+    predict(tmp_path, *args)
     lines = (run / "predictions.jsonl").read_text().splitlines()
     assert lines[0] == kept_line
     ids = [json.loads(line)["id"] for line in lines]

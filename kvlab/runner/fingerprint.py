@@ -112,11 +112,22 @@ def clear_results(run_dir: Path) -> None:
 def check_run(run_dir: str | Path, fields: dict[str, Any], overwrite: bool = False) -> None:
     """Refuse a run whose fingerprint differs from the one recorded in ``run_dir`` (nothing is written).
 
-    No ``run.json`` (a new directory, or one written by an older kvlab) or ``overwrite``: accepted.
-    Raises :class:`~kvlab.config.errors.ConfigError` naming each differing field, old -> new.
+    ``overwrite``, or a directory with no ``run.json`` and no results: accepted. Results without a
+    ``run.json`` (written by an older kvlab, or copied in) are refused: nothing says which run they
+    belong to. Raises :class:`~kvlab.config.errors.ConfigError` naming each differing field, old -> new.
     """
     path = Path(run_dir) / RUN_JSON
-    if overwrite or not path.exists():
+    if overwrite:
+        return
+    if not path.exists():
+        results = [p.name for pattern in RESULTS[:3] for p in sorted(Path(run_dir).glob(pattern))]
+        if results:
+            raise ConfigError(
+                f"{run_dir} holds results ({', '.join(results)}) but no {RUN_JSON}, so kvlab cannot tell "
+                "whether they come from this run's configuration (they were written by an older kvlab or "
+                "copied in). Pass `--run.overwrite true` to start the run afresh, or name this run "
+                "differently (`--run.method NAME` or `--run.experiment NAME`)."
+            )
         return
     try:
         recorded = json.loads(path.read_text())["fields"]
