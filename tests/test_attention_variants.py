@@ -184,3 +184,12 @@ def test_forcing_the_triton_decode_kernel_on_a_windowed_layer_is_refused():
     }
     with kernel_mode("triton"), pytest.raises(ConfigError, match="sliding_window.*model.kernels: auto"):
         ragged_decode_attention(*args, z(1, 1, 1, 16), 1, 0.25, 4, softcap=None, **kwargs)
+
+
+def test_kvlab_attention_outside_a_run_refuses_a_windowed_layer():
+    """Called outside a kvlab run (a wrapped model used through transformers' own generate), the
+    sdpa fallback would drop the sliding window: refused, naming what it would drop."""
+    model = build("mistral-sliding")
+    kvlab.wrap_model(model, tokenizer())
+    with pytest.raises(ConfigError, match="outside a kvlab run.*sliding_window=6"), torch.no_grad():
+        model(torch.tensor([prompts()[0]]))

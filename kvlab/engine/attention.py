@@ -199,6 +199,12 @@ class AttentionOptions:
         """True when no variant applies (the exact pre-existing code paths are used)."""
         return self.sliding_window is None and self.softcap is None and self.sinks is None
 
+    def describe(self) -> str:
+        """The variants in use, e.g. ``sliding_window=512, softcap=50.0``."""
+        parts = [f"sliding_window={self.sliding_window}"] if self.sliding_window is not None else []
+        parts += [f"softcap={self.softcap}"] if self.softcap is not None else []
+        return ", ".join(parts + (["sinks (s_aux)"] if self.sinks is not None else []))
+
 
 def attention_options(module: torch.nn.Module, kwargs: dict[str, Any]) -> AttentionOptions:
     """Validate the keywords transformers passed and collect the layer's :class:`AttentionOptions`.
@@ -297,6 +303,14 @@ def kvlab_attention(
     session = _SESSION.get()
     layer_idx = getattr(module, "layer_idx", None)
     if session is None or layer_idx is None:
+        outside = attention_options(module, {**kwargs, "dropout": dropout})
+        if not outside.plain:  # sdpa would drop the window / soft-capping / sinks without a word
+            raise ConfigError(
+                f"kvlab's attention was called outside a kvlab run on a layer with {outside.describe()}, "
+                "which the plain fallback (sdpa) does not apply. Run the model through kvlab "
+                "(kvlab.compress_and_generate, kvlab predict), or give it back its own attention first: "
+                "model.set_attn_implementation('eager')."
+            )
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
