@@ -6,9 +6,10 @@
 :func:`ragged_decode_attention_reference` elsewhere. Both take the same arguments.
 
 Attention variants (a sliding window over the entries' original positions, logit soft-capping,
-per-head sink logits) are implemented by the reference only: the dispatcher sends every call that
-asks for one to the reference, on CUDA too, so such a layer is never run by a kernel that would
-ignore it.
+per-head sink logits) and padding entries in the decode region (``decode_valid``, left by a
+padded block of questions) are implemented by the reference only: the dispatcher sends every
+call that asks for one to the reference, on CUDA too, so such a layer is never run by a kernel
+that would ignore it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def ragged_decode_attention_reference(
     prompt_positions: torch.Tensor | None = None,
     decode_positions: torch.Tensor | None = None,
     query_positions: torch.Tensor | None = None,
+    decode_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over each (sample, KV head)'s kept prompt tokens plus decoded tokens.
 
@@ -50,9 +52,12 @@ def ragged_decode_attention_reference(
         max_prompt_length: ``lengths.max()`` if the caller knows it (saves a device sync per call).
         sliding_window: query at original position ``p`` sees only entries at positions
             ``(p - sliding_window, p]``; needs ``prompt_positions`` ``[N]``, ``decode_positions``
-            ``[B, Hkv, C]`` (original positions of the entries) and ``query_positions`` ``[q]``.
+            ``[B, Hkv, C]`` (original positions of the entries) and ``query_positions``
+            ``[B, q]`` (each sample's own positions of the new tokens).
         softcap: logits become ``tanh(logits / softcap) * softcap`` before masking.
         sinks: ``[H]`` one extra logit per query head in the softmax denominator (no value row).
+        decode_valid: ``[B, C]`` bool, False on padding entries of the decode region (hidden from
+            every query but their own, so a padding query's output stays finite), or None.
 
     Returns:
         ``[B, H, q, D]`` in the query dtype; logits, softmax and the weighted sum run in fp32.
@@ -61,7 +66,7 @@ def ragged_decode_attention_reference(
     B, H, q, D = query.shape
     Hkv = starts.shape[1]
     G = H // Hkv
-    qf = query.float().view(B, Hkv, G * q, D)
+    qf = query.float().reshape(B, Hkv, G * q, D)
 
     if max_prompt_length is None:
         max_prompt_length = int(lengths.max()) if lengths.numel() else 0
@@ -76,8 +81,8 @@ def ragged_decode_attention_reference(
         prompt_logits = torch.tanh(prompt_logits / softcap) * softcap
     present = present[:, :, None, :]  # [B, Hkv, 1 or G*q, width]
     if sliding_window is not None:
-        first = (query_positions - sliding_window + 1).repeat(G)  # [G*q] oldest visible position
-        present = present & (prompt_positions[rows][:, :, None, :] >= first[:, None])
+        first = (query_positions - sliding_window + 1).repeat(1, G)  # [B, G*q] oldest visible position
+        present = present & (prompt_positions[rows][:, :, None, :] >= first[:, None, :, None])
     prompt_logits = prompt_logits.masked_fill(~present, float("-inf"))
 
     dk = decode_keys[:, :, :decode_length].float()  # [B, Hkv, t, D]
@@ -86,13 +91,14 @@ def ragged_decode_attention_reference(
     if softcap is not None:
         decode_logits = torch.tanh(decode_logits / softcap) * softcap
     query_step = torch.arange(q, device=query.device).repeat(G)  # row r is query r % q
-    visible = (
-        torch.arange(decode_length, device=query.device)[None, :] <= (decode_length - q + query_step)[:, None]
-    )
-    visible = visible[None, None]
+    slot = torch.arange(decode_length, device=query.device)[None, :]
+    own = decode_length - q + query_step[:, None]  # [G*q, 1] each row's own decode slot
+    visible = (slot <= own)[None, None]
+    if decode_valid is not None:
+        visible = visible & (decode_valid[:, None, None, :decode_length] | (slot == own)[None, None])
     if sliding_window is not None:
-        first = (query_positions - sliding_window + 1).repeat(G)
-        visible = visible & (decode_positions[:, :, None, :decode_length] >= first[:, None])
+        first = (query_positions - sliding_window + 1).repeat(1, G)
+        visible = visible & (decode_positions[:, :, None, :decode_length] >= first[:, None, :, None])
     decode_logits = decode_logits.masked_fill(~visible, float("-inf"))
 
     logits = [prompt_logits, decode_logits]
@@ -122,18 +128,19 @@ def ragged_decode_attention(
     prompt_positions: torch.Tensor | None = None,
     decode_positions: torch.Tensor | None = None,
     query_positions: torch.Tensor | None = None,
+    decode_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatcher: the Triton kernel on CUDA tensors, the reference elsewhere (same arguments).
 
-    A call with a sliding window, soft-capping or sinks always runs the reference (the kernel
-    implements none of them).
+    A call with a sliding window, soft-capping, sinks or padding entries in the decode region
+    always runs the reference (the kernel implements none of them).
     """
     args = (query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values)
-    variants = sliding_window is not None or softcap is not None or sinks is not None
-    if variants:
+    features = (("sliding_window", sliding_window), ("softcap", softcap), ("sinks", sinks),
+                ("padded decode entries", decode_valid))  # fmt: skip
+    used = [name for name, value in features if value is not None]
+    if used:
         if get_mode() == "triton":  # asked for the kernel, which implements none of them: refuse
-            used = [name for name, v in (("sliding_window", sliding_window), ("softcap", softcap),
-                                         ("sinks", sinks)) if v is not None]  # fmt: skip
             raise ConfigError(
                 f"model.kernels is 'triton', but this layer's attention uses {', '.join(used)}, which the "
                 "Triton decode kernel does not implement. Use `model.kernels: auto` (such layers then run "
@@ -151,6 +158,7 @@ def ragged_decode_attention(
             prompt_positions=prompt_positions,
             decode_positions=decode_positions,
             query_positions=query_positions,
+            decode_valid=decode_valid,
         )
     if use_triton("ragged_decode_attention", query, prompt_keys, decode_keys):
         from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton as impl

@@ -20,6 +20,17 @@ class Sample:
         choices: options for multiple-choice questions (empty otherwise).
         system: optional system message.
         meta: free-form fields carried into the predictions file (e.g. needle position).
+        question: the trailing part of ``prompt`` that asks the question (``prompt`` ends with it
+            exactly), or None when the dataset does not separate it. Protocols other than
+            ``query_aware`` compress ``prompt`` minus ``question`` (the context) alone and
+            prefill the question afterwards, uncompressed (docs/protocols.md).
+        answer_prefix: text that starts the assistant's turn (e.g. ``"Answer:"``); it is part of
+            the prompt the model continues, never compressed by ``query_agnostic``.
+        max_new_tokens: this sample's generation limit (benchmarks fix it per task); None uses
+            ``model.max_new_tokens``.
+        context_id: samples with the same ``context_id`` share one context (the same ``prompt``
+            minus ``question``, the same images): ``multi_question`` compresses it once for all
+            of them. None: the sample's context is its own.
     """
 
     id: str
@@ -29,3 +40,19 @@ class Sample:
     choices: list[str] = field(default_factory=list)
     system: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    question: str | None = None
+    answer_prefix: str = ""
+    max_new_tokens: int | None = None
+    context_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.question is not None and not self.prompt.endswith(self.question):
+            raise ValueError(
+                f"sample {self.id!r}: its prompt must end with its question (the question is the part a "
+                "query-agnostic run prefills after compressing the context)"
+            )
+
+    @property
+    def context(self) -> str:
+        """``prompt`` without its trailing ``question`` (the whole prompt when there is none)."""
+        return self.prompt[: len(self.prompt) - len(self.question)] if self.question else self.prompt

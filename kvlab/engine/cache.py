@@ -24,8 +24,21 @@ continue from the original prompt length after compression.
 
 Sliding-window layers (the attention function sets ``sliding_window`` before compressing) also
 keep each entry's original position, ``prompt_positions [N]`` and ``decode_positions [B, Hkv, C]``
-(positions in the padded prompt row, decode tokens continuing after it), so decode attention
-masks entries outside the window whatever compression kept or moved. Other layers store none.
+(positions in the padded prompt row; each sample's new tokens continue after it, counting its
+real tokens only), so decode attention masks entries outside the window whatever compression
+kept or moved. Other layers store none.
+
+Padded blocks of new tokens (a batch of questions of different lengths prefilled on top of the
+compressed cache, :meth:`CompressedCache.appending_valid`) mark their padding in
+``decode_valid [B, C]`` (None while every decode entry is real): padding entries are hidden from
+every later query, are never slots a policy may keep (:meth:`CompressedLayer.slot_valid`), and
+:meth:`CompressedLayer.keep_slots` drops them.
+
+Protocols that reuse one compressed context (several questions in turn) take a
+:meth:`CompressedCache.checkpoint` and :meth:`CompressedCache.restore` it: the checkpoint holds
+references, and a layer copies its buffers before the first in-place write that would change a
+checkpointed entry (:meth:`CompressedLayer.evict_one`), so a checkpoint is free when nothing is
+evicted.
 
 Devices: every buffer and offset of a layer is allocated on the device of the K/V that layer
 received (its attention's device), so a model spread over devices with a ``device_map`` keeps
@@ -34,6 +47,9 @@ each layer's cache beside its weights; nothing is moved between devices by the c
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,6 +81,13 @@ class CompressedLayer(CacheLayerMixin):
         self.sliding_window: int | None = None
         self.prompt_positions: torch.Tensor | None = None
         self.decode_positions: torch.Tensor | None = None
+        self.next_positions: torch.Tensor | None = (
+            None  # [B] long (sliding layers): next real token's position
+        )
+        self.new_positions: torch.Tensor | None = None  # [B, q] long: positions of the newest appended block
+        self.decode_valid: torch.Tensor | None = None  # [B, C] bool, None while every decode entry is real
+        self.pending_valid: torch.Tensor | None = None  # [B, q] bool for the next append (set by the cache)
+        self.shares_buffers = False  # a checkpoint references this layer's buffers (copy before writing)
 
     # --- transformers CacheLayerMixin API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -121,11 +144,13 @@ class CompressedLayer(CacheLayerMixin):
         self.decode_keys = keys.new_empty(B, Hkv, self.decode_capacity, D)
         self.decode_values = values.new_empty(B, Hkv, self.decode_capacity, D)
         self.decode_length = 0
+        self.decode_valid = None
         if self.sliding_window is not None:  # positions of the kept entries, for the window mask
             self.prompt_positions = selection.indices[selection.mask()].to(torch.int64)
             self.decode_positions = selection.counts.new_zeros(
                 B, Hkv, self.decode_capacity, dtype=torch.int64
             )
+            self.next_positions = torch.full((B,), T, dtype=torch.int64, device=keys.device)
         self.keys = self.values = None  # free the dense prefill K/V
         self.compressed = True
 
@@ -141,17 +166,50 @@ class CompressedLayer(CacheLayerMixin):
             if self.decode_positions is not None:
                 grown = self.decode_positions.new_zeros(*self.decode_positions.shape[:2], grow)
                 self.decode_positions = torch.cat([self.decode_positions, grown], dim=2)
+            if self.decode_valid is not None:
+                grown = self.decode_valid.new_ones(self.decode_valid.shape[0], grow)
+                self.decode_valid = torch.cat([self.decode_valid, grown], dim=1)
+        self._mark_valid(q, needed)
         self.decode_keys[:, :, self.decode_length : needed] = key_states
         self.decode_values[:, :, self.decode_length : needed] = value_states
         if self.decode_positions is not None:
-            self.decode_positions[:, :, self.decode_length : needed] = self._new_positions(q)
+            self.new_positions = self._positions_of_new(q)
+            self.decode_positions[:, :, self.decode_length : needed] = self.new_positions[:, None]
         self.decode_length = needed
 
-    def _new_positions(self, q: int) -> torch.Tensor:
-        """``[q]`` long: original positions of the ``q`` newest tokens (already counted in the length)."""
-        return torch.arange(
-            self.cumulative_length - q, self.cumulative_length, device=self.decode_keys.device
-        )
+    def _mark_valid(self, q: int, needed: int) -> None:
+        """Record which of the ``q`` tokens being appended are real (``pending_valid``)."""
+        valid = self.pending_valid
+        if valid is None and self.decode_valid is None:
+            return
+        if self.decode_valid is None:  # first padded block: every earlier decode entry is real
+            self.decode_valid = torch.ones(
+                self.decode_keys.shape[0],
+                self.decode_keys.shape[2],
+                dtype=torch.bool,
+                device=self.decode_keys.device,
+            )
+        block = valid.to(self.decode_valid.device) if valid is not None else True
+        self.decode_valid[:, self.decode_length : needed] = block
+
+    def _positions_of_new(self, q: int) -> torch.Tensor:
+        """``[B, q]`` long: original positions of the ``q`` tokens being appended.
+
+        Each sample's real tokens continue from its ``next_positions`` (padding tokens of a padded
+        block take no position: they get the position of the sample's next real token and are
+        hidden anyway).
+        """
+        valid = self.pending_valid
+        if valid is None:
+            steps = torch.arange(q, device=self.next_positions.device)[None]
+            advance = q
+        else:
+            valid = valid.to(self.next_positions.device).long()
+            steps = valid.cumsum(1) - valid
+            advance = valid.sum(1)
+        positions = self.next_positions[:, None] + steps
+        self.next_positions = self.next_positions + advance
+        return positions
 
     def decode_attention(self, query: torch.Tensor, scaling: float, options: Any = None) -> torch.Tensor:
         """Attention of new queries ``[B, H, q, D]`` over this compressed layer -> ``[B, H, q, D]``.
@@ -159,7 +217,8 @@ class CompressedLayer(CacheLayerMixin):
         The queries' own K/V must already be appended (``update``). Dispatches to
         :func:`kvlab.kernels.decode_attention.ragged_decode_attention`. ``options`` (a
         :class:`kvlab.engine.attention.AttentionOptions` or None) adds the layer's sliding
-        window (over the stored original positions), logit soft-capping and sinks.
+        window (over the stored original positions), logit soft-capping and sinks; padding
+        entries of a padded block (``decode_valid``) are hidden.
         """
         window = softcap = sinks = query_positions = None
         if options is not None and not options.plain:
@@ -167,7 +226,7 @@ class CompressedLayer(CacheLayerMixin):
             if window is not None and self.prompt_positions is None:
                 raise RuntimeError("a sliding-window layer was compressed without its positions")
             if window is not None:
-                query_positions = self._new_positions(query.shape[2])
+                query_positions = self.new_positions[:, -query.shape[2] :]
         return ragged_decode_attention(
             query,
             self.prompt_keys,
@@ -185,6 +244,7 @@ class CompressedLayer(CacheLayerMixin):
             prompt_positions=self.prompt_positions,
             decode_positions=self.decode_positions,
             query_positions=query_positions,
+            decode_valid=self.decode_valid,
         )
 
     # --- slot layout and decode-time eviction (decode policies) ----------------------------
@@ -213,7 +273,14 @@ class CompressedLayer(CacheLayerMixin):
         newest token. :meth:`attention_probs` and :meth:`evict_one` use the same indexing.
         """
         _, valid = self.slot_rows()
-        return torch.cat([valid, valid.new_ones(*valid.shape[:2], self.decode_length)], -1)
+        return torch.cat([valid, self._decode_slot_valid()], -1)
+
+    def _decode_slot_valid(self) -> torch.Tensor:
+        """``[B, Hkv, decode_length]`` bool: the real entries of the decode region."""
+        B, Hkv = self.lengths.shape
+        if self.decode_valid is None:
+            return torch.ones(B, Hkv, self.decode_length, dtype=torch.bool, device=self.lengths.device)
+        return self.decode_valid[:, None, : self.decode_length].expand(B, Hkv, -1)
 
     def attention_probs(self, query: torch.Tensor, scaling: float, options: Any = None) -> torch.Tensor:
         """Softmax of queries ``[B, H, q, D]`` over every stored entry, ``[B, Hkv, G, q, K + decode_length]``.
@@ -228,7 +295,7 @@ class CompressedLayer(CacheLayerMixin):
         Hkv, dl = self.lengths.shape[1], self.decode_length
         rows, valid = self.slot_rows()
         keys = torch.cat([self.prompt_keys[rows], self.decode_keys[:, :, :dl]], 2).float()
-        valid = torch.cat([valid, valid.new_ones(B, Hkv, dl)], -1)
+        valid = torch.cat([valid, self._decode_slot_valid()], -1)
         grouped = query.float().reshape(B, Hkv, (H // Hkv) * q, D)
         logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling
         if options is None or options.plain:
@@ -238,7 +305,8 @@ class CompressedLayer(CacheLayerMixin):
             logits = torch.tanh(logits / options.softcap) * options.softcap
         if options.sliding_window is not None:
             positions = torch.cat([self.prompt_positions[rows], self.decode_positions[:, :, :dl]], -1)
-            valid = valid & (positions > self.cumulative_length - 1 - options.sliding_window)
+            newest = self.next_positions - 1  # [B]: the newest token's window
+            valid = valid & (positions > (newest - options.sliding_window)[:, None, None])
         logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
         if options.sinks is not None:
             sinks = options.sinks.float().view(1, Hkv, H // Hkv, 1, 1).expand(B, -1, -1, q, 1)
@@ -254,6 +322,7 @@ class CompressedLayer(CacheLayerMixin):
         buffer is reallocated.
         """
         K = self.prompt_slots
+        self._own_buffers()
         new = self.decode_length - 1
         b, h = torch.meshgrid(
             torch.arange(victim.shape[0], device=victim.device),
@@ -274,6 +343,83 @@ class CompressedLayer(CacheLayerMixin):
         for buffer in buffers:
             buffer[db, dh, slot] = buffer[db, dh, new]
         self.decode_length = new
+
+    def keep_slots(self, keep: torch.Tensor) -> None:
+        """Keep the entries ``keep [B, Hkv, K + decode_length]`` marks (slot layout) and drop the rest.
+
+        The kept entries of each (sample, head), prompt and decode alike, become its new prompt
+        region in slot order (counts may differ per head); the decode region is emptied and its
+        padding marks cleared. Logical length and positions are unchanged (RoPE positions are in
+        the keys already; sliding layers keep each entry's original position). Invalidates any
+        slot-indexed state a decode policy holds for this layer.
+
+        Raises:
+            ValueError: ``keep`` has the wrong shape or marks a slot that holds no entry.
+        """
+        valid = self.slot_valid()
+        if keep.shape != valid.shape:
+            raise ValueError(
+                f"keep_slots: keep must be {tuple(valid.shape)} (slot layout), got {tuple(keep.shape)}"
+            )
+        keep = keep.to(valid.device)
+        if bool((keep & ~valid).any()):
+            raise ValueError("keep_slots: keep marks slots that hold no entry (see slot_valid)")
+        rows, _ = self.slot_rows()
+        dl = self.decode_length
+        keys = torch.cat([self.prompt_keys[rows], self.decode_keys[:, :, :dl]], 2)  # [B, Hkv, S, D]
+        values = torch.cat([self.prompt_values[rows], self.decode_values[:, :, :dl]], 2)
+        counts = keep.sum(-1)
+        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices  # kept slots first
+        compacted = compact_kv(keys, values, order, counts)
+        self.prompt_keys, self.prompt_values, self.starts, self.lengths = compacted
+        if self.prompt_positions is not None:
+            positions = torch.cat([self.prompt_positions[rows], self.decode_positions[:, :, :dl]], 2)
+            kept = torch.arange(order.shape[-1], device=order.device) < counts[..., None]
+            self.prompt_positions = positions.gather(2, order)[kept]
+        self.max_prompt_length = int(self.lengths.max()) if self.lengths.numel() else 0
+        if self.shares_buffers:  # a checkpoint holds the decode buffers: later appends go to new ones
+            self.decode_keys = torch.empty_like(self.decode_keys)
+            self.decode_values = torch.empty_like(self.decode_values)
+            if self.decode_positions is not None:
+                self.decode_positions = torch.zeros_like(self.decode_positions)
+            self.shares_buffers = False
+        self.decode_length = 0
+        self.decode_valid = None
+
+    # --- checkpoints (one compressed context reused by several questions) ------------------
+    CHECKPOINTED = (
+        "prompt_keys", "prompt_values", "starts", "lengths", "max_prompt_length", "prompt_positions",
+        "decode_keys", "decode_values", "decode_positions", "decode_length", "decode_valid",
+        "next_positions", "cumulative_length",
+    )  # fmt: skip
+
+    def checkpoint(self) -> dict[str, Any]:
+        """This compressed layer's state, by reference (see :meth:`CompressedCache.checkpoint`)."""
+        if not self.compressed:
+            raise RuntimeError("checkpoint: only a compressed layer can be checkpointed")
+        self.shares_buffers = True
+        state = {name: getattr(self, name) for name in self.CHECKPOINTED}
+        if self.decode_valid is not None:  # later appends write it in place
+            state["decode_valid"] = self.decode_valid.clone()
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Return to a :meth:`checkpoint` (which stays usable: restore it again later)."""
+        for name, value in state.items():
+            setattr(self, name, value.clone() if name == "decode_valid" and value is not None else value)
+        self.shares_buffers = True
+        self.new_positions = None
+
+    def _own_buffers(self) -> None:
+        """Copy the buffers a checkpoint shares before writing into them in place."""
+        if not self.shares_buffers:
+            return
+        buffers = ("prompt_keys", "prompt_values", "prompt_positions")
+        for name in buffers + ("decode_keys", "decode_values", "decode_positions"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.clone())
+        self.shares_buffers = False
 
     # --- inspection --------------------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -304,6 +450,13 @@ class CompressedLayer(CacheLayerMixin):
         return self.prompt_keys[start : start + n], self.prompt_values[start : start + n]
 
 
+@dataclass
+class CacheCheckpoint:
+    """A :class:`CompressedCache` 's state, one dict per layer (see :meth:`CompressedCache.checkpoint`)."""
+
+    layers: list[dict[str, Any]]
+
+
 class CompressedCache(Cache):
     """A transformers ``Cache`` of :class:`CompressedLayer` s (one per language-model layer).
 
@@ -315,6 +468,38 @@ class CompressedCache(Cache):
 
     def __init__(self, num_layers: int, decode_capacity: int = 64):
         super().__init__(layers=[CompressedLayer(decode_capacity) for _ in range(num_layers)])
+
+    @contextlib.contextmanager
+    def appending_valid(self, valid: torch.Tensor) -> Iterator[None]:
+        """Within the block, tokens appended to compressed layers are marked by ``valid [B, q]``.
+
+        For one forward of a left-padded block of new tokens over the compressed cache (a batch
+        of questions of different lengths): padding entries are hidden from every later query
+        and take no position.
+        """
+        for layer in self.layers:
+            layer.pending_valid = valid
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.pending_valid = None
+
+    def checkpoint(self) -> CacheCheckpoint:
+        """The state of every layer (all must be compressed), to :meth:`restore` later.
+
+        Nothing is copied now: a layer copies its buffers before the first in-place write that
+        would alter a checkpointed entry (a decode policy's eviction), and appends write past
+        the checkpointed decode length only.
+        """
+        return CacheCheckpoint([layer.checkpoint() for layer in self.layers])
+
+    def restore(self, checkpoint: CacheCheckpoint) -> None:
+        """Return every layer to ``checkpoint`` (taken from this cache); reusable any number of times."""
+        if len(checkpoint.layers) != len(self.layers):
+            raise ValueError("restore: the checkpoint comes from a cache with a different number of layers")
+        for layer, state in zip(self.layers, checkpoint.layers, strict=True):
+            layer.restore(state)
 
     def kv_bytes(self) -> int:
         """Bytes allocated by all layers (see :meth:`CompressedLayer.kv_bytes`)."""
