@@ -48,6 +48,7 @@ class LayerContext:
     state: dict[str, Any] = field(default_factory=dict)
     protected: torch.Tensor | None = None
     window: torch.Tensor | None = None
+    sliding_window: int | None = None
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property

@@ -14,6 +14,7 @@ Schema of ``model.compression`` (every field optional; no scorer at all means th
       modality: {name: none}
     select: {name: topk}
     decode: {name: none}                             # decode-time policy
+    sliding_layers: window                           # or compress (sliding-window layers, below)
     route:                                           # optional: per-layer branches (see routing.py)
       rule: {name: latch, metric: {name: ncar}, before: decoupled, after: unified}
       branches: {decoupled: {allocate: {modality: {name: decoupled}}}, unified: {}}
@@ -40,11 +41,19 @@ One layer's compression (:meth:`Pipeline.compress`):
 With ``route``, each branch is the parent node with the branch's fields merged over it (the
 preset rules of ``kvlab.config.loader.merge``: lists and renamed components replaced whole); the rule
 picks a branch per sample at every layer and the branches' selections are combined row by row.
-``decode`` and ``schedule`` belong to the parent only.
+``decode``, ``schedule`` and ``sliding_layers`` belong to the parent only.
+
+Sliding-window layers (Mistral, Gemma 2/3, GPT-OSS: the attention function passes the layer's
+``sliding_window`` W, :attr:`LayerContext.sliding_window`) never keep a token their next query
+cannot see: only the prompt's last ``W - 1`` tokens are candidates. ``sliding_layers: window``
+(the default) keeps exactly those, as the model bounds the layer itself, whatever the method;
+``compress`` runs the method within them, the window standing for the layer's prompt (a
+``ratio`` budget is a share of the window, a ``tokens`` budget is capped by it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,10 +82,22 @@ from kvlab.config.loader import merge
 from kvlab.config.registry import to_plain
 
 WHERE = "model.compression"
-FIELDS = ("budget", "importance", "diversity", "mixer", "allocate", "select", "decode", "schedule", "route")
+FIELDS = (
+    "budget", "importance", "diversity", "mixer", "allocate", "select", "decode", "schedule", "route",
+    "sliding_layers",
+)  # fmt: skip
+SLIDING_LAYERS = ("window", "compress")
 ROUTE_FIELDS = ("rule", "branches")
 ALLOCATE_FIELDS = ("layer", "head", "modality")
 ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def within_window(ctx: LayerContext) -> LayerContext:
+    """``ctx`` with only the prompt tokens the layer's next query sees left valid: the last
+    ``sliding_window - 1`` of the padded row (left padding: each sample's own last tokens)."""
+    T = ctx.valid.shape[1]
+    visible = torch.arange(T, device=ctx.valid.device) >= T - (ctx.sliding_window - 1)
+    return dataclasses.replace(ctx, valid=ctx.valid & visible, _memo={})
 
 
 def _check_fields(node: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
@@ -208,6 +229,7 @@ class Pipeline:
     selector: Selector | None = None
     decode_policy: DecodePolicy | None = None
     schedule: str = "layerwise"
+    sliding_layers: str = "window"
     route_rule: RouteRule | None = None
     branches: dict[str, Pipeline] = field(default_factory=dict)
 
@@ -229,6 +251,13 @@ class Pipeline:
             raise ConfigError(
                 f"{WHERE}.schedule '{schedule}' is not supported yet; use 'layerwise' (compress each layer "
                 "right after its prefill attention)."
+            )
+        sliding_layers = node.get("sliding_layers") or "window"
+        if sliding_layers not in SLIDING_LAYERS:
+            raise ConfigError(
+                f"{WHERE}.sliding_layers must be 'window' (a sliding-window layer keeps the window the "
+                "model attends to) or 'compress' (the method compresses within that window), got "
+                f"{sliding_layers!r}."
             )
         importance_nodes = _keyed_by_role(node.get("importance"), f"{WHERE}.importance")
         diversity_nodes = _keyed_by_role(node.get("diversity"), f"{WHERE}.diversity")
@@ -268,6 +297,7 @@ class Pipeline:
             selector=cls._component(SELECTORS, node.get("select") or "topk", f"{WHERE}.select", budget),
             decode_policy=cls._decode_policy(node.get("decode") or "none", budget),
             schedule=schedule,
+            sliding_layers=sliding_layers,
         )
         pipeline._check_roles()
         return pipeline
@@ -350,9 +380,23 @@ class Pipeline:
 
     def compress(self, ctx: LayerContext, record_scores: bool = False) -> tuple[Selection, LayerReport]:
         """Choose what layer ``ctx.layer_idx`` keeps. See the module docstring for the steps."""
+        if ctx.sliding_window is not None:
+            ctx = within_window(ctx)
+            if self.sliding_layers == "window":
+                selection, report = self._keep_all(ctx)
+                self.decode_policy.on_compress(ctx, selection)
+                return selection, report
         selection, report = self._select(ctx, record_scores)
         self.decode_policy.on_compress(ctx, selection)
         return selection, report
+
+    def _keep_all(self, ctx: LayerContext) -> tuple[Selection, LayerReport]:
+        """Keep every valid token of the layer (the full cache)."""
+        keep_all = ctx.valid[:, None, :].expand(-1, ctx.num_kv_heads, -1)
+        counts = ctx.lengths[:, None].expand(-1, ctx.num_kv_heads).clone()
+        scores = torch.where(keep_all, 0.0, float("-inf"))
+        selection = self.selector.select(scores, counts, ctx)
+        return selection, LayerReport(ctx.layer_idx, counts, ctx.lengths.clone(), selection)
 
     def _select(self, ctx: LayerContext, record_scores: bool) -> tuple[Selection, LayerReport]:
         if self.route_rule is not None:
@@ -360,11 +404,7 @@ class Pipeline:
         lengths = ctx.lengths
         valid = ctx.valid
         if not self.compresses:
-            keep_all = valid[:, None, :].expand(-1, ctx.num_kv_heads, -1)
-            counts = lengths[:, None].expand(-1, ctx.num_kv_heads).clone()
-            scores = torch.where(keep_all, 0.0, float("-inf"))
-            selection = self.selector.select(scores, counts, ctx)
-            return selection, LayerReport(ctx.layer_idx, counts, lengths.clone(), selection)
+            return self._keep_all(ctx)
 
         budget = self.budget.per_sample(lengths)
         protected_counts = self.budget.protected_counts(lengths)
@@ -439,7 +479,7 @@ class Pipeline:
                 raise ConfigError(
                     f"{where}.branches.{name} must be a mapping of pipeline fields, got {branch!r}."
                 )
-            for key in ("decode", "schedule"):
+            for key in ("decode", "schedule", "sliding_layers"):
                 if key in branch:
                     raise ConfigError(
                         f"{where}.branches.{name}.{key}: '{key}' applies to the whole pipeline; set it on "

@@ -353,6 +353,7 @@ def _compress_layer(
         modality=modality,
         scaling=scaling,
         state=session.state,
+        sliding_window=session.cache.layers[layer_idx].sliding_window,
     )
     with torch.no_grad():
         selection, report = session.pipeline.compress(ctx, record_scores=session.record_scores)
