@@ -7,6 +7,7 @@ optionally replacement keys/values for them (merge selectors write merged entrie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -24,12 +25,16 @@ class Selection:
         counts: ``[B, Hkv]`` long, kept tokens per (sample, head).
         keys / values: optional ``[B, Hkv, K, D]`` replacements for the kept entries (merge
             selectors); None means gather them from the prefill K/V.
+        offloaded: optional store of K/V kept outside the compressed cache (a retrieve
+            selector: full K/V of some heads off the accelerator, fetched per decode step); the
+            layer hands its decode attention to it (:class:`OffloadedStore`).
     """
 
     indices: torch.Tensor
     counts: torch.Tensor
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    offloaded: OffloadedStore | None = None
 
     def mask(self) -> torch.Tensor:
         """``[B, Hkv, K]`` bool, True on real entries."""
@@ -48,6 +53,23 @@ class Selection:
     def kept_positions(self, b: int, h: int) -> list[int]:
         """Kept positions of one (sample, head) as a Python list."""
         return self.indices[b, h, : int(self.counts[b, h])].tolist()
+
+
+class OffloadedStore(Protocol):
+    """K/V a selector keeps outside the compressed cache, attended at decode (retrieval)."""
+
+    def decode_attention(self, layer: Any, query: torch.Tensor, scaling: float, options: Any) -> torch.Tensor:
+        """Attention of ``query [B, H, q, D]`` over ``layer``'s kept entries and what the store
+        fetches -> ``[B, H, q, D]`` (replaces :meth:`CompressedLayer.decode_attention`)."""
+        ...
+
+    def device_bytes(self) -> int:
+        """Bytes the store holds on the layer's device (e.g. a chunk index)."""
+        ...
+
+    def offloaded_bytes(self) -> int:
+        """Bytes the store holds elsewhere (host memory)."""
+        ...
 
 
 class Selector:

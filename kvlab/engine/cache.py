@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlab.compression.selectors import Selection
+from kvlab.compression.selectors import OffloadedStore, Selection
 from kvlab.kernels.compaction import compact_kv
 from kvlab.kernels.decode_attention import ragged_decode_attention
 
@@ -88,6 +88,7 @@ class CompressedLayer(CacheLayerMixin):
         self.decode_valid: torch.Tensor | None = None  # [B, C] bool, None while every decode entry is real
         self.pending_valid: torch.Tensor | None = None  # [B, q] bool for the next append (set by the cache)
         self.shares_buffers = False  # a checkpoint references this layer's buffers (copy before writing)
+        self.offloaded: OffloadedStore | None = None  # K/V kept outside this cache (retrieval)
 
     # --- transformers CacheLayerMixin API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -151,6 +152,7 @@ class CompressedLayer(CacheLayerMixin):
                 B, Hkv, self.decode_capacity, dtype=torch.int64
             )
             self.next_positions = torch.full((B,), T, dtype=torch.int64, device=keys.device)
+        self.offloaded = selection.offloaded
         self.keys = self.values = None  # free the dense prefill K/V
         self.compressed = True
 
@@ -218,8 +220,11 @@ class CompressedLayer(CacheLayerMixin):
         :func:`kvlab.kernels.decode_attention.ragged_decode_attention`. ``options`` (a
         :class:`kvlab.engine.attention.AttentionOptions` or None) adds the layer's sliding
         window (over the stored original positions), logit soft-capping and sinks; padding
-        entries of a padded block (``decode_valid``) are hidden.
+        entries of a padded block (``decode_valid``) are hidden. A layer whose selection
+        offloaded K/V (a retrieve selector) hands the call to its store.
         """
+        if self.offloaded is not None:
+            return self.offloaded.decode_attention(self, query, scaling, options)
         window = softcap = sinks = query_positions = None
         if options is not None and not options.plain:
             window, softcap, sinks = options.sliding_window, options.softcap, options.sinks
@@ -436,7 +441,12 @@ class CompressedLayer(CacheLayerMixin):
                 self.lengths,
             ]
         )
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        on_device = self.offloaded.device_bytes() if self.offloaded is not None else 0
+        return on_device + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of this layer's K/V held outside the cache's device (a retrieve selector's store)."""
+        return self.offloaded.offloaded_bytes() if self.offloaded is not None else 0
 
     def prompt_kv_bytes(self) -> int:
         """Bytes of the kept prompt K/V alone (no decode region, no offsets)."""
@@ -504,6 +514,10 @@ class CompressedCache(Cache):
     def kv_bytes(self) -> int:
         """Bytes allocated by all layers (see :meth:`CompressedLayer.kv_bytes`)."""
         return sum(layer.kv_bytes() for layer in self.layers)
+
+    def offloaded_bytes(self) -> int:
+        """Bytes held outside the device by all layers (see :meth:`CompressedLayer.offloaded_bytes`)."""
+        return sum(layer.offloaded_bytes() for layer in self.layers)
 
     def prompt_kv_bytes(self) -> int:
         """Bytes of the kept prompt K/V over all layers."""
