@@ -75,11 +75,16 @@ def test_gemma3_full_cache_matches_transformers_past_the_window(gemma):
 
 @pytest.mark.slow
 @SKIP
-def test_gemma3_snapkv_keeps_its_budget(gemma):
-    budget = 128
-    pipeline = kvlab.load_pipeline("snapkv", budget={"tokens": budget})
+@pytest.mark.parametrize("sliding_layers", ["window", "compress"])
+def test_gemma3_snapkv_keeps_its_budget(gemma, sliding_layers):
+    """Global layers keep the budget; sliding layers keep the ``W - 1`` prompt tokens their next
+    query can see (``window``) or the budget chosen within them (``compress``)."""
+    budget, window = 128, gemma.model.config.sliding_window
+    pipeline = kvlab.load_pipeline("snapkv", budget={"tokens": budget}, sliding_layers=sliding_layers)
     [out] = kvlab.compress_and_generate(gemma, pipeline, prompt_ids(gemma, PROMPT_TOKENS), max_new_tokens=4)
     assert out.prompt_tokens == PROMPT_TOKENS
     assert out.kept.shape == (18, 1)
-    assert (out.kept == budget).all(), out.kept.flatten().tolist()
-    assert out.kv_ratio == pytest.approx(budget / PROMPT_TOKENS)
+    sliding = torch.tensor([kind == "sliding_attention" for kind in gemma.model.config.layer_types])
+    want = torch.where(sliding, window - 1 if sliding_layers == "window" else budget, budget)
+    assert torch.equal(out.kept[:, 0], want), out.kept.flatten().tolist()
+    assert out.kv_ratio == pytest.approx(want.sum().item() / (18 * PROMPT_TOKENS))

@@ -2,9 +2,11 @@
 
 Text models load with ``AutoModelForCausalLM``; configs with a ``vision_config`` with
 ``AutoModelForImageTextToText``. The processor is kvlab's :class:`ChatProcessor` around
-``AutoTokenizer`` plus, for VLMs, the family's ``*ImageProcessorPil`` (the stock
-``AutoProcessor`` of Qwen2-VL needs torchvision, which kvlab avoids). Set ``HF_HUB_OFFLINE=1``
-to make accidental downloads fail fast.
+``AutoTokenizer`` plus, for VLMs, the family's ``*ImageProcessorPil`` (Qwen2-VL, Qwen2.5-VL,
+LLaVA: the stock ``AutoProcessor`` of Qwen2-VL needs torchvision, which kvlab avoids) or the
+family's own transformers processor (:data:`~kvlab.models.vlm.FAMILY_PROCESSORS`: LLaVA-NeXT,
+Idefics3, SmolVLM), whose tokenizer is then the one kvlab uses. Set ``HF_HUB_OFFLINE=1`` to make
+accidental downloads fail fast.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from kvlab.config.errors import ConfigError
 from kvlab.models.info import model_info
 from kvlab.models.processors import ChatProcessor
-from kvlab.models.vlm import image_adapter
+from kvlab.models.vlm import FAMILY_PROCESSORS, NON_CAUSAL_FAMILIES, image_adapter
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*$")
 
@@ -126,15 +128,36 @@ def _chat_template(source: str) -> str | None:
     return None
 
 
-def _image_processor(source: str, config: Any) -> Any:
+def _image_processor(name: str, source: str, config: Any) -> Any:
+    """What :func:`image_adapter` takes for this VLM: the family's ``*ImageProcessorPil`` (Qwen2-VL,
+    Qwen2.5-VL, LLaVA), its transformers processor (:data:`FAMILY_PROCESSORS`), else None
+    (:func:`image_adapter` then refuses the family, before anything is loaded).
+
+    Raises:
+        ConfigError: the processor cannot be loaded, or needs a package that is not installed.
+    """
     model_type = getattr(config, "model_type", "")
+    if model_type in NON_CAUSAL_FAMILIES:
+        return None
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
         from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil as cls
     elif model_type == "llava":
         from transformers.models.llava import LlavaImageProcessorPil as cls
+    elif model_type in FAMILY_PROCESSORS:
+        import transformers
+
+        cls = getattr(transformers, FAMILY_PROCESSORS[model_type][0])
     else:
-        return None  # image_adapter() raises a ConfigError naming the family
-    return cls.from_pretrained(source)
+        return None
+    with hub_errors(name, "image processor"):
+        try:
+            return cls.from_pretrained(source)
+        except ImportError as exc:
+            why = " ".join(str(exc).split())[:300]
+            raise ConfigError(
+                f"model.model '{name}': its {cls.__name__} needs a package that is not installed "
+                f"({type(exc).__name__}: {why}). Install what it names, then run again."
+            ) from None
 
 
 def _generation_eos(source: str) -> tuple[int, ...]:
@@ -150,25 +173,33 @@ def _generation_eos(source: str) -> tuple[int, ...]:
 
 
 def load_processor(name: str) -> ChatProcessor:
-    """kvlab processor for a directory or Hub id: AutoTokenizer (+ PIL image processor for VLMs).
+    """kvlab processor for a directory or Hub id: AutoTokenizer, plus for a VLM the family's PIL image
+    processor, or the family's transformers processor (:data:`FAMILY_PROCESSORS`), whose tokenizer
+    is then used.
 
-    The tokenizer keeps its own chat template (a VLM's may come from ``chat_template.jinja`` or
-    ``.json`` beside it); without one, prompts are passed raw (``data.chat_template``: auto) and a
-    VLM is refused when prompted (:meth:`ChatProcessor.check_template`).
+    The tokenizer keeps its own chat template (a VLM's may come from its processor or from
+    ``chat_template.jinja`` / ``.json`` beside it); without one, prompts are passed raw
+    (``data.chat_template``: auto) and a VLM is refused when prompted
+    (:meth:`ChatProcessor.check_template`).
+
+    Raises:
+        ConfigError: the model cannot be loaded, or is a family kvlab refuses (before any weight
+            loads; :func:`~kvlab.models.vlm.image_adapter`).
     """
     from transformers import AutoTokenizer
 
     source = _source(name)
     config = load_config(name)
-    with hub_errors(name, "tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(source)
     is_vlm = getattr(config, "vision_config", None) is not None
+    images = image_adapter(config, _image_processor(name, source, config)) if is_vlm else None
+    family = getattr(images, "processor", None)  # a family's transformers processor: its tokenizer
+    with hub_errors(name, "tokenizer"):
+        tokenizer = family.tokenizer if family is not None else AutoTokenizer.from_pretrained(source)
     if tokenizer.chat_template is None and is_vlm:
-        tokenizer.chat_template = _chat_template(source)
+        tokenizer.chat_template = getattr(family, "chat_template", None) or _chat_template(source)
     # no template: the processor passes prompts raw (data.chat_template = auto) and refuses a VLM;
     # kvlab never invents one
     info = model_info(config, name)
-    images = image_adapter(config, _image_processor(source, config)) if is_vlm else None
     return ChatProcessor(
         tokenizer, info.image_token_ids, info.video_token_ids, images, _generation_eos(source)
     )
@@ -177,7 +208,9 @@ def load_processor(name: str) -> ChatProcessor:
 def load_model(
     name: str, dtype: torch.dtype, device_map: str | dict[str, Any] | None = None
 ) -> torch.nn.Module:
-    """The model of a directory or Hub id in ``dtype``, sdpa attention, eval mode.
+    """The model of a directory or Hub id in ``dtype``, eval mode, with sdpa attention (eager for a
+    family transformers has no sdpa path for, e.g. Gemma 2; kvlab then routes the language model
+    through its own attention either way).
 
     ``device_map`` goes to ``from_pretrained`` (accelerate places the layers; None: CPU).
     """
@@ -189,8 +222,10 @@ def load_model(
         if getattr(config, "vision_config", None) is not None
         else AutoModelForCausalLM
     )
+    model_cls = cls._model_mapping.get(type(config), None)
+    attention = "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
     with hub_errors(name, "weights"):
         model = cls.from_pretrained(
-            _source(name), dtype=dtype, attn_implementation="sdpa", device_map=device_map
+            _source(name), dtype=dtype, attn_implementation=attention, device_map=device_map
         )
     return model.eval()

@@ -1,9 +1,11 @@
 """kvlab's :class:`~kvlab.models.base.Processor`: templated prompts, image expansion, left-padded batches.
 
 One :class:`ChatProcessor` serves every model. What differs between vision-language families is
-how images become pixels and how many placeholder tokens one image takes; that lives in an
-:class:`ImageAdapter` (:class:`Qwen2VLImages`, :class:`LlavaImages`). Nothing here needs
-torchvision: the adapters use the ``*ImageProcessorPil`` classes.
+how images become pixels and what text one image's placeholder becomes; that lives in an
+:class:`ImageAdapter` (:class:`Qwen2VLImages`, :class:`LlavaImages`, and :class:`FamilyImages`
+for the families whose transformers processor writes the image text: LLaVA-NeXT, Idefics3,
+SmolVLM, Gemma 3). Nothing here needs torchvision: the adapters use the ``*ImageProcessorPil``
+classes.
 
 The prompt format is chosen by ``data.chat_template`` (:data:`CHAT_TEMPLATE_MODES` or a path):
 
@@ -23,16 +25,21 @@ With kvlab's built-in models (ChatML) a prompt reads::
 
     [system turn] <|im_start|>user\\n<image 1>...<image n>{prompt}<|im_end|>\\n<|im_start|>assistant\\n
 
-The template renders each image as one image token (plus wrappers such as ``<|vision_start|>``);
-the processor then repeats that token as many times as the image's vision features need.
+The template renders each image as one placeholder (the image token, plus wrappers such as
+``<|vision_start|>``); the processor then replaces it with the image's text: the image token
+repeated as many times as the image's vision features need, or, for :class:`FamilyImages`, the
+text the family's transformers processor writes (tile tags, newlines and begin/end markers
+around the image tokens).
 """
 
 from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from PIL import Image
@@ -46,6 +53,11 @@ CHATML_END = "<|im_end|>"
 CHAT_TEMPLATE_MODES = ("auto", "none")
 #: characters of a prompt example kept at each end before the middle is elided
 EXAMPLE_KEEP = 200
+#: marks where the question starts when the chat template is rendered (private-use characters,
+#: never in a prompt) and, in a prompt example, where the question part begins
+QUESTION_MARK = "\ue000kvlab-question\ue000"
+#: the line a prompt example shows between the context and the question part
+QUESTION_LINE = "\n[--- question part: prefilled after compression by query_agnostic / multi_question ---]\n"
 
 
 def read_chat_template(chat_template: str) -> str | None:
@@ -80,12 +92,35 @@ def _resize(images: list[Image.Image], size: int | None) -> list[Image.Image]:
     return out
 
 
+class ProcessedImages(NamedTuple):
+    """What an :class:`ImageAdapter` makes of the N images of a batch.
+
+    Attributes:
+        inputs: forward() keyword inputs (``pixel_values`` and the family's companions).
+        counts: ``[N]`` image tokens (tokens carrying image features) per image.
+        texts: ``[N]`` the text each image's placeholder becomes, image tokens and the family's
+            markers around them; None: the image token repeated ``counts[i]`` times.
+    """
+
+    inputs: dict[str, torch.Tensor]
+    counts: list[int]
+    texts: list[str] | None = None
+
+
 class ImageAdapter(ABC):
-    """Turns the images of a batch into forward() inputs and per-image token counts."""
+    """Turns the images of a batch into forward() inputs and per-image token counts.
+
+    Attributes:
+        placeholder: the text the chat template writes for one image, which the processor replaces
+            per image (None: the model's image token, as for Qwen2-VL and LLaVA).
+    """
+
+    placeholder: str | None = None
 
     @abstractmethod
-    def process(self, images: list[Image.Image]) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """``images`` (all images of the batch, in prompt order) -> (model inputs, tokens per image)."""
+    def process(self, images: list[Image.Image]) -> ProcessedImages | tuple[dict[str, Any], list[int]]:
+        """``images`` (all images of the batch, in prompt order) -> (model inputs, tokens per image
+        [, text per image]): a :class:`ProcessedImages` or its first two fields."""
 
     def batch_inputs(self, input_ids: torch.Tensor, image_ids: torch.Tensor, video_ids: torch.Tensor) -> dict:
         """Extra per-token inputs for the padded batch (``input_ids`` [B, T]); none by default."""
@@ -140,6 +175,59 @@ class LlavaImages(ImageAdapter):
         return {"pixel_values": out["pixel_values"]}, [self.tokens_per_image] * len(images)
 
 
+class FamilyImages(ImageAdapter):
+    """A family whose transformers processor writes each image's text: LLaVA-NeXT (any-resolution
+    tiles, a newline feature per row), Idefics3 and SmolVLM (image splitting, ``<row_i_col_j>``
+    tags, a global image), Gemma 3 (begin/end of image around fixed soft tokens).
+
+    The family's image processor makes the pixel inputs of all the batch's images in one call, with
+    the processor's own image defaults, and the processor's ``replace_image_token(inputs, i)``
+    gives the text the i-th image's placeholder becomes: what the processor's ``__call__`` does,
+    with kvlab's chat template, batching and left padding around it.
+
+    Args:
+        processor: the family's transformers processor (``LlavaNextProcessor``, ``Idefics3Processor``,
+            ``SmolVLMProcessor``, ``Gemma3Processor``), tokenizer and image processor inside.
+        image_token_ids: ids of the tokens that carry image features (what each image's count counts).
+        type_ids: name of a per-token input marking image tokens with 1 that the model takes
+            (Gemma 3's ``token_type_ids``), or None.
+    """
+
+    def __init__(self, processor: Any, image_token_ids: Sequence[int], type_ids: str | None = None):
+        self.processor = processor
+        self.image_processor = processor.image_processor
+        self.placeholder = processor.image_token
+        self.image_token_ids = frozenset(int(i) for i in image_token_ids)
+        self.type_ids = type_ids
+        unused = set(getattr(processor, "unused_input_names", None) or ())
+        self.input_names = tuple(n for n in self.image_processor.model_input_names if n not in unused)
+
+    def process(self, images: list[Image.Image]) -> ProcessedImages:
+        """-> the image processor's model inputs (``pixel_values`` and e.g. ``image_sizes``,
+        ``pixel_attention_mask``), image tokens and text per image."""
+        processor, tokenizer = self.processor, self.processor.tokenizer
+        kwargs = processor._merge_kwargs(tokenizer_init_kwargs=tokenizer.init_kwargs)["images_kwargs"]
+        out = self.image_processor(_resize(images, None), **{**kwargs, "return_tensors": "pt"})
+        texts = [processor.replace_image_token(out, i) for i in range(len(images))]
+        ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        counts = [sum(t in self.image_token_ids for t in row) for row in ids]
+        if not all(counts):
+            raise ConfigError(
+                f"{type(processor).__name__} writes no image token of the model config "
+                f"({sorted(self.image_token_ids)}) for an image (it writes "
+                f"{texts[counts.index(0)][:80]!r}...): the processor's image token and the config's "
+                "image_token_id disagree. Save the model and its processor together (save_pretrained of "
+                "both into one directory)."
+            )
+        return ProcessedImages({k: out[k] for k in self.input_names if k in out}, counts, texts)
+
+    def batch_inputs(self, input_ids: torch.Tensor, image_ids: torch.Tensor, video_ids: torch.Tensor) -> dict:
+        """``{type_ids: [B, T]}`` (1 at image tokens) when the family takes one, else nothing."""
+        if self.type_ids is None:
+            return {}
+        return {self.type_ids: torch.isin(input_ids, image_ids).long()}
+
+
 class ChatProcessor:
     """The kvlab processor for every model (implements :class:`kvlab.models.base.Processor`).
 
@@ -180,6 +268,8 @@ class ChatProcessor:
         self.image_token = (
             tokenizer.convert_ids_to_tokens(self.image_token_ids[0]) if image_token_ids else None
         )
+        #: what the chat template writes for one image (replaced per image in :meth:`collate`)
+        self.placeholder = (images.placeholder if images is not None else None) or self.image_token
 
     # ---- prompt building --------------------------------------------------------------------
     def with_chat_template(self, chat_template: str) -> ChatProcessor:
@@ -234,16 +324,76 @@ class ChatProcessor:
 
     def prompt_text(self, sample: Sample) -> str:
         """The prompt as text: chat-templated (one image token per image, before expansion), or raw
-        (``{system}\\n\\n{prompt}`` with a system message) when no template is in use."""
+        (``{system}\\n\\n{prompt}`` with a system message) when no template is in use.
+
+        A sample's ``answer_prefix`` starts the assistant's turn: it follows the template's
+        assistant opening, or, raw, the prompt after a newline (kvpress' ``question + "\\n" +
+        answer_prefix`` for models without a chat template)."""
         self.check_template()
         if self.template is None:
-            return sample.prompt if sample.system is None else f"{sample.system}\n\n{sample.prompt}"
+            text = sample.prompt if sample.system is None else f"{sample.system}\n\n{sample.prompt}"
+            return text + (f"\n{sample.answer_prefix}" if sample.answer_prefix else "")
+        return self._render(sample) + sample.answer_prefix
+
+    def _render(self, sample: Sample) -> str:
+        """``sample``'s messages through the chat template, assistant turn opened (no answer prefix)."""
         return self.tokenizer.apply_chat_template(
             self.messages(sample),
             add_generation_prompt=True,
             tokenize=False,
             chat_template=self._file_template,
         )
+
+    def context_token_count(self, sample: Sample, ids: Sequence[int]) -> int:
+        """How many leading tokens of ``ids`` are ``sample``'s context; the rest is its question part.
+
+        ``ids``: the sample's prompt ids as :meth:`collate` builds them (chat template, images
+        expanded, answer prefix). The context is the prompt's text up to ``sample.question``
+        (``sample.context``: the whole user text when the sample has no question), with the system
+        turn, the images and the template's opening; the question part is the question, the
+        template's end of the user turn and assistant opening, and the answer prefix: what the
+        ``query_agnostic`` and ``multi_question`` protocols prefill after compressing the context
+        (docs/protocols.md). The prompt is tokenized once, as a whole, so every protocol sees the
+        same tokens; the split is the longest prefix of the ids that the context's own
+        tokenization shares (a token merged across the boundary goes to the question part). With
+        images (always before the text, so in the context, however the family expands them) the
+        question part is measured on the prompt without its images and must end ``ids`` unchanged.
+
+        Raises:
+            ConfigError: the chat template does not render the user's text once, or the question
+                part of the prompt without images differs from the real one.
+        """
+        if not sample.images:
+            return _shared_prefix(ids, self.encode(self._context_text(sample)))
+        bare = replace(sample, images=[])
+        bare_ids = self.prompt_ids(bare)
+        question = len(bare_ids) - _shared_prefix(bare_ids, self.encode(self._context_text(bare)))
+        if question > len(ids) or list(ids[len(ids) - question :]) != bare_ids[len(bare_ids) - question :]:
+            raise ConfigError(
+                f"sample '{sample.id}': its question part tokenizes differently with and without its images, "
+                "so kvlab cannot tell where the question starts (the query_agnostic and multi_question "
+                "protocols prefill it after compressing the context). Use `model.protocol: query_aware` for "
+                "this model, or report the model family to kvlab."
+            )
+        return len(ids) - question
+
+    def _context_text(self, sample: Sample) -> str:
+        """The prompt text before ``sample``'s question (images not expanded): the template rendered
+        with a marker between context and question, cut at the marker. Only a guide for
+        :meth:`context_token_count`, which keeps the prefix of the real ids it shares (a template
+        that trims the user text just moves the split a few tokens earlier)."""
+        if self.template is None:
+            return sample.context if sample.system is None else f"{sample.system}\n\n{sample.context}"
+        text = f"{sample.context}{QUESTION_MARK}{sample.question or ''}"
+        rendered = self._render(replace(sample, prompt=text, question=None))
+        if rendered.count(QUESTION_MARK) != 1:
+            raise ConfigError(
+                f"sample '{sample.id}': the chat template does not render the user's text once, verbatim, so "
+                "kvlab cannot tell where its question starts (the query_agnostic and multi_question "
+                "protocols prefill the question after compressing the context). Use `data.chat_template: "
+                "none` or a template that writes the user content once, or `model.protocol: query_aware`."
+            )
+        return rendered[: rendered.index(QUESTION_MARK)]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a :meth:`prompt_text` (images expanded): a templated prompt without added
@@ -256,18 +406,21 @@ class ChatProcessor:
         """Token ids of a text-only ``sample``'s prompt, as :meth:`collate` builds them."""
         return self.encode(self.prompt_text(sample))
 
-    def _expand(self, text: str, counts: list[int], sample: Sample) -> str:
-        """Repeat the i-th image token of ``text`` ``counts[i]`` times."""
-        pieces = text.split(self.image_token) if self.image_token else [text]
-        if len(pieces) - 1 != len(counts):
+    def _expand(self, text: str, images: ProcessedImages, sample: Sample) -> str:
+        """Replace the i-th image placeholder of ``text`` with image i's text (``images`` holds the
+        sample's images only): ``images.texts[i]``, or the image token ``images.counts[i]`` times."""
+        pieces = text.split(self.placeholder) if self.placeholder else [text]
+        if len(pieces) - 1 != len(images.counts):
             raise ConfigError(
-                f"sample '{sample.id}': the chat template rendered {len(pieces) - 1} image tokens "
-                f"({self.image_token!r}) for {len(counts)} images; the prompt text must not contain the "
-                "image token itself, and the tokenizer's chat template must render {'type': 'image'} entries."
+                f"sample '{sample.id}': the chat template rendered {len(pieces) - 1} image placeholders "
+                f"({self.placeholder!r}) for {len(images.counts)} images; the prompt text must not contain "
+                "the image token itself, and the tokenizer's chat template must render {'type': 'image'} "
+                "entries."
             )
+        texts = images.texts or [self.image_token * count for count in images.counts]  # type: ignore[operator]
         out = [pieces[0]]
-        for count, piece in zip(counts, pieces[1:], strict=True):
-            out.append(self.image_token * count + piece)
+        for image_text, piece in zip(texts, pieces[1:], strict=True):
+            out.append(image_text + piece)
         return "".join(out)
 
     # ---- Processor protocol -----------------------------------------------------------------
@@ -289,15 +442,18 @@ class ChatProcessor:
                 f"sample '{bad}' has images but the model is text-only; use a vision-language model "
                 "(e.g. tiny-qwen2-vl, smollm2-qwen2-vl) or a text-only dataset."
             )
-        model_inputs: dict[str, Any] = {}
-        counts: list[int] = []
+        processed = ProcessedImages({}, [])
         if all_images:
-            model_inputs, counts = self.images.process(all_images)  # type: ignore[union-attr]
+            processed = ProcessedImages(*self.images.process(all_images))  # type: ignore[union-attr]
+        model_inputs: dict[str, Any] = dict(processed.inputs)
+        counts = list(processed.counts)
         rows: list[list[int]] = []
         start = 0
         for sample in samples:
             n = len(sample.images)
-            text = self._expand(self.prompt_text(sample), counts[start : start + n], sample)
+            texts = processed.texts[start : start + n] if processed.texts is not None else None
+            own = ProcessedImages({}, counts[start : start + n], texts)
+            text = self._expand(self.prompt_text(sample), own, sample)
             start += n
             rows.append(self.encode(text))
 
@@ -350,6 +506,16 @@ class ChatProcessor:
         )
 
 
+def _shared_prefix(ids: Sequence[int], other: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token sequences."""
+    n = 0
+    for a, b in zip(ids, other, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def elide(text: str, keep: int = EXAMPLE_KEEP) -> str:
     """``text`` with its middle replaced by a marker when longer than ``2 * keep`` characters
     (the first and last ``keep`` characters are kept)."""
@@ -363,10 +529,17 @@ def describe_prompt(processor: Any, sample: Sample) -> tuple[str, int]:
 
     The text is the batch's token ids decoded with special tokens visible (BOS, chat markers, image
     tokens), its middle elided past ``2 * EXAMPLE_KEEP`` characters; the count is the prompt's tokens.
+    A sample with a ``question`` shows its context and its question part (question, assistant
+    opening, answer prefix) on either side of :data:`QUESTION_LINE`, each elided on its own.
     """
     ids = processor.collate([sample])["input_ids"][0]
     tokens = [int(t) for t in ids.tolist()]
     tokenizer = getattr(processor, "tokenizer", None)
     if tokenizer is None:  # a custom processor without a tokenizer: the ids themselves
         return elide(" ".join(map(str, tokens))), len(tokens)
+    if sample.question is not None and hasattr(processor, "context_token_count"):
+        split = processor.context_token_count(sample, tokens)
+        parts = (tokens[:split], tokens[split:])
+        context, question = (tokenizer.decode(p, skip_special_tokens=False) for p in parts)
+        return elide(context) + QUESTION_LINE + elide(question), len(tokens)
     return elide(tokenizer.decode(tokens, skip_special_tokens=False)), len(tokens)

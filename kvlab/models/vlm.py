@@ -1,6 +1,14 @@
-"""Config and image-processing factories shared by the tiny VLMs and the grafted SmolLM2 VLMs.
+"""Vision-language families: which image adapter feeds each one, and the built-in VLMs' configs.
 
-Both Qwen2-VL models (``tiny-qwen2-vl``, ``smollm2-qwen2-vl``) and both LLaVA models
+:func:`image_adapter` picks the adapter of a config's family (``model_type``): Qwen2-VL and
+Qwen2.5-VL (:class:`~kvlab.models.processors.Qwen2VLImages`), LLaVA
+(:class:`~kvlab.models.processors.LlavaImages`), and the families in :data:`FAMILY_PROCESSORS`
+(LLaVA-NeXT, Idefics3, SmolVLM), fed through their own transformers processor
+(:class:`~kvlab.models.processors.FamilyImages`). Families in :data:`NON_CAUSAL_FAMILIES` are
+refused: their language model does not attend causally over an image prompt, and kvlab's
+prefill attention is causal. ``docs/models.md`` lists the families and how to add one.
+
+Both Qwen2-VL built-ins (``tiny-qwen2-vl``, ``smollm2-qwen2-vl``) and both LLaVA built-ins
 (``tiny-llava``, ``smollm2-llava``) are built by the same two functions here from a *text* config
 dict (the language model's dimensions) plus an image size; only the dimensions differ.
 Vision towers are always tiny and random (2 layers, width 32).
@@ -10,13 +18,42 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlab.models.processors import ImageAdapter, LlavaImages, Qwen2VLImages
+from kvlab.config.errors import ConfigError
+from kvlab.models.processors import FamilyImages, ImageAdapter, LlavaImages, Qwen2VLImages
 
 QWEN2VL_PATCH = 14
 QWEN2VL_MERGE = 2
 LLAVA_PATCH = 14
 #: the tiny random vision towers (both families)
 VISION_WIDTH, VISION_LAYERS, VISION_HEADS = 32, 2, 2
+
+#: families fed through their transformers processor: model_type -> (processor class in
+#: ``transformers``, the per-token image-type input the model takes or None)
+FAMILY_PROCESSORS: dict[str, tuple[str, str | None]] = {
+    "llava_next": ("LlavaNextProcessor", None),
+    "idefics3": ("Idefics3Processor", None),
+    "smolvlm": ("SmolVLMProcessor", None),
+    "gemma3": ("Gemma3Processor", "token_type_ids"),
+}
+#: families whose language model attends non-causally over an image prompt: model_type -> why
+NON_CAUSAL_FAMILIES: dict[str, str] = {
+    "gemma3": (
+        "Gemma 3's language model lets the tokens of one image attend to each other in both directions "
+        "(transformers builds that mask from token_type_ids), while kvlab's prefill attention is causal, "
+        "so image prompts would run through a different model than Gemma 3"
+    ),
+    "paligemma": (
+        "PaliGemma's language model attends bidirectionally over the image and prefix (a prefix-LM mask from "
+        "token_type_ids), while kvlab's prefill attention is causal"
+    ),
+}
+#: the vision-language families image_adapter feeds (model_type), for messages
+SUPPORTED_FAMILIES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "llava",
+    *sorted(FAMILY_PROCESSORS.keys() - NON_CAUSAL_FAMILIES.keys()),
+)
 
 
 def qwen2_vl_tokens_per_image(image_size: int) -> int:
@@ -121,10 +158,30 @@ def llava_images(config: Any, image_processor: Any = None) -> ImageAdapter:
 def image_adapter(
     config: Any, image_processor: Any = None, image_size: int | None = None
 ) -> ImageAdapter | None:
-    """The adapter for a config's family (None for text-only configs); Hub models pass their processor."""
+    """The image adapter of a config's family (None for text-only configs).
+
+    Args:
+        config: the model's HF config (its ``model_type`` names the family).
+        image_processor: Qwen2-VL, Qwen2.5-VL, LLaVA: the family's ``*ImageProcessorPil`` (None: the
+            family's defaults). The :data:`FAMILY_PROCESSORS` families: the family's transformers
+            processor (``LlavaNextProcessor``, ``Idefics3Processor``, ...), tokenizer and image
+            processor inside (required: it writes each image's text).
+        image_size: built-in Qwen2-VL models: the square size images are squashed to.
+
+    Raises:
+        ConfigError: a family kvlab cannot run exactly (:data:`NON_CAUSAL_FAMILIES`), a family it
+            has no image processing for, or a :data:`FAMILY_PROCESSORS` family without its processor.
+    """
     if getattr(config, "vision_config", None) is None:
         return None
     model_type = getattr(config, "model_type", "")
+    supported = ", ".join(SUPPORTED_FAMILIES)
+    if model_type in NON_CAUSAL_FAMILIES:
+        raise ConfigError(
+            f"vision-language models of type '{model_type}' are refused: {NON_CAUSAL_FAMILIES[model_type]}. "
+            "Use the family's text-only model (for Gemma 3: Gemma3ForCausalLM, e.g. the built-in "
+            f"gemma3-270m) or a supported vision-language family ({supported})."
+        )
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
         if image_processor is None and image_size is None:
             from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
@@ -133,9 +190,19 @@ def image_adapter(
         return qwen2_vl_images(image_size, image_processor)
     if model_type == "llava":
         return llava_images(config, image_processor)
-    from kvlab.config.errors import ConfigError
+    if model_type in FAMILY_PROCESSORS:
+        from kvlab.models.info import model_info
 
+        class_name, type_ids = FAMILY_PROCESSORS[model_type]
+        if not hasattr(image_processor, "replace_image_token"):
+            raise ConfigError(
+                f"vision-language models of type '{model_type}' take their images through their transformers "
+                f"processor, which writes each image's tokens: pass a {class_name} (tokenizer and image "
+                f"processor inside) as the image processor, e.g. processor = {class_name}.from_pretrained("
+                "path); kvlab.wrap_model(model, processor.tokenizer, processor)."
+            )
+        return FamilyImages(image_processor, model_info(config, "").image_token_ids, type_ids)
     raise ConfigError(
         f"kvlab has no image processing for vision-language models of type '{model_type}'. "
-        "Supported families: qwen2_vl, qwen2_5_vl, llava (or use a text-only model)."
+        f"Supported families: {supported} (or use a text-only model); docs/models.md says how to add one."
     )

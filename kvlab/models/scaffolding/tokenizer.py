@@ -90,11 +90,17 @@ def _trained_bpe() -> Any:
     return bpe
 
 
-def tiny_tokenizer(image_placeholder: str = "") -> Any:
+def tiny_tokenizer(image_placeholder: str = "", named_tokens: dict[str, str] | None = None) -> Any:
     """A fresh ``PreTrainedTokenizerFast`` over the tiny BPE, with a ChatML template.
 
     eos = ``<|im_end|>``, pad = ``<|endoftext|>``, no bos. A new wrapper per call (cheap), so callers
     may set attributes on it; the trained BPE underneath is shared.
+
+    Args:
+        image_placeholder: what the chat template writes for one image.
+        named_tokens: the tokenizer's named special tokens (``tokenizer.image_token`` and the like;
+            tokens not in the BPE are added), default Qwen2-VL's ``image_token`` / ``video_token``.
+            Family processors read them: LLaVA-NeXT's ``image_token``, Gemma 3's ``boi_token``.
     """
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -104,7 +110,7 @@ def tiny_tokenizer(image_placeholder: str = "") -> Any:
         tokenizer_object=bpe,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+        extra_special_tokens=named_tokens or {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
         chat_template=chatml_template(image_placeholder),
     )
 
