@@ -13,11 +13,22 @@ decode time per step, against
 The prompt is seeded random token ids (memory and time do not depend on the words). SparseMM
 needs visual-head scores; the bench uses seeded synthetic scores skewed like real ones (a few
 heads hold most of the mass), since it measures memory, not quality.
+
+``kvlab bench memory --prefill`` measures something else: the peak process memory (resident set
+size high-water mark, as runs report it on CPU) of one prefill of a padded batch of long prompts
+(sample ``i`` has ``floor(T * (1 - spread * i))`` tokens, so every sample but the first is
+padded), compression included, for each prompt length and batch size. Each point runs in a fresh
+Python process (the high-water mark is per process), which the bench kills when its resident set
+passes ``--rss-limit`` GiB, so a point that would exhaust the machine is reported, not run to
+the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -39,6 +50,12 @@ def parse(args: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=16, help="decode steps timed")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3, help="decode runs per method; the fastest is reported")
+    p.add_argument("--prefill", action="store_true", help="peak process memory of a padded prefill instead")
+    p.add_argument("--batches", default="1,4", help="--prefill: batch sizes (comma separated)")
+    p.add_argument("--spread", type=float, default=0.125, help="--prefill: sample i has T * (1 - spread * i)")
+    p.add_argument("--prefill-method", default="snapkv", help="--prefill: the preset compressing the prompt")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="--prefill: model.prefill_chunk")
+    p.add_argument("--rss-limit", type=float, default=12.0, help="--prefill: kill a point past this many GiB")
     add_threads_option(p)
     return p.parse_args(args)
 
@@ -99,6 +116,9 @@ def fastest(loaded: Any, pipe: Any, batch: dict[str, Any], opts: argparse.Namesp
 
 def run(args: list[str]) -> None:
     opts = parse(args)
+    if opts.prefill:
+        run_prefill(opts)
+        return
     torch.set_num_threads(opts.threads)
     loaded = kvlab.load_model(opts.model)  # attention routed through kvlab
     info = loaded.info
@@ -149,3 +169,159 @@ def run(args: list[str]) -> None:
         f"{opts.steps} decode steps, {torch.get_num_threads()} CPU threads"
     )
     print_table(title, headers, rows)
+
+
+# --- --prefill: peak process memory of a padded prefill ------------------------------------------
+def padded_lengths(T: int, batch: int, spread: float) -> list[int]:
+    """Prompt lengths of a padded batch whose longest prompt has ``T`` tokens: ``floor(T (1 - spread i))``."""
+    return [max(1, int(T * (1 - spread * i))) for i in range(batch)]
+
+
+def padded_batch(loaded: Any, lengths: list[int]) -> dict[str, Any]:
+    """A left-padded batch of seeded random token ids with the given prompt lengths."""
+    from kvlab.models.base import PAD
+
+    T = max(lengths)
+    gen = torch.Generator().manual_seed(T)
+    vocab = loaded.model.config.get_text_config().vocab_size
+    ids = torch.randint(100, vocab, (len(lengths), T), generator=gen)
+    mask = torch.zeros_like(ids)
+    for b, length in enumerate(lengths):
+        mask[b, T - length :] = 1
+    return {
+        "input_ids": ids.masked_fill(mask == 0, 0),
+        "attention_mask": mask,
+        "modality": torch.zeros_like(ids).masked_fill(mask == 0, PAD),
+        "model_inputs": {},
+    }
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's resident-set high-water mark to its current size (Linux: ``5`` written
+    to ``/proc/self/clear_refs``), so that :func:`~kvlab.metrics.cost.process_peak_rss_bytes` then
+    reports the peak of what follows. False where the kernel does not offer it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def measure_prefill(
+    loaded: Any, pipeline: Any, lengths: list[int], chunk: int | None = None
+) -> dict[str, Any]:
+    """Peak memory of one prefill of a padded batch of prompts of ``lengths``, in this process.
+
+    Returns the lengths, ``rss_before`` (the resident set size before the prefill), ``peak`` (the
+    high-water mark after it, both bytes; reset first when the kernel allows, ``reset`` says
+    whether it did: otherwise the mark covers the process's whole life), the prefill's seconds
+    and the cache's bytes after compression.
+    """
+    import gc
+
+    from kvlab.engine.generation import prefill
+    from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
+
+    batch = padded_batch(loaded, lengths)
+    gc.collect()
+    reset = reset_peak_rss()
+    before = process_rss_bytes()
+    start = time.perf_counter()
+    state = prefill(loaded, pipeline, batch, decode_capacity=1, prefill_chunk=chunk)
+    seconds = time.perf_counter() - start
+    peak = process_peak_rss_bytes()
+    return {"T": max(lengths), "lengths": lengths, "rss_before": before, "peak": peak, "reset": reset,
+            "seconds": seconds, "kv_bytes": state.cache.kv_bytes()}  # fmt: skip
+
+
+def prefill_peaks(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`measure_prefill` for each prompt length of ``spec["contexts"]``, in this process.
+
+    ``spec``: ``model``, ``contexts`` (longest prompt per point), ``batch``, ``spread``, ``method``
+    (a preset), ``chunk`` (``model.prefill_chunk`` or None), ``threads``.
+    """
+    from kvlab.engine.attention import check_prefill_chunk
+
+    torch.set_num_threads(spec.get("threads", 1))
+    loaded = kvlab.load_model(spec["model"])
+    pipeline = kvlab.load_pipeline(spec["method"])
+    check_prefill_chunk(pipeline, spec.get("chunk"))
+    return [
+        measure_prefill(loaded, pipeline, padded_lengths(T, spec["batch"], spec["spread"]), spec.get("chunk"))
+        for T in spec["contexts"]
+    ]
+
+
+def measure_in_subprocess(
+    spec: dict[str, Any], rss_limit: float, timeout: float = 3600.0
+) -> list[dict[str, Any]]:
+    """:func:`prefill_peaks` of ``spec`` in a fresh Python process, killed past ``rss_limit`` bytes.
+
+    Returns its points; a process killed past the limit (or ``timeout`` seconds) gives one point
+    ``{"T": ..., "stopped": "rss" | "time"}`` for its first length (the others are not run).
+
+    Raises:
+        RuntimeError: the process failed otherwise (its stderr's tail in the message).
+    """
+    import psutil
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        command = [sys.executable, "-m", "kvlab.bench.memory", json.dumps(spec)]
+        child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+        proc, start, seen = psutil.Process(child.pid), time.monotonic(), 0
+        while child.poll() is None:
+            try:
+                seen = max(seen, proc.memory_info().rss)
+            except psutil.NoSuchProcess:
+                break
+            if seen > rss_limit or time.monotonic() - start > timeout:
+                child.kill()
+                child.wait()
+                stopped = "rss" if seen > rss_limit else "time"
+                return [{"T": spec["contexts"][0], "stopped": stopped, "seen": seen}]
+            time.sleep(0.05)
+        out.seek(0)
+        err.seek(0)
+        if child.wait() != 0:
+            tail = err.read()[-3000:]
+            raise RuntimeError(f"the measuring process failed (exit {child.returncode}):\n{tail}")
+        return json.loads(out.read().strip().splitlines()[-1])
+
+
+def run_prefill(opts: argparse.Namespace) -> None:
+    """``--prefill``: one fresh process per (prompt length, batch size); prints the table."""
+    info = kvlab.load_model(opts.model).info
+    limit = opts.rss_limit * 2**30
+    rows = []
+    for batch in parse_list(opts.batches, int):
+        for T in parse_list(opts.contexts, int):
+            spec = {"model": opts.model, "contexts": [T], "batch": batch, "spread": opts.spread,
+                    "method": opts.prefill_method, "chunk": opts.prefill_chunk,
+                    "threads": opts.threads}  # fmt: skip
+            [point] = measure_in_subprocess(spec, limit)
+            dense_mask = batch * T * T / 2**20  # one [B, T, T] bool mask, for scale
+            layer_kv = batch * info.num_kv_heads * T * info.head_dim * 2 * 4 / 2**20  # one layer, fp32
+            if "stopped" in point:
+                rows.append([context_label(T), batch, "", f"stopped: RSS > {opts.rss_limit:g} GiB", "", "",
+                             f"{layer_kv:.1f}", f"{dense_mask:.0f}"])  # fmt: skip
+                continue
+            rows.append([
+                context_label(T), batch, ",".join(str(n) for n in point["lengths"]),
+                f"{point['peak'] / 2**20:.0f}", f"{(point['peak'] - point['rss_before']) / 2**20:.0f}",
+                f"{point['seconds']:.1f}", f"{layer_kv:.1f}", f"{dense_mask:.0f}",
+            ])  # fmt: skip
+    headers = ["context", "batch", "prompt lengths", "peak RSS MiB", "prefill growth MiB", "prefill s",
+               "one layer's dense K/V MiB", "one [B, T, T] bool mask MiB"]  # fmt: skip
+    chunk = f"prefill_chunk {opts.prefill_chunk}" if opts.prefill_chunk else "one forward"
+    title = (
+        f"kvlab bench memory --prefill: {opts.model} ({info.num_layers} layers, {info.num_heads}/"
+        f"{info.num_kv_heads} heads, dim {info.head_dim}, fp32), {opts.prefill_method}, {chunk}, "
+        f"padded batches (sample i: T x (1 - {opts.spread:g} i) tokens), {opts.threads} CPU threads, "
+        "one process per row"
+    )
+    print_table(title, headers, rows)
+
+
+if __name__ == "__main__":  # the measuring process of --prefill: spec as JSON in, points as JSON out
+    print(json.dumps(prefill_peaks(json.loads(sys.argv[1]))))

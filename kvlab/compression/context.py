@@ -2,7 +2,14 @@
 
 Shapes: B batch, H query heads, Hkv KV heads, G = H / Hkv, T padded prompt length, D head dim.
 Batches are left padded; ``valid[b, t]`` is False on padding. Attention helpers are memoised so
-two components never compute the same attention twice.
+two components never compute the same attention twice, and work in blocks of query rows so that
+no helper needs more than a bounded ``[B, H, rows, T]`` block besides its ``O(T)`` result.
+
+Queries: after a one-forward prefill the context holds every prompt query (``query_start`` 0);
+after a chunked prefill (``model.prefill_chunk``) only those of the prompt's last positions (the
+largest recent window a component observes, and the last chunk). The helpers say which they
+need: the window helpers the last ``W`` queries, :meth:`LayerContext.cumulative_attention` all of
+them (refused otherwise, see ``docs/scaling.md``).
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from typing import Any
 
 import torch
 
+from kvlab.config.errors import ConfigError
+from kvlab.kernels import window_scores
 from kvlab.kernels.window_scores import window_attention_scores
 
 
@@ -22,7 +31,9 @@ class LayerContext:
     Attributes:
         layer_idx: index of the decoder layer (0-based).
         num_layers: number of decoder layers of the language model.
-        queries: post-RoPE queries ``[B, H, T, D]``.
+        queries: post-RoPE queries ``[B, H, Tq, D]`` of the prompt's last ``Tq`` positions
+            (``query_start = T - Tq``): every query (``Tq = T``) after a one-forward prefill, the
+            observed window and the last chunk after a chunked prefill.
         keys: post-RoPE keys ``[B, Hkv, T, D]`` (GQA heads not repeated).
         values: values ``[B, Hkv, T, D]``.
         valid: ``[B, T]`` bool, False on padding.
@@ -35,6 +46,10 @@ class LayerContext:
         window: ``[B]`` long, the recent window of each sample (``budget.window``, per sample):
             protected by the budget and observed by window scorers; set by the pipeline (None
             outside a pipeline: scorers use their own ``window``).
+        query_start: prompt position of ``queries[:, :, 0]`` (0: every query is held).
+        sliding_window: the layer's sliding window ``W`` (its queries see the ``W`` newest
+            positions), None for a full-attention layer; the pipeline then keeps only tokens the
+            next query can see (``model.compression.sliding_layers``).
     """
 
     layer_idx: int
@@ -48,6 +63,7 @@ class LayerContext:
     state: dict[str, Any] = field(default_factory=dict)
     protected: torch.Tensor | None = None
     window: torch.Tensor | None = None
+    query_start: int = 0
     sliding_window: int | None = None
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -131,48 +147,76 @@ class LayerContext:
             self._memo["keys_fp32"] = self.keys.float()
         return self._memo["keys_fp32"]
 
+    def last_queries(self, count: int, who: str = "a component") -> torch.Tensor:
+        """The queries of the prompt's last ``count`` positions, ``[B, H, count, D]``.
+
+        Raises:
+            ConfigError: the context holds fewer (a chunked prefill keeps only the largest
+                ``budget.window`` and the last chunk), naming ``who`` and ``model.prefill_chunk``.
+        """
+        held = self.queries.shape[2]
+        if count > held:
+            raise ConfigError(
+                f"{who} observes the last {count} queries, but this layer holds only the last {held} "
+                f"(the prompt was prefilled in chunks, model.prefill_chunk): observe at most budget.window "
+                "queries, or set model.prefill_chunk to null."
+            )
+        return self.queries[:, :, held - count :]
+
     def window_attention(self, window: int) -> torch.Tensor:
         """Attention probabilities of the last ``window`` queries over all keys, ``[B, H, W, T]`` fp32.
 
         Causal inside the window, padding keys masked; rows of padding queries (samples shorter
         than the window) are zero. Softmax runs in fp32 on logits computed in fp32 (see the
-        16-bit logits would reorder near-ties); the result is memoised per window size.
+        16-bit logits would reorder near-ties); the result is memoised per window size. Its
+        size is ``W x T x H`` per sample: a scorer that needs only sums over the window should
+        use :meth:`window_attention_scores`, which never holds it.
         """
         key = ("window_attention", window)
         if key not in self._memo:
-            self._memo[key] = attention_probs(
-                self.queries[:, :, -window:], self, first_query=self.seq_len - window
-            )
+            queries = self.last_queries(window, "window_attention")
+            self._memo[key] = attention_probs(queries, self, first_query=self.seq_len - window)
         return self._memo[key]
 
     def window_attention_scores(self, window: int) -> torch.Tensor:
         """Attention each key receives from the last ``window`` queries, per query head, ``[B, H, T]`` fp32.
 
         Equals ``window_attention(window).sum(-2)`` but goes through
-        :func:`kvlab.kernels.window_scores.window_attention_scores`, whose Triton kernel (CUDA)
-        never materialises the ``[B, H, W, T]`` probabilities; memoised per window size.
+        :func:`kvlab.kernels.window_scores.window_attention_scores`, which never materialises the
+        ``[B, H, W, T]`` probabilities (the Triton kernel on CUDA; blocks of heads and window rows
+        in the torch reference); memoised per window size.
         """
         key = ("window_attention_scores", window)
         if key not in self._memo:
             self._memo[key] = window_attention_scores(
-                self.queries[:, :, -window:], self.keys, self.valid, self.scaling
+                self.last_queries(window, "window_attention_scores"), self.keys, self.valid, self.scaling
             )
         return self._memo[key]
 
-    def cumulative_attention(self, chunk: int = 256) -> torch.Tensor:
+    def cumulative_attention(self, chunk: int | None = None) -> torch.Tensor:
         """Column sums of the full causal prompt attention (H2O's accumulated attention), ``[B, H, T]`` fp32.
 
-        Sums over every valid query; computed in chunks of ``chunk`` queries so the ``T x T``
-        matrix is never materialised.
+        Sums over every valid query, ``chunk`` queries at a time (default: 256, fewer when
+        ``B x H x chunk x T`` would pass :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`),
+        so neither the ``T x T`` matrix nor an unbounded block of it is materialised.
+
+        Raises:
+            ConfigError: the context does not hold every prompt query (a chunked prefill);
+                components using this declare ``chunked_prefill = False`` and are refused at
+                config time.
         """
         key = ("cumulative_attention",)
         if key not in self._memo:
             T = self.seq_len
+            queries = self.last_queries(T, "cumulative_attention (accumulated attention over every query)")
+            if chunk is None:
+                block = window_scores.REFERENCE_BLOCK_ELEMENTS
+                chunk = max(1, min(256, block // (self.batch_size * self.num_heads * T)))
             total = torch.zeros(
                 self.batch_size, self.num_heads, T, dtype=torch.float32, device=self.keys.device
             )
             for start in range(0, T, chunk):
-                probs = attention_probs(self.queries[:, :, start : start + chunk], self, first_query=start)
+                probs = attention_probs(queries[:, :, start : start + chunk], self, first_query=start)
                 total += probs.sum(-2)
             self._memo[key] = total
         return self._memo[key]

@@ -1,8 +1,14 @@
-"""Diversity scorers: LayerContext -> ``[B, Hkv, T]`` float32, higher means more distinct from the rest."""
+"""Diversity scorers: LayerContext -> ``[B, Hkv, T]`` float32, higher means more distinct from the rest.
+
+Keys are cast to fp32 before every reduction (the anchor means, the norms, the projections).
+``chunked_prefill`` as for importance scorers (:mod:`kvlab.compression.importance`): these read
+keys only, so a chunked prefill supports them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -12,9 +18,10 @@ from kvlab.config.registry import Registry
 
 
 class DiversityScorer:
-    """Base class: override :meth:`score`."""
+    """Base class: override :meth:`score`; set ``chunked_prefill`` (see the module docstring)."""
 
     registry_name: str = ""
+    chunked_prefill: ClassVar[bool] = False
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         """Return ``[B, Hkv, T]`` float32 scores, higher means keep."""
@@ -27,16 +34,33 @@ DIVERSITY: Registry[DiversityScorer] = Registry("diversity scorer", "model.compr
 @DIVERSITY.register("keydiff")
 @dataclass
 class KeyDiffScorer(DiversityScorer):
-    """KeyDiff (Park et al. 2025): ``s_t = -cos(k_t, mean_j k_j)`` per (sample, KV head).
+    """KeyDiff (Park et al. 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction ...", Sec. 3):
+    ``s_t = -cos(k_t, a)`` per (sample, KV head); keys pointing away from the anchor ``a`` are the
+    distinctive ones and are kept.
 
-    The anchor is the mean of the sample's valid (non-padding) keys; keys pointing away from it
-    are the distinctive ones.
+    ``anchor`` is a mean over the sample's valid (non-padding) keys, window included:
+
+    - ``unit_mean`` (default, the paper's): ``a = mean_j k_j / ||k_j||``, the mean of the
+      unit-normalised keys. KeyDiff obtains it by relaxing "keep the N keys of least pairwise
+      cosine similarity" (normalised keys, the kept subset's mean replaced by the mean over all
+      keys); kvpress's ``KeyDiffPress`` uses the same anchor.
+    - ``raw_mean``: ``a = mean_j k_j``, the mean of the raw keys (kvlab's anchor before it
+      followed the paper): a few large-norm keys pull it towards themselves.
+
+    With ``unit_mean`` the ranking per head equals MixKV's ``mean_key_diversity`` (which drops
+    the ``||a||`` factor). Shapes: keys ``[B, Hkv, T, D]`` -> scores ``[B, Hkv, T]`` fp32.
     """
 
+    anchor: Literal["unit_mean", "raw_mean"] = "unit_mean"
+    chunked_prefill: ClassVar[bool] = True  # keys only
+
     def score(self, ctx: LayerContext) -> torch.Tensor:
-        keys = ctx.keys.float()  # [B, Hkv, T, D]
-        weight = ctx.valid[:, None, :, None].float()
-        anchor = (keys * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True).clamp(min=1)
+        keys = ctx.keys_fp32()  # [B, Hkv, T, D]
+        if self.anchor == "unit_mean":
+            anchor = ctx.unit_key_mean()[:, :, None]  # [B, Hkv, 1, D]
+        else:
+            weight = ctx.valid[:, None, :, None].float()
+            anchor = (keys * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True).clamp(min=1)
         return -F.cosine_similarity(keys, anchor, dim=-1)
 
 
@@ -52,6 +76,8 @@ class MeanKeyDiversityScorer(DiversityScorer):
 
     Shapes: keys ``[B, Hkv, T, D]`` -> scores ``[B, Hkv, T]`` fp32.
     """
+
+    chunked_prefill: ClassVar[bool] = True  # keys only
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         projection = (ctx.keys_fp32() @ ctx.unit_key_mean()[..., None]).squeeze(-1)  # k_t . mean

@@ -1,7 +1,16 @@
 """Importance scorers: LayerContext -> ``[B, Hkv, T]`` float32 scores, higher means keep.
 
 Scores at padding positions are ignored (the pipeline masks them to -inf); scorers do not need
-to special-case padding beyond what :class:`LayerContext` helpers already do.
+to special-case padding beyond what :class:`LayerContext` helpers already do. Every scorer
+casts to fp32 before it reduces (norms, softmax, sums over the window or the GQA group,
+pooling): with 16-bit keys and queries the scores equal those of the fp32-upcast inputs, so a
+bf16 rounding tie never decides which token is kept.
+
+``chunked_prefill`` (class attribute) says whether a scorer works after a chunked prefill
+(``model.prefill_chunk``), where the layer holds every key and value but only the queries of
+the recent window: True for scorers of keys, values, positions and the window's attention;
+False for H2O's accumulated attention, which needs every query. A scorer that does not
+declare it is refused with chunked prefill (``docs/scaling.md``).
 """
 
 from __future__ import annotations
@@ -21,11 +30,14 @@ class ImportanceScorer:
 
     ``budget_settings`` maps a parameter that restates a budget setting to that setting (e.g.
     ``{"window": "window"}``): the pipeline fills it from ``budget`` when it is unset and
-    refuses a config where the two differ.
+    refuses a config where the two differ. ``chunked_prefill``: True when the scores need no
+    query older than the recent ``budget.window`` (see the module docstring); a subclass must
+    set it for ``model.prefill_chunk`` to accept it.
     """
 
     registry_name: str = ""
     budget_settings: ClassVar[dict[str, str]] = {}
+    chunked_prefill: ClassVar[bool] = False
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         """Return ``[B, Hkv, T]`` float32 scores, higher means keep."""
@@ -70,6 +82,7 @@ class WindowAttentionScorer(ImportanceScorer):
     gqa_order: Literal["group_then_pool", "pool_then_group"] = "group_then_pool"
 
     budget_settings: ClassVar[dict[str, str]] = {"window": "window"}
+    chunked_prefill: ClassVar[bool] = True  # the window's queries are held after a chunked prefill
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -85,8 +98,9 @@ class WindowAttentionScorer(ImportanceScorer):
         """``[B, Hkv, T]`` scores of every sample as if its observation window were ``window``."""
         T = ctx.seq_len
         window = min(window, T)
+        shape = (ctx.batch_size, ctx.num_kv_heads, T)
         if window == T:  # the whole (padded) prompt is the window: everything is kept
-            return torch.full((ctx.batch_size, ctx.num_kv_heads, T), float("inf"), device=ctx.keys.device)
+            return torch.full(shape, float("inf"), dtype=torch.float32, device=ctx.keys.device)
         scores = ctx.window_attention_scores(window)  # [B, H, T]: sum over the window (kernel on CUDA)
         if self.agg == "mean":
             scores = scores / window
@@ -95,7 +109,7 @@ class WindowAttentionScorer(ImportanceScorer):
             past = pool_tokens(reduce_groups(past, ctx.num_kv_heads, self.gqa), self.pool, self.kernel)
         else:
             past = reduce_groups(pool_tokens(past, self.pool, self.kernel), ctx.num_kv_heads, self.gqa)
-        out = torch.full((ctx.batch_size, ctx.num_kv_heads, T), float("inf"), device=past.device)
+        out = torch.full(shape, float("inf"), dtype=torch.float32, device=past.device)
         out[..., : T - window] = past
         return out
 
@@ -123,8 +137,11 @@ class CumulativeAttentionScorer(ImportanceScorer):
     Zhang et al. 2023, accumulated attention at prefill; LOOK-M uses the same score). Earlier
     tokens are seen by more queries; that bias is part of the method. ``normalize: by_count``
     divides by the number of queries that could see the token (a common variant).
+
+    Needs every prompt query, so a chunked prefill (``model.prefill_chunk``) refuses it.
     """
 
+    chunked_prefill: ClassVar[bool] = False  # every query's attention row, gone after its chunk
     gqa: GqaReduce = "mean"
     normalize: Literal["none", "by_count"] = "none"
 
@@ -144,6 +161,7 @@ class KeyNormScorer(ImportanceScorer):
     ``sign: 1`` flips it (keep high-norm keys) for ablations.
     """
 
+    chunked_prefill: ClassVar[bool] = True  # keys only
     sign: Literal[-1, 1] = -1
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
@@ -154,6 +172,8 @@ class KeyNormScorer(ImportanceScorer):
 @dataclass
 class ValueNormScorer(ImportanceScorer):
     """Value norm: ``s_t = ||v_t||_2`` (MixKV's intrinsic importance term, VNorm)."""
+
+    chunked_prefill: ClassVar[bool] = True  # values only
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         return ctx.values.float().norm(dim=-1)
@@ -167,6 +187,8 @@ class RecencyScorer(ImportanceScorer):
     Combined with ``budget.sinks`` (the attention sinks, 4 in Xiao et al. 2023) this keeps the
     first ``sinks`` tokens plus the most recent ``budget - sinks`` tokens.
     """
+
+    chunked_prefill: ClassVar[bool] = True  # positions only
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         pos = ctx.positions().float()  # [B, T]
@@ -182,6 +204,7 @@ class RandomScorer(ImportanceScorer):
     sample's own coordinates and right-aligned into the padded batch).
     """
 
+    chunked_prefill: ClassVar[bool] = True  # nothing from the model
     seed: int = 0
 
     def score(self, ctx: LayerContext) -> torch.Tensor:

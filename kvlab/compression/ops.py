@@ -1,4 +1,8 @@
-"""Small tensor operations shared by scorers: GQA reduction and 1-D pooling over tokens."""
+"""Small tensor operations shared by scorers: GQA reduction and 1-D pooling over tokens.
+
+Both reduce, so both compute in fp32 whatever the scores' dtype: a 16-bit mean or pooled sum
+rounds near-equal scores to ties, and a tie decides by position which token is kept.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +16,12 @@ Pool = Literal["avg", "max", "none"]
 
 
 def reduce_groups(scores: torch.Tensor, num_kv_heads: int, how: GqaReduce = "mean") -> torch.Tensor:
-    """Aggregate query-head scores ``[B, H, T]`` to KV heads ``[B, Hkv, T]``.
+    """Aggregate query-head scores ``[B, H, T]`` to KV heads ``[B, Hkv, T]`` fp32.
 
     Query head ``h`` belongs to KV head ``h // G`` (transformers' ``repeat_kv`` order).
     """
     B, H, T = scores.shape
-    grouped = scores.view(B, num_kv_heads, H // num_kv_heads, T)
+    grouped = scores.float().view(B, num_kv_heads, H // num_kv_heads, T)
     if how == "mean":
         return grouped.mean(2)
     if how == "max":
@@ -26,11 +30,12 @@ def reduce_groups(scores: torch.Tensor, num_kv_heads: int, how: GqaReduce = "mea
 
 
 def pool_tokens(scores: torch.Tensor, pool: Pool, kernel: int) -> torch.Tensor:
-    """Pool ``[B, N, T]`` scores along tokens with stride 1 and ``padding = kernel // 2``.
+    """Pool ``[B, N, T]`` scores along tokens with stride 1 and ``padding = kernel // 2`` (fp32 out).
 
     ``avg`` pads with zeros and divides edge windows by ``kernel`` (``count_include_pad``, as
     SnapKV's ``F.avg_pool1d``); ``max`` pads with -inf. An even kernel is trimmed back to T.
     """
+    scores = scores.float()
     if pool == "none" or kernel <= 1:
         return scores
     B, N, T = scores.shape

@@ -8,6 +8,10 @@ through a :class:`CompressionSession` held in a context variable while kvlab run
 - Prefill (the layer is not compressed yet): exact causal attention over the full prompt with
   kvlab's own padding mask (transformers builds no mask for a custom attention name), then
   the layer's pipeline chooses what to keep and the cache is compacted at once ("layerwise").
+  No ``T x T`` tensor is built for any batch (:func:`prefill_attention`). With
+  ``model.prefill_chunk`` the prompt comes in several forwards: a chunk before the last only
+  attends (its queries over the dense K/V so far) and the layer is compressed in the last one,
+  with the recent window's queries held over from the earlier chunks (:func:`check_prefill_chunk`).
 - Decode: attention over the layer's ragged kept tokens plus the decoded tokens. When the
   decode policy asked for them (``session.decode_attention`` is a dict), the step's attention
   probabilities over the layer's entries are stored there for the policy.
@@ -65,6 +69,11 @@ class CompressionSession:
             ``start``, by setting a dict): then every decode step stores layer ``l``'s
             :meth:`~kvlab.engine.cache.CompressedLayer.attention_probs`, ``[B, Hkv, G, q, S]``
             fp32 over the layer's ``S`` slots, at key ``l`` (the policy takes them in ``after_step``).
+        prefill_chunk: None: the prompt comes in one forward; N: in chunks of N tokens (each
+            layer is compressed when the chunk that ends the prompt reaches it).
+        held_queries: with chunks, the queries of the last ``held_queries`` positions a layer
+            keeps from the chunks before the last (the largest window a scorer observes), so the
+            compressing :class:`LayerContext` holds them (:func:`observed_window`).
     """
 
     cache: CompressedCache
@@ -75,7 +84,28 @@ class CompressionSession:
     reports: list[LayerReport] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
     decode_attention: dict[int, torch.Tensor] | None = None
+    prefill_chunk: int | None = None
+    held_queries: int = 0
     _placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def hold_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+        """Keep the last :attr:`held_queries` queries of layer ``layer_idx`` seen so far (chunked
+        prefill: the window the scorers observe may reach back into earlier chunks).
+
+        ``query`` ``[B, H, q, D]``: the queries of a chunk before the last.
+        """
+        if self.held_queries <= 0:
+            return
+        held = self._queries.get(layer_idx)
+        joined = query if held is None else torch.cat([held, query], dim=2)
+        self._queries[layer_idx] = joined[:, :, -self.held_queries :].clone()  # not a view of the chunk
+
+    def observed_queries(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
+        """The last chunk's ``query [B, H, q, D]`` preceded by the queries held from earlier chunks,
+        ``[B, H, n, D]`` (the queries of the prompt's last ``n`` positions); drops the held ones."""
+        held = self._queries.pop(layer_idx, None)
+        return query if held is None else torch.cat([held, query], dim=2)
 
     def masks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(valid, modality)``, both ``[B, T]``, on ``device`` (a layer's device under a
@@ -237,6 +267,12 @@ def attention_options(module: torch.nn.Module, kwargs: dict[str, Any]) -> Attent
     )
 
 
+#: Elements ``B x H x rows x keys`` of one block of the query-blocked prefill attention (the
+#: padded, windowed, soft-capped and sink paths): 2**24 fp32 logits are 64 MiB, whatever the
+#: prompt length, so the prefill's attention working set never grows with ``T x T``.
+PREFILL_BLOCK_ELEMENTS = 1 << 24
+
+
 def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -244,43 +280,228 @@ def prefill_attention(
     valid: torch.Tensor,
     scaling: float,
     options: AttentionOptions | None = None,
+    block_elements: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention over the whole prompt: query ``[B, H, T, D]``, key/value ``[B, Hkv, T, D]``.
+    """Causal attention of the last ``q`` prompt positions over the first ``k``; no ``T x T`` tensor.
 
-    Returns ``[B, H, T, D]``.
+    Shapes: query ``[B, H, q, D]`` (positions ``k - q .. k - 1``; ``q == k`` for a whole prompt,
+    ``q < k`` for a chunk of a chunked prefill), key ``[B, Hkv, k, D]``, value ``[B, Hkv, k, Dv]``,
+    valid ``[B, k]`` (False on padding). Returns ``[B, H, q, Dv]``.
 
-    Keys at padding positions are masked; a padding query attends to itself only (its output
-    is never used) so no row is empty. Without padding or variants it is sdpa's own causal path.
-    ``options`` (sliding window, soft-capping, sinks) follow transformers' eager attention; the
-    window counts positions in the padded row, which equal each sample's own position differences.
+    Keys at padding positions are masked; a padding query also sees itself (and the valid keys
+    before it, which left padding never has: then its output is its own value, or a share of it
+    with sinks), so no row is empty; that output is never used. ``options`` (sliding window,
+    soft-capping, sinks) follow transformers' eager attention; the window counts positions in the
+    padded row, which equal each sample's own position differences. Three paths, none of which
+    materialises a ``[B, T, T]`` mask or ``[B, H, T, T]`` logits:
+
+    - whole prompt, no padding, no variant: sdpa's own causal path (flash attention);
+    - whole left-padded prompt, no variant: sdpa's causal path per sample on its valid suffix;
+    - anything else (variants, chunks, other padding): blocks of query rows against the keys
+      they can see, ``B x H x rows x keys <= block_elements`` (default
+      :data:`PREFILL_BLOCK_ELEMENTS`; :func:`_blocked_attention`).
     """
     options = options or AttentionOptions()
-    if options.plain and bool(valid.all()):
-        return F.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+    block_elements = block_elements or PREFILL_BLOCK_ELEMENTS
+    q, k = query.shape[2], key.shape[2]
+    if options.plain and q == k:
+        if bool(valid.all()):
+            return F.scaled_dot_product_attention(
+                query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+            )
+        if _left_padded(valid):
+            return _per_sample_attention(query, key, value, valid, scaling)
+    return _blocked_attention(query, key, value, valid, scaling, options, block_elements)
+
+
+def _left_padded(valid: torch.Tensor) -> bool:
+    """True when each row of ``valid [B, k]`` is padding then tokens (its valid tokens are a suffix)."""
+    return bool((valid[:, 1:] >= valid[:, :-1]).all())
+
+
+def _own_values(value: torch.Tensor, groups: int) -> torch.Tensor:
+    """``value [Hkv, n, Dv]`` repeated to the query heads, ``[H, n, Dv]``: what a query attending
+    only to itself returns (padding queries)."""
+    return value.repeat_interleave(groups, dim=0)
+
+
+def _per_sample_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Causal attention of a left-padded batch, one sdpa call per sample on its valid suffix.
+
+    Shapes as :func:`prefill_attention` with ``q == k == T``. A padding query gets its own value.
+    """
+    B, H, T, _ = query.shape
+    groups = H // key.shape[1]
+    out = query.new_empty(B, H, T, value.shape[-1])
+    for b, length in enumerate(valid.sum(-1).tolist()):
+        pad = T - length
+        out[b, :, :pad] = _own_values(value[b, :, :pad], groups)
+        if length:
+            out[b : b + 1, :, pad:] = F.scaled_dot_product_attention(
+                query[b : b + 1, :, pad:],
+                key[b : b + 1, :, pad:],
+                value[b : b + 1, :, pad:],
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=True,
+            )
+    return out
+
+
+def _block_rows(B: int, H: int, q: int, k: int, window: int | None, elements: int) -> int:
+    """Query rows per block so that ``B x H x rows x keys seen <= elements`` (at least one row).
+
+    A block of ``r`` rows sees at most ``k`` keys, or ``r + window - 1`` under a sliding window.
+    """
+    rows = elements // (B * H * k)
+    if window is not None and window < k:
+        rows = max(rows, min(window, elements // (B * H * 2 * window)))
+    return max(1, min(q, rows))
+
+
+def _blocked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    options: AttentionOptions,
+    elements: int,
+) -> torch.Tensor:
+    """Blocks of query rows, each against the keys it can see, with an ``O(rows x keys)`` mask.
+
+    Shapes as :func:`prefill_attention`. Without soft-capping or sinks a block is one masked
+    sdpa call; with them it is transformers' eager attention on the block (logits in the input
+    dtype, soft-capped, masked, the sinks appended to the softmax denominator). Each query row
+    is computed exactly as in one dense pass: blocking only bounds the working set.
+    """
+    B, H, q, _ = query.shape
+    k = key.shape[2]
+    groups = H // key.shape[1]
+    offset = k - q  # position of the first query
+    window = options.sliding_window
+    eager = options.softcap is not None or options.sinks is not None
+    if eager:  # eager attention repeats K/V to the query heads, as transformers' eager path
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    out = query.new_empty(B, H, q, value.shape[-1])
+    step = _block_rows(B, H, q, k, window, elements)
+    positions = torch.arange(k, device=query.device)
+    for r0 in range(0, q, step):
+        r1 = min(q, r0 + step)
+        first, last = offset + r0, offset + r1  # query positions [first, last)
+        lo = max(0, first - window + 1) if window is not None else 0
+        query_pos = positions[first:last, None]  # [rows, 1]
+        key_pos = positions[None, lo:last]  # [1, keys]
+        seen = key_pos <= query_pos
+        if window is not None:
+            seen = seen & (key_pos > query_pos - window)
+        mask = seen[None] & valid[:, None, lo:last]  # [B, rows, keys]
+        mask = mask | ((key_pos == query_pos)[None] & ~valid[:, first:last, None])
+        block = query[:, :, r0:r1]
+        if not eager:
+            out[:, :, r0:r1] = F.scaled_dot_product_attention(
+                block, key[:, :, lo:last], value[:, :, lo:last], attn_mask=mask[:, None], scale=scaling,
+                enable_gqa=True,
+            )  # fmt: skip
+            continue
+        logits = torch.matmul(block, key[:, :, lo:last].transpose(-1, -2)) * scaling  # [B, H, rows, keys]
+        if options.softcap is not None:
+            logits = torch.tanh(logits / options.softcap) * options.softcap
+        logits = logits.masked_fill(~mask[:, None], float("-inf"))
+        if options.sinks is not None:
+            sinks = options.sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+            logits = torch.cat([logits, sinks], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., : last - lo]
+        out[:, :, r0:r1] = torch.matmul(probs.to(value.dtype), value[:, :, lo:last])
+    return out
+
+
+# --- chunked prefill (model.prefill_chunk) ------------------------------------------------------
+CHUNK_FIELD = "model.prefill_chunk"
+
+
+def _fields(pipeline: Pipeline, where: str = "model.compression") -> Iterator[tuple[str, Any]]:
+    """Every component of ``pipeline`` with its YAML field (branches and route parts included)."""
+    for role, scorer in [*pipeline.importance.items(), *pipeline.diversity.items()]:
+        kind = "importance" if role in pipeline.importance else "diversity"
+        yield f"{where}.{kind}.{role}", scorer
+    slots = {"mixer": pipeline.mixer, "allocate.layer": pipeline.layer_allocator,
+             "allocate.head": pipeline.head_allocator, "allocate.modality": pipeline.modality_allocator,
+             "select": pipeline.selector, "decode": pipeline.decode_policy}  # fmt: skip
+    yield from ((f"{where}.{name}", c) for name, c in slots.items() if c is not None)
+    if pipeline.route_rule is not None:
+        yield f"{where}.route.rule", pipeline.route_rule
+        for name, part in pipeline.route_rule.parts().items():
+            yield f"{where}.route.rule.{name}", part
+    for name, branch in pipeline.branches.items():
+        yield from _fields(branch, f"{where}.route.branches.{name}")
+
+
+def check_prefill_chunk(pipeline: Pipeline, prefill_chunk: int | None) -> None:
+    """Refuse ``model.prefill_chunk`` when a component cannot score a prompt prefilled in chunks.
+
+    A chunked prefill keeps every key and value of the prompt until the layer is compressed,
+    but only the queries of the recent window (:attr:`CompressionSession.held_queries`). A
+    component says whether that suffices with the class attribute ``chunked_prefill``:
+    importance and diversity scorers must declare it (a scorer that does not is refused), any
+    other component is refused only when it declares ``chunked_prefill = False``.
+    The table of the built-in components is in ``docs/scaling.md``.
+
+    Raises:
+        ConfigError: a bad value, or a component that needs every prompt query's attention
+            (H2O's accumulated attention, LOOK-M's), naming its field and ``model.prefill_chunk``.
+    """
+    if prefill_chunk is None:
+        return
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ConfigError(
+            f"{CHUNK_FIELD} must be null (the prompt in one forward) or a number of tokens >= 1 per "
+            f"prefill chunk, got {prefill_chunk!r}."
         )
-    T = query.shape[2]
-    causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
-    if options.sliding_window is not None:
-        causal = causal & ~torch.ones_like(causal).tril(-options.sliding_window)
-    mask = causal[None] & valid[:, None, :]
-    mask = mask | (torch.eye(T, dtype=torch.bool, device=query.device)[None] & ~valid[:, :, None])
-    if options.softcap is None and options.sinks is None:
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask[:, None], scale=scaling, enable_gqa=True
+    from kvlab.compression.diversity import DiversityScorer
+    from kvlab.compression.importance import ImportanceScorer
+
+    for where, component in _fields(pipeline):
+        scorer = isinstance(component, ImportanceScorer | DiversityScorer)
+        supported = getattr(component, "chunked_prefill", not scorer)
+        if supported:
+            continue
+        name = getattr(component, "registry_name", "") or type(component).__name__
+        bases = (ImportanceScorer, DiversityScorer, object)
+        declared = any("chunked_prefill" in vars(cls) for cls in type(component).__mro__ if cls not in bases)
+        reason = (
+            "needs the attention of every prompt query, which a chunked prefill does not keep"
+            if declared
+            else "does not declare `chunked_prefill` (set `chunked_prefill = True` on its class if it "
+            "reads only keys, values and the queries of the recent budget.window)"
         )
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)
-    value = value.repeat_interleave(groups, dim=1)
-    logits = torch.matmul(query, key.transpose(-1, -2)) * scaling  # [B, H, T, T]
-    if options.softcap is not None:
-        logits = torch.tanh(logits / options.softcap) * options.softcap
-    logits = logits.masked_fill(~mask[:, None], float("-inf"))
-    if options.sinks is not None:
-        sinks = options.sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
-        logits = torch.cat([logits, sinks], dim=-1)
-    probs = torch.softmax(logits, dim=-1)[..., :T]
-    return torch.matmul(probs.to(value.dtype), value)
+        raise ConfigError(
+            f"{where} ({name}) {reason}, so it cannot run with {CHUNK_FIELD} = {prefill_chunk}. Set "
+            f"{CHUNK_FIELD} to null (the prompt in one forward), or use a method whose scorers observe only "
+            "the recent window (snapkv, pyramidkv, adakv, mixkv_*, knorm, keydiff, streamingllm); "
+            "docs/scaling.md lists which components support chunked prefill."
+        )
+
+
+def chunked_vlm_message(model: str, prefill_chunk: int) -> str:
+    """The refusal of ``model.prefill_chunk`` for a vision-language model (one paragraph)."""
+    return (
+        f"{CHUNK_FIELD} = {prefill_chunk}: model {model!r} is a vision-language model, whose forward merges "
+        "the image features into the prompt and computes its positions (M-RoPE) over the whole prompt, "
+        "which chunks of input ids cannot carry; it prefills in one forward. Set "
+        f"{CHUNK_FIELD} to null for this model."
+    )
+
+
+def observed_window(pipeline: Pipeline, lengths: torch.Tensor) -> int:
+    """The most recent queries any component of ``pipeline`` observes for prompts of ``lengths [B]``:
+    the largest ``budget.window`` (per sample, branches included), at least 1."""
+    budgets = [pipeline.budget, *(branch.budget for branch in pipeline.branches.values())]
+    windows = [int(b.window_counts(lengths).max()) for b in budgets if b is not None and lengths.numel()]
+    return max([1, *windows])
 
 
 def kvlab_attention(
@@ -322,14 +543,20 @@ def kvlab_attention(
         if session.decode_attention is not None:
             session.decode_attention[layer_idx] = layer.attention_probs(query, scaling, options)
         return out.transpose(1, 2).contiguous(), None
-    if query.shape[2] != session.valid.shape[1] or key.shape[2] != query.shape[2]:
+    T, q, k = session.valid.shape[1], query.shape[2], key.shape[2]
+    whole = q == k == T
+    if not whole and (session.prefill_chunk is None or k > T or q > k):
         raise RuntimeError(
-            "kvlab compresses at prefill: the first forward must contain the whole prompt "
-            f"(got {query.shape[2]} queries, {key.shape[2]} keys, prompt of {session.valid.shape[1]})"
+            "kvlab compresses at prefill: the first forward must contain the whole prompt, or chunks of "
+            f"it when model.prefill_chunk is set (got {q} queries, {k} keys, prompt of {T}, "
+            f"prefill_chunk {session.prefill_chunk})"
         )
-    out = prefill_attention(query, key, value, session.masks_on(query.device)[0], scaling, options)
+    out = prefill_attention(query, key, value, session.masks_on(query.device)[0][:, :k], scaling, options)
+    if k < T:  # a chunk before the last: the layer's dense K/V grow in the cache, nothing is compressed
+        session.hold_queries(layer_idx, query)
+        return out.transpose(1, 2).contiguous(), None
     layer.sliding_window = options.sliding_window  # the cache then keeps kept entries' positions
-    _compress_layer(session, layer_idx, query, key, value, scaling)
+    _compress_layer(session, layer_idx, session.observed_queries(layer_idx, query), key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -347,6 +574,7 @@ def _compress_layer(
         layer_idx=layer_idx,
         num_layers=len(session.cache.layers),
         queries=query,
+        query_start=key.shape[2] - query.shape[2],
         keys=key,
         values=value,
         valid=valid,
