@@ -5,22 +5,186 @@
 :mod:`kvlab.kernels.tl.decode_attention` on CUDA tensors and to
 :func:`ragged_decode_attention_reference` elsewhere. Both take the same arguments.
 
+The torch path reads the cache where it lies, with no per-step gather or dtype copy of the kept
+entries. The flat buffer ``[N, D]`` is cut into :class:`SegmentRuns`: consecutive (sample,
+head) segments of equal length whose starts are evenly spaced are one strided
+``[count, length, D]`` view (equal-length heads, as uniform allocators give, are one run: the
+whole buffer viewed as ``[B * Hkv, L, D]``; a ragged layer is one run per distinct-length head).
+On CPU each run is one call of torch's CPU flash attention (the kernel behind
+``scaled_dot_product_attention``: the cache's own dtype is read, logits and accumulation are
+fp32), the decode entries one more, and the parts are merged by their log-sum-exp (three small
+ops, see :func:`_flash_attention`). fp32 results therefore change only by summation order; the
+number of tensor ops per layer stays about what transformers' own sdpa path takes. Tensors on
+other devices without the kernel (``kernels: reference`` on CUDA) take
+:func:`padded_decode_attention`.
+
 Attention variants (a sliding window over the entries' original positions, logit soft-capping,
 per-head sink logits) and padding entries in the decode region (``decode_valid``, left by a
-padded block of questions) are implemented by the reference only: the dispatcher sends every
-call that asks for one to the reference, on CUDA too, so such a layer is never run by a kernel
-that would ignore it.
+padded block of questions) are implemented by :func:`padded_decode_attention`, which gathers
+every head padded to the longest and attends in fp32 with masks: exact, slower. The dispatcher
+sends every call that asks for one to the torch path, on CUDA too, so such a layer is never run
+by a kernel that would ignore it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.dispatch import CALLS, get_mode, use_triton
 
+FULL_PRECISION = (torch.float32, torch.float64)  # a matmul of these gives full-precision logits
 
-def ragged_decode_attention_reference(
+
+@dataclass(frozen=True)
+class SegmentRun:
+    """Segments ``first .. first + count - 1`` (flat index ``b * Hkv + h``) of one ``length``,
+    starting at rows ``row, row + stride, ...`` of the flat buffer: one strided view."""
+
+    first: int
+    count: int
+    length: int
+    row: int
+    stride: int
+
+    @property
+    def segments(self) -> slice:
+        return slice(self.first, self.first + self.count)
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[count, length, D]`` view of ``flat [N, D]`` (no copy)."""
+        rows, cols = flat.stride()
+        return flat.as_strided(
+            (self.count, self.length, flat.shape[1]),
+            (self.stride * rows, rows, cols),
+            flat.storage_offset() + self.row * rows,
+        )
+
+
+@dataclass(frozen=True)
+class SegmentRuns:
+    """The (sample, head) segments of a flat buffer as strided runs (see the module docstring).
+
+    ``width`` is the longest segment; ``dense`` is True when one run covers every segment, so
+    the attention needs no padding at all.
+    """
+
+    runs: tuple[SegmentRun, ...]
+    segments: int
+    width: int
+
+    @classmethod
+    def of(cls, starts: torch.Tensor, lengths: torch.Tensor) -> SegmentRuns:
+        """Runs of ``starts / lengths [B, Hkv]`` (one host sync; the cache keeps the result)."""
+        start, length = starts.flatten().tolist(), lengths.flatten().tolist()
+        runs, i = [], 0
+        while i < len(start):
+            j, stride = i + 1, max(length[i], 1)
+            if j < len(start) and length[j] == length[i] and start[j] > start[i]:
+                stride = start[j] - start[i]
+                while j < len(start) and length[j] == length[i] and start[j] - start[j - 1] == stride:
+                    j += 1
+            runs.append(SegmentRun(i, j - i, length[i], start[i], stride))
+            i = j
+        return cls(tuple(runs), len(start), max(length, default=0))
+
+    @property
+    def dense(self) -> bool:
+        return len(self.runs) == 1 and self.runs[0].length == self.width
+
+
+def grouped_logits(
+    query: torch.Tensor,
+    prompt_keys: torch.Tensor,
+    runs: SegmentRuns,
+    decode_keys: torch.Tensor,
+    width: int | None = None,
+) -> torch.Tensor:
+    """Unscaled logits of ``query [n, r, D]`` over every segment and the decode entries.
+
+    ``n = B * Hkv`` segments, ``r`` query rows per segment, ``decode_keys [n, t, D]``. Returns
+    ``[n, r, width + t]`` in the query dtype: segment ``i``'s prompt entries in slots
+    ``0 .. length - 1``, ``-inf`` up to ``width`` (default: the longest segment), then the decode
+    entries. One matmul per run, over views of the flat buffer.
+    """
+    width = runs.width if width is None else width
+    decode = torch.matmul(query, decode_keys.transpose(-1, -2))
+    if runs.dense and width == runs.width:
+        return torch.cat([torch.matmul(query, runs.runs[0].view(prompt_keys).transpose(-1, -2)), decode], -1)
+    n, r, _ = query.shape
+    logits = query.new_full((n, r, width + decode_keys.shape[1]), float("-inf"))
+    for run in runs.runs:
+        if run.length:
+            keys = run.view(prompt_keys).transpose(-1, -2)
+            logits[run.segments, :, : run.length] = torch.matmul(query[run.segments], keys)
+    logits[..., width:] = decode
+    return logits
+
+
+def _flash(query, keys, values, scaling, mask=None):
+    """torch's CPU flash attention (what ``scaled_dot_product_attention`` runs on CPU), which also
+    returns the log-sum-exp: ``[n, 1, r, D]`` in the inputs' dtype and ``[n, 1, r]`` (fp32, fp64
+    for fp64). 16-bit inputs are read as they are; logits and accumulation are fp32."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(query, keys, values, 0.0, False, attn_mask=mask, scale=scaling)
+
+
+def _decode_mask(q: int, rows: int, decode_length: int, like: torch.Tensor) -> torch.Tensor:
+    """``[r, t]`` additive mask (``like`` 's dtype): row ``r`` (query ``r % q`` of a block of ``q``)
+    sees the decode slots up to its own."""
+    own = decode_length - q + torch.arange(rows, device=like.device) % q
+    hidden = torch.arange(decode_length, device=like.device)[None, :] > own[:, None]
+    return like.new_zeros(rows, decode_length).masked_fill_(hidden, float("-inf"))
+
+
+def _flash_attention(
+    query: torch.Tensor,
+    prompt_keys: torch.Tensor,
+    prompt_values: torch.Tensor,
+    runs: SegmentRuns,
+    decode_keys: torch.Tensor,
+    decode_values: torch.Tensor,
+    scaling: float,
+    q: int,
+) -> torch.Tensor:
+    """``[n, r, D]``: one flash call per run and one over the decode entries, merged by log-sum-exp.
+
+    With ``lse_p`` / ``lse_d`` the log-sum-exps of the prompt and decode parts, the prompt part's
+    share of the softmax mass is ``sigmoid(lse_p - lse_d)``, so the result is
+    ``lerp(out_d, out_p, sigmoid(lse_p - lse_d))`` (in fp32 for 16-bit inputs): three small ops,
+    exact up to rounding. A head with no prompt entry has ``lse_p = -inf`` (share 0).
+    """
+    n, rows, D = query.shape
+    grouped = query[:, None]  # [n, 1, r, D]: each segment one "batch" entry with one head
+    outs, lses = [], []
+    for run in runs.runs:
+        if run.length:
+            keys, values = run.view(prompt_keys)[:, None], run.view(prompt_values)[:, None]
+            out, lse = _flash(grouped[run.segments], keys, values, scaling)
+        else:
+            out = query.new_zeros(run.count, 1, rows, D)
+            lse = query.new_full((run.count, 1, rows), float("-inf"), dtype=_lse_dtype(query))
+        outs.append(out)
+        lses.append(lse)
+    out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+    t = decode_keys.shape[1]
+    if t == 0:
+        return out[:, 0]
+    mask = _decode_mask(q, rows, t, query) if q > 1 else None
+    decode, decode_lse = _flash(grouped, decode_keys[:, None], decode_values[:, None], scaling, mask)
+    share = torch.sigmoid(lse - decode_lse)[..., None]  # [n, 1, r, 1]
+    if query.dtype in FULL_PRECISION:
+        return torch.lerp(decode, out, share)[:, 0]
+    return torch.lerp(decode.float(), out.float(), share).to(query.dtype)[:, 0]
+
+
+def _lse_dtype(query: torch.Tensor) -> torch.dtype:
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
+
+
+def padded_decode_attention(
     query: torch.Tensor,
     prompt_keys: torch.Tensor,
     prompt_values: torch.Tensor,
@@ -40,28 +204,10 @@ def ragged_decode_attention_reference(
     query_positions: torch.Tensor | None = None,
     decode_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of new queries over each (sample, KV head)'s kept prompt tokens plus decoded tokens.
+    """The masked path: every head's segment gathered, padded to the longest, attended in fp32.
 
-    Args:
-        query: ``[B, H, q, D]`` post-RoPE queries of the ``q`` newest tokens (already appended to
-            the decode region, so query ``i`` sees decode entries ``< decode_length - q + i + 1``).
-        prompt_keys / prompt_values: ``[N, D]`` flat kept prompt entries.
-        starts / lengths: ``[B, Hkv]`` segment offsets and sizes in the flat buffers.
-        decode_keys / decode_values: ``[B, Hkv, C, D]`` decode region (first ``decode_length`` used).
-        scaling: softmax scale.
-        max_prompt_length: ``lengths.max()`` if the caller knows it (saves a device sync per call).
-        sliding_window: query at original position ``p`` sees only entries at positions
-            ``(p - sliding_window, p]``; needs ``prompt_positions`` ``[N]``, ``decode_positions``
-            ``[B, Hkv, C]`` (original positions of the entries) and ``query_positions``
-            ``[B, q]`` (each sample's own positions of the new tokens).
-        softcap: logits become ``tanh(logits / softcap) * softcap`` before masking.
-        sinks: ``[H]`` one extra logit per query head in the softmax denominator (no value row).
-        decode_valid: ``[B, C]`` bool, False on padding entries of the decode region (hidden from
-            every query but their own, so a padding query's output stays finite), or None.
-
-    Returns:
-        ``[B, H, q, D]`` in the query dtype; logits, softmax and the weighted sum run in fp32.
-        GQA: query head ``h`` reads KV head ``h // (H // Hkv)``.
+    Arguments and result as :func:`ragged_decode_attention_reference`. Implements the attention
+    variants; copies the kept entries (in fp32) at every call.
     """
     B, H, q, D = query.shape
     Hkv = starts.shape[1]
@@ -110,6 +256,78 @@ def ragged_decode_attention_reference(
     return out.view(B, H, q, D).to(query.dtype)
 
 
+def reads_in_place(query: torch.Tensor) -> bool:
+    """Whether the torch path attends to a cache of ``query`` 's device without copying it (CPU:
+    torch's CPU flash attention reads every float dtype as it is)."""
+    return query.device.type == "cpu" and query.dtype.is_floating_point
+
+
+def ragged_decode_attention_reference(
+    query: torch.Tensor,
+    prompt_keys: torch.Tensor,
+    prompt_values: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    decode_keys: torch.Tensor,
+    decode_values: torch.Tensor,
+    decode_length: int,
+    scaling: float,
+    max_prompt_length: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    prompt_positions: torch.Tensor | None = None,
+    decode_positions: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
+    decode_valid: torch.Tensor | None = None,
+    runs: SegmentRuns | None = None,
+) -> torch.Tensor:
+    """Attention of new queries over each (sample, KV head)'s kept prompt tokens plus decoded tokens.
+
+    Args:
+        query: ``[B, H, q, D]`` post-RoPE queries of the ``q`` newest tokens (already appended to
+            the decode region, so query ``i`` sees decode entries ``< decode_length - q + i + 1``).
+        prompt_keys / prompt_values: ``[N, D]`` flat kept prompt entries.
+        starts / lengths: ``[B, Hkv]`` segment offsets and sizes in the flat buffers.
+        decode_keys / decode_values: ``[B, Hkv, C, D]`` decode region (first ``decode_length`` used).
+        scaling: softmax scale.
+        max_prompt_length: ``lengths.max()`` if the caller knows it (saves a device sync per call).
+        sliding_window: query at original position ``p`` sees only entries at positions
+            ``(p - sliding_window, p]``; needs ``prompt_positions`` ``[N]``, ``decode_positions``
+            ``[B, Hkv, C]`` (original positions of the entries) and ``query_positions``
+            ``[B, q]`` (each sample's own positions of the new tokens).
+        softcap: logits become ``tanh(logits / softcap) * softcap`` before masking.
+        sinks: ``[H]`` one extra logit per query head in the softmax denominator (no value row).
+        decode_valid: ``[B, C]`` bool, False on padding entries of the decode region (hidden from
+            every query but their own, so a padding query's output stays finite), or None.
+        runs: the :class:`SegmentRuns` of ``starts / lengths`` if the caller keeps them (the cache
+            does); computed here otherwise (one host sync).
+
+    Returns:
+        ``[B, H, q, D]`` in the query dtype. GQA: query head ``h`` reads KV head ``h // (H // Hkv)``.
+        Plain calls on CPU read the buffers in place (module docstring); a variant or
+        ``decode_valid``, and tensors on other devices, take :func:`padded_decode_attention`
+        (gathered, fp32 throughout).
+    """
+    variants = (sliding_window, softcap, sinks, decode_valid)
+    if any(v is not None for v in variants) or not reads_in_place(query):
+        return padded_decode_attention(
+            query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values,
+            decode_length, scaling, max_prompt_length, sliding_window=sliding_window, softcap=softcap,
+            sinks=sinks, prompt_positions=prompt_positions, decode_positions=decode_positions,
+            query_positions=query_positions, decode_valid=decode_valid,
+        )  # fmt: skip
+    B, H, q, D = query.shape
+    Hkv = starts.shape[1]
+    runs = SegmentRuns.of(starts, lengths) if runs is None else runs
+    grouped = query.reshape(B * Hkv, (H // Hkv) * q, D)
+    dk = decode_keys[:, :, :decode_length].flatten(0, 1)  # [B * Hkv, t, D] views
+    dv = decode_values[:, :, :decode_length].flatten(0, 1)
+    out = _flash_attention(grouped, prompt_keys, prompt_values, runs, dk, dv, scaling, q)
+    return out.reshape(B, H, q, D)
+
+
 def ragged_decode_attention(
     query: torch.Tensor,
     prompt_keys: torch.Tensor,
@@ -129,11 +347,13 @@ def ragged_decode_attention(
     decode_positions: torch.Tensor | None = None,
     query_positions: torch.Tensor | None = None,
     decode_valid: torch.Tensor | None = None,
+    runs: SegmentRuns | None = None,
 ) -> torch.Tensor:
-    """Dispatcher: the Triton kernel on CUDA tensors, the reference elsewhere (same arguments).
+    """Dispatcher: the Triton kernel on CUDA tensors, the torch path elsewhere (same arguments).
 
     A call with a sliding window, soft-capping, sinks or padding entries in the decode region
-    always runs the reference (the kernel implements none of them).
+    always runs the torch path (the kernel implements none of them). ``runs`` (the segment runs
+    the cache keeps) is used by the torch path only.
     """
     args = (query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values)
     features = (("sliding_window", sliding_window), ("softcap", softcap), ("sinks", sinks),
@@ -147,7 +367,7 @@ def ragged_decode_attention(
                 "the torch reference) or `reference`."
             )
         CALLS[("ragged_decode_attention", "reference")] += 1
-        return ragged_decode_attention_reference(
+        return padded_decode_attention(
             *args,
             decode_length,
             scaling,
@@ -161,7 +381,7 @@ def ragged_decode_attention(
             decode_valid=decode_valid,
         )
     if use_triton("ragged_decode_attention", query, prompt_keys, decode_keys):
-        from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton as impl
-    else:
-        impl = ragged_decode_attention_reference
-    return impl(*args, decode_length, scaling, max_prompt_length)
+        from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton
+
+        return ragged_decode_attention_triton(*args, decode_length, scaling, max_prompt_length)
+    return ragged_decode_attention_reference(*args, decode_length, scaling, max_prompt_length, runs=runs)

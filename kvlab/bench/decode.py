@@ -1,10 +1,12 @@
-"""``kvlab bench decode``: one decode step's attention over a compressed cache.
+"""``kvlab bench decode``: decode attention over a compressed cache, alone or inside a model.
 
-Per context length and budget (fraction of the prompt kept per KV head, ragged: each head keeps
-between 0.5x and 1.5x the budget) it times
+**Kernel table** (default). Per context length and budget (fraction of the prompt kept per KV
+head, ragged: each head keeps between 0.5x and 1.5x the budget) it times one decode step's
+attention:
 
 - ``triton``: :func:`kvlab.kernels.tl.decode_attention.ragged_decode_attention_triton` (CUDA only),
-- ``reference``: the torch reference (gathers every head's segment, padded to the longest),
+- ``reference``: the torch path (:func:`kvlab.kernels.decode_attention.ragged_decode_attention_reference`:
+  strided views of the flat buffer, one matmul per run of equal-length heads),
 - ``sdpa full``: ``scaled_dot_product_attention`` over the uncompressed cache (the baseline a
   compression method must beat),
 - ``sdpa padded``: SDPA over the same kept tokens padded to the longest head with a mask (what
@@ -13,14 +15,39 @@ between 0.5x and 1.5x the budget) it times
 and reports the Triton kernel's achieved bandwidth (K/V bytes read / time) as a fraction of the
 device's peak. Defaults: Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim 128),
 bf16 on CUDA; ``--quick`` runs small shapes in fp32 on CPU in seconds.
+
+**Model table** (``--model NAME``). Whole decode steps of a model (batch 1, a seeded random
+prompt per context, the same teacher-forced tokens everywhere), in one run:
+
+- ``transformers DynamicCache + sdpa``: transformers' own cache and attention over the whole
+  prompt, the baseline every ratio is taken against;
+- ``DynamicCache, last p kept``: the same cache cropped to each budget's kept count (uniform
+  eviction on transformers' own cache: what a framework that evicts inside ``DynamicCache`` gets);
+- ``kvlab full`` and each ``--methods`` preset at each budget (kvlab's prefill, compression
+  inside, then :func:`kvlab.engine.generation.decode`; AdaKV gives ragged heads).
+
+Every contender is prefilled once; its cache is then cropped back (transformers) or restored
+from a checkpoint (kvlab) before each timed run. A warm-up round is excluded, and the rounds
+interleave the contenders, so a load change on a shared machine hits them alike; the table
+gives each one's median over the rounds.
 """
 
 from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvlab.bench.common import (
+    add_threads_option,
     base_parser,
     context_label,
     device_name,
@@ -109,12 +136,8 @@ def bench_row(query, T, budget, full, opts, device, dtype, gen, peak) -> list[ob
     ]
 
 
-def run(args: list[str]) -> None:
-    p = base_parser("kvlab bench decode", __doc__, "4k,32k,128k", repeat=20)
-    p.add_argument("--budgets", default="0.05,0.10,0.25", help="kept fraction of the prompt per KV head")
-    p.add_argument("--decoded", type=int, default=16, help="tokens already decoded (decode region)")
-    p.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth (GB/s) if not known")
-    opts = p.parse_args(args)
+def run_kernels(opts: argparse.Namespace) -> None:
+    """The kernel table: one decode step's attention on random ragged caches."""
     device, dtype = resolve(opts)
     peak = peak_bandwidth(device, opts.peak_gbs)
     gen = torch.Generator().manual_seed(0)
@@ -131,3 +154,186 @@ def run(args: list[str]) -> None:
     )
     print_table(title, HEADERS, rows)
     triton_note(device.type == "cuda" and triton_available())
+
+
+# --- the model scenario: whole decode steps of a model, kvlab's cache vs transformers' own -------
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCK = time.perf_counter  # set by run() from --clock
+MODEL_HEADERS = ["context", "cache", "kept/head", "KV MiB", "decode ms/step", "vs DynamicCache"]
+
+
+@dataclass
+class Contender:
+    """One row of the model table: ``decode()`` runs one timed decode of the bench's steps (seconds)."""
+
+    label: str
+    kept: str
+    kv_bytes: int
+    decode: Callable[[], float]
+    times: list[float] = field(default_factory=list)
+
+
+def _transformers_contenders(
+    loaded: Any, batch: dict[str, Any], tokens: torch.Tensor, budgets: list[float]
+) -> list[Contender]:
+    """transformers' ``DynamicCache`` + sdpa over the whole prompt (the baseline), and the same cache
+    cropped to each budget's kept count (its most recent entries: uniform eviction on transformers'
+    own cache)."""
+    from transformers import DynamicCache
+
+    model, T = loaded.model, batch["input_ids"].shape[1]
+    with sdpa_attention(model), torch.no_grad():
+        full = DynamicCache(config=model.config)
+        model(input_ids=batch["input_ids"], past_key_values=full, use_cache=True, logits_to_keep=1)
+    caches = [("transformers DynamicCache + sdpa", T, full)]
+    for budget in budgets:
+        kept = kept_count(budget, T)
+        cropped = DynamicCache(config=model.config)
+        for i, layer in enumerate(full.layers):
+            cropped.update(layer.keys[:, :, -kept:].clone(), layer.values[:, :, -kept:].clone(), i)
+        caches.append((f"DynamicCache, last {budget:.0%} kept", kept, cropped))
+    out = []
+    for label, kept, cache in caches:
+        kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        run = functools.partial(_transformers_decode, model, cache, kept, tokens, T)
+        out.append(Contender(label, str(kept), kv, run))
+    return out
+
+
+def _transformers_decode(model: Any, cache: Any, kept: int, tokens: torch.Tensor, first: int) -> float:
+    """Seconds of ``tokens.shape[1] - 1`` decode steps on ``cache`` (cropped back to ``kept`` first)."""
+    extra = cache.get_seq_length() - kept  # what the previous run appended
+    if extra:
+        cache.crop(-extra)
+    with sdpa_attention(model), torch.no_grad():
+        start = CLOCK()
+        for step in range(tokens.shape[1] - 1):
+            position = torch.full((tokens.shape[0], 1), first + step)
+            model(
+                input_ids=tokens[:, step : step + 1],
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+            )
+        return CLOCK() - start
+
+
+def _kvlab_contender(
+    loaded: Any, batch: dict[str, Any], tokens: torch.Tensor, method: str, budget: float | None
+) -> Contender:
+    """kvlab's prefill (compression inside) once; each timed run restores the compressed cache and
+    decodes teacher-forced ``tokens`` through :func:`kvlab.engine.generation.decode`."""
+    import kvlab
+    from kvlab.engine.generation import decode, prefill
+
+    T = batch["input_ids"].shape[1]
+    overrides = {} if budget is None else {"budget.tokens": kept_count(budget, T)}
+    pipeline = kvlab.load_pipeline(method, overrides)
+    state = prefill(loaded, pipeline, batch, decode_capacity=tokens.shape[1])
+    checkpoint = state.cache.checkpoint()
+
+    def run() -> float:
+        state.cache.restore(checkpoint)
+        start = CLOCK()
+        decode(state, teacher_tokens=tokens)
+        return CLOCK() - start
+
+    kept = state.cache.kept_tokens().float()
+    spread = f"{kept.mean():.0f}" + (
+        "" if kept.min() == kept.max() else f" ({kept.min():.0f}..{kept.max():.0f})"
+    )
+    label = f"kvlab {method}" + ("" if budget is None else f" {budget:.0%}")
+    return Contender(label, spread, state.cache.kv_bytes(), run)
+
+
+def kept_count(budget: float, T: int) -> int:
+    """Tokens per head a ratio ``budget`` keeps of a ``T``-token prompt (``floor``, as ratio budgets do)."""
+    return max(1, int(budget * T))
+
+
+@contextlib.contextmanager
+def sdpa_attention(model: Any) -> Iterator[None]:
+    """The model's attention set to transformers' sdpa within the block (kvlab's afterwards)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def run_model(opts: argparse.Namespace) -> None:
+    """The model table: per context, every contender's decode step, timed in interleaved rounds."""
+    import kvlab
+
+    loaded = kvlab.load_model(opts.model)
+    budgets, methods = parse_list(opts.budgets, float), [m for m in opts.methods.split(",") if m]
+    steps = opts.steps
+    rows = []
+    for T in parse_list(opts.contexts, int):
+        batch = random_prompt(loaded, T)
+        gen = torch.Generator().manual_seed(T + 1)
+        vocab = loaded.model.config.get_text_config().vocab_size
+        tokens = torch.randint(100, vocab, (1, steps + 1), generator=gen)  # the same fed tokens everywhere
+        contenders = _transformers_contenders(loaded, batch, tokens, budgets)
+        contenders.append(_kvlab_contender(loaded, batch, tokens, "full", None))
+        for method in methods:
+            contenders += [_kvlab_contender(loaded, batch, tokens, method, b) for b in budgets]
+        for round_ in range(opts.repeat + 1):  # round 0 warms up; rounds interleave the contenders
+            for contender in contenders:
+                seconds = contender.decode() / steps
+                if round_:
+                    contender.times.append(seconds)
+        base = statistics.median(contenders[0].times)
+        for c in contenders:
+            median = statistics.median(c.times)
+            rows.append([context_label(T), c.label, c.kept, f"{c.kv_bytes / 2**20:.1f}", ms(median),
+                         f"{median / base:.2f}"])  # fmt: skip
+        del contenders
+    title = (
+        f"kvlab bench decode --model {opts.model} on {device_name(torch.device('cpu'))}: {steps} decode "
+        f"steps after the prompt, batch 1, {opts.clock} ms per step (median of {opts.repeat} interleaved "
+        "rounds, warm-up excluded)"
+    )
+    print_table(title, MODEL_HEADERS, rows)
+
+
+def random_prompt(loaded: Any, T: int) -> dict[str, Any]:
+    """A batch of one seeded random prompt of ``T`` token ids (time does not depend on the words)."""
+    gen = torch.Generator().manual_seed(T)
+    ids = torch.randint(100, loaded.model.config.get_text_config().vocab_size, (1, T), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "modality": torch.zeros_like(ids),
+            "model_inputs": {}}  # fmt: skip
+
+
+def run(args: list[str]) -> None:
+    p = base_parser("kvlab bench decode", __doc__, None, repeat=None)
+    p.add_argument("--budgets", default=None, help="kept fraction of the prompt per KV head")
+    p.add_argument(
+        "--decoded", type=int, default=16, help="kernel table: tokens already decoded (decode region)"
+    )
+    p.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth (GB/s) if not known")
+    p.add_argument(
+        "--model", default=None, help="time whole decode steps of this model instead (e.g. smollm2-135m)"
+    )
+    p.add_argument("--methods", default="snapkv,adakv", help="--model: presets timed at every budget")
+    p.add_argument("--steps", type=int, default=16, help="--model: decode steps timed per run")
+    p.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="--model: wall time, or the process's CPU time (steadier on a loaded machine; use --threads 1)",
+    )
+    add_threads_option(p, default=2)
+    opts = p.parse_args(args)
+    torch.set_num_threads(opts.threads)
+    global CLOCK
+    CLOCK = CLOCKS[opts.clock]
+    if opts.model is None:
+        opts.contexts, opts.budgets = opts.contexts or "4k,32k,128k", opts.budgets or "0.05,0.10,0.25"
+        opts.repeat = opts.repeat or 20
+        run_kernels(opts)
+    else:
+        opts.contexts, opts.budgets = opts.contexts or "1k,4k", opts.budgets or "0.5,0.25,0.1"
+        opts.repeat = opts.repeat or 5
+        run_model(opts)

@@ -9,7 +9,9 @@ Layout of one layer after compression (``D`` head dim)::
 Every (sample, head) keeps its own number of prompt tokens and nothing else is allocated: no
 masked-out tokens, no padding to the largest head. Decode tokens go into the reserved
 ``decode_*`` region (one token per step for every head); when it fills up it grows by
-doubling, without touching the prompt buffers.
+doubling, without touching the prompt buffers. Decode attention reads the flat buffers through
+strided views (:meth:`CompressedLayer.segment_runs`: equal-length heads are one
+``[B * Hkv, L, D]`` view), never a per-step gather or copy.
 
 The cache only stores. For decode policies it offers a *slot layout* of each (sample, head)'s
 entries (``[B, Hkv, K + decode_length]``: its prompt rows padded to ``K``, then its decode
@@ -57,7 +59,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.compression.selectors import OffloadedStore, Selection
 from kvlab.kernels.compaction import compact_kv
-from kvlab.kernels.decode_attention import ragged_decode_attention
+from kvlab.kernels.decode_attention import (
+    FULL_PRECISION,
+    SegmentRuns,
+    grouped_logits,
+    ragged_decode_attention,
+)
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -67,6 +74,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def __init__(self, decode_capacity: int = 64):
         super().__init__()
+        # (starts, lengths, their SegmentRuns), see segment_runs
+        self._runs: tuple[torch.Tensor, torch.Tensor, SegmentRuns] | None = None
         self.decode_capacity = max(1, decode_capacity)
         self.cumulative_length = 0
         self.compressed = False
@@ -89,6 +98,19 @@ class CompressedLayer(CacheLayerMixin):
         self.pending_valid: torch.Tensor | None = None  # [B, q] bool for the next append (set by the cache)
         self.shares_buffers = False  # a checkpoint references this layer's buffers (copy before writing)
         self.offloaded: OffloadedStore | None = None  # K/V kept outside this cache (retrieval)
+
+    def segment_runs(self) -> SegmentRuns:
+        """The strided views of the flat prompt buffers decode attention reads
+        (:class:`kvlab.kernels.decode_attention.SegmentRuns`).
+
+        Computed once per ``starts`` / ``lengths`` (one host sync), so a decode step needs neither
+        a sync nor a gather. Whoever changes the segments assigns new ``starts`` / ``lengths``
+        tensors, never writes them in place: the runs are kept for the tensors they were computed
+        from (held here, compared by identity).
+        """
+        if self._runs is None or self._runs[0] is not self.starts or self._runs[1] is not self.lengths:
+            self._runs = (self.starts, self.lengths, SegmentRuns.of(self.starts, self.lengths))
+        return self._runs[2]
 
     # --- transformers CacheLayerMixin API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -243,6 +265,7 @@ class CompressedLayer(CacheLayerMixin):
             self.decode_length,
             scaling,
             self.max_prompt_length,
+            runs=self.segment_runs(),
             sliding_window=window,
             softcap=softcap,
             sinks=sinks,
@@ -296,19 +319,17 @@ class CompressedLayer(CacheLayerMixin):
         :meth:`decode_attention`) soft-caps the logits, hides entries outside the newest token's
         sliding window (probability 0) and adds the sinks to the denominator, as decode attention does.
         """
-        B, H, q, D = query.shape
+        B, H, q, _ = query.shape
         Hkv, dl = self.lengths.shape[1], self.decode_length
-        rows, valid = self.slot_rows()
-        keys = torch.cat([self.prompt_keys[rows], self.decode_keys[:, :, :dl]], 2).float()
-        valid = torch.cat([valid, self._decode_slot_valid()], -1)
-        grouped = query.float().reshape(B, Hkv, (H // Hkv) * q, D)
-        logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling
+        valid = self.slot_valid()
+        logits = self._slot_logits(query) * scaling
         if options is None or options.plain:
             probs = torch.softmax(logits.masked_fill(~valid[:, :, None], float("-inf")), -1)
             return probs.view(B, Hkv, H // Hkv, q, -1)
         if options.softcap is not None:
             logits = torch.tanh(logits / options.softcap) * options.softcap
         if options.sliding_window is not None:
+            rows, _ = self.slot_rows()
             positions = torch.cat([self.prompt_positions[rows], self.decode_positions[:, :, :dl]], -1)
             newest = self.next_positions - 1  # [B]: the newest token's window
             valid = valid & (positions > (newest - options.sliding_window)[:, None, None])
@@ -318,6 +339,24 @@ class CompressedLayer(CacheLayerMixin):
             logits = torch.cat([logits, sinks.reshape(B, Hkv, -1, 1)], -1)
             return torch.softmax(logits, -1)[..., :-1].reshape(B, Hkv, H // Hkv, q, -1)
         return torch.softmax(logits, -1).view(B, Hkv, H // Hkv, q, -1)
+
+    def _slot_logits(self, query: torch.Tensor) -> torch.Tensor:
+        """Unscaled fp32 logits of ``query [B, H, q, D]`` over the slot layout, ``[B, Hkv, G * q, S]``.
+
+        ``S = K + decode_length`` (:meth:`slot_valid`). Empty slots hold any value (the caller masks
+        them). fp32 / fp64 caches are read in place (:func:`kvlab.kernels.decode_attention.grouped_logits`);
+        16-bit ones are gathered in fp32.
+        """
+        B, H, q, D = query.shape
+        Hkv, dl, rows_per_head = self.lengths.shape[1], self.decode_length, (H // self.lengths.shape[1]) * q
+        if query.dtype in FULL_PRECISION:
+            grouped = query.reshape(B * Hkv, rows_per_head, D)
+            decode = self.decode_keys[:, :, :dl].flatten(0, 1)
+            logits = grouped_logits(grouped, self.prompt_keys, self.segment_runs(), decode, self.prompt_slots)
+            return logits.view(B, Hkv, rows_per_head, -1).float()
+        rows, _ = self.slot_rows()
+        keys = torch.cat([self.prompt_keys[rows], self.decode_keys[:, :, :dl]], 2).float()
+        return torch.matmul(query.float().reshape(B, Hkv, rows_per_head, D), keys.transpose(-1, -2))
 
     def evict_one(self, victim: torch.Tensor) -> None:
         """Evict slot ``victim [B, Hkv]`` (slot layout, see :meth:`slot_valid`) of every (sample, head).
