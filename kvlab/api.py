@@ -8,8 +8,8 @@ Everything here is exported from :mod:`kvlab` (``import kvlab``); ``docs/api.md`
     out.text, out.kept_positions[layer][head], out.kv_ratio
 
 The functions only compose kvlab's internals (:class:`kvlab.compression.pipeline.Pipeline`,
-:func:`kvlab.models.load_model`, the processors' ``collate`` and
-:func:`kvlab.engine.generation.generate`), which stay free to move behind them.
+:func:`kvlab.models.load_model`, the processors' ``collate`` and the protocols of
+:mod:`kvlab.engine.protocols` over :mod:`kvlab.engine.generation`), which stay free to move behind them.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from kvlab.config.loader import find_config, load_config, merge
 from kvlab.config.plugins import IMPORTS_KEY, check_imports, import_plugins
 from kvlab.config.registry import to_plain
 from kvlab.data.sample import Sample
-from kvlab.engine.attention import ATTENTION_NAME, enable_kvlab_attention
-from kvlab.engine.generation import GenerationResult, generate
+from kvlab.engine.attention import ATTENTION_NAME, check_prefill_chunk, enable_kvlab_attention
+from kvlab.engine.generation import GenerationResult
+from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.models.base import PAD, TEXT, LoadedModel
 
 __all__ = [
@@ -363,6 +364,8 @@ def compress_and_generate(
     images: ImagesArg = None,
     max_new_tokens: int = 32,
     batch_size: int | None = None,
+    protocol: str | Mapping[str, Any] | Protocol = "query_aware",
+    prefill_chunk: int | None = None,
 ) -> list[Output]:
     """Prefill each prompt, compress its KV cache with ``pipeline``, decode greedily.
 
@@ -372,22 +375,34 @@ def compress_and_generate(
             (``"snapkv"``, a path, a dict; ``None``: full cache).
         prompts: a list of prompts, or one prompt. A prompt is a string (the user turn; the
             model's chat template is applied), chat messages (a list of ``{"role", "content"}``
-            dicts; the template is applied with the assistant turn opened) or token ids (a list
-            of ints or a 1-D tensor, used verbatim; a 2-D tensor is a batch of them).
+            dicts; the template is applied with the assistant turn opened), token ids (a list
+            of ints or a 1-D tensor, used verbatim; a 2-D tensor is a batch of them) or a
+            :class:`~kvlab.data.sample.Sample` (its ``question``, ``answer_prefix``,
+            ``max_new_tokens`` and ``context_id`` are what the protocols use; its own images).
         images: vision-language models: one entry per prompt, each None, a PIL image or a list
             of them; they go before the text in the user turn. Only string prompts and chats of
             one user turn (after an optional system turn, string contents) take images.
         max_new_tokens: greedy decode limit per prompt.
         batch_size: prompts per forward (left-padded); None runs all of one kind at once. String
             and one-turn prompts are batched by the processor's ``collate``, the others as token
-            ids; either way a prompt gives the same output as alone.
+            ids; either way a prompt gives the same output as alone. Under ``multi_question`` it
+            counts contexts (each batch holds every prompt of its contexts).
+        protocol: what is compressed and when, as ``model.protocol`` (``docs/protocols.md``):
+            ``query_aware`` (default), ``query_agnostic``, ``multi_question`` (prompts sharing a
+            ``Sample.context_id`` answered from one compressed context) or a ``decode_time``
+            node such as ``{"name": "decode_time", "interval": 64, "target_size": 128}``.
+            Protocols other than ``query_aware`` need string, one-turn chat or Sample prompts.
+        prefill_chunk: as ``model.prefill_chunk``: None prefills each prompt in one forward, N
+            in chunks of N tokens (``docs/scaling.md``); refused for scorers that need every
+            prompt query and for vision-language models.
 
     Returns:
         One :class:`Output` per prompt, in order.
 
     Raises:
         ConfigError: a malformed prompt, images for a text-only model or a token-id prompt, a bad
-            ``max_new_tokens`` / ``batch_size``, or an invalid pipeline source.
+            ``max_new_tokens`` / ``batch_size``, an invalid pipeline source, a protocol that is
+            unknown or cannot run the pipeline, or a ``prefill_chunk`` the pipeline or model refuses.
     """
     if not isinstance(model, LoadedModel):
         raise ConfigError(
@@ -400,26 +415,41 @@ def compress_and_generate(
         raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ConfigError(f"batch_size must be None or an int >= 1, got {batch_size!r}.")
+    protocol = build_protocol(protocol)
+    protocol.check(pipeline)
+    check_prefill_chunk(pipeline, prefill_chunk)
     items = _items(model, _prompt_list(prompts), images)
     _ensure_kvlab_attention(model)
     outputs: list[Output | None] = [None] * len(items)
     for group in ([i for i in items if i.sample is not None], [i for i in items if i.sample is None]):
-        step = batch_size or max(len(group), 1)
-        for start in range(0, len(group), step):
-            chunk = group[start : start + step]
+        for chunk in _chunks(group, batch_size, protocol.groups_contexts):
             if chunk[0].sample is not None:
                 batch = model.processor.collate([item.sample for item in chunk])
             else:
                 batch = _collate_ids(model, [item.ids for item in chunk])
-            result = generate(model, pipeline, batch, max_new_tokens=max_new_tokens)
+            result = protocol.run(model, pipeline, batch, max_new_tokens, prefill_chunk=prefill_chunk).result
             for b, item in enumerate(chunk):
                 outputs[item.index] = _output(model, batch, result, b, item.prompt)
     return outputs  # type: ignore[return-value]
 
 
+def _chunks(group: list[_Item], batch_size: int | None, by_context: bool) -> list[list[_Item]]:
+    """``group`` in batches of ``batch_size`` prompts (all when None), or of ``batch_size`` whole
+    contexts (every prompt of a ``context_id`` together) when ``by_context``."""
+    if not group:
+        return []
+    if by_context and group[0].sample is not None:
+        from kvlab.data.datamodule import context_batches
+
+        indices = context_batches([item.sample.context_id for item in group], batch_size or len(group))
+        return [[group[i] for i in batch] for batch in indices]
+    step = batch_size or len(group)
+    return [group[start : start + step] for start in range(0, len(group), step)]
+
+
 def _prompt_list(prompts: Any) -> list[Any]:
     """One prompt or a list of prompts -> a list of prompts."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Sample):
         return [prompts]
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() == 1:
@@ -468,7 +498,13 @@ def _items(loaded: LoadedModel, prompts: list[Any], images: ImagesArg) -> list[_
     items = []
     for i, (prompt, imgs) in enumerate(zip(prompts, per_prompt, strict=True)):
         item = _Item(index=i, prompt=prompt)
-        if isinstance(prompt, str):
+        if isinstance(prompt, Sample):
+            if imgs:
+                raise ConfigError(
+                    f"prompts[{i}] is a Sample, which carries its own images; leave its images entry None."
+                )
+            item.sample = prompt
+        elif isinstance(prompt, str):
             item.sample = Sample(id=str(i), prompt=prompt, images=imgs)
         elif _is_token_ids(prompt):
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else [int(t) for t in prompt]

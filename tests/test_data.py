@@ -149,7 +149,9 @@ def test_retrieval_length_grows_with_context_words() -> None:
 def test_retrieval_context_tokens_with_smollm2_tokenizer() -> None:
     processor = kvlab.models.load_processor("smollm2-135m")  # tokenizer only (cached conversion)
     for tokens, pairs in ((512, 1), (2048, 4), (4096, 1)):
-        samples = SyntheticRetrieval(num_samples=2, context_tokens=tokens, num_pairs=pairs, seed=7).samples()
+        samples = SyntheticRetrieval(
+            num_samples=2, context_tokens=tokens, num_pairs=pairs, seed=7, tokenizer="smollm2-135m"
+        ).samples()
         lengths = processor.collate(samples)["attention_mask"].sum(dim=1).tolist()
         assert all(abs(n - tokens) <= 0.06 * tokens for n in lengths), (tokens, lengths)
 

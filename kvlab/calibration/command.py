@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import yaml
 
+from kvlab.calibration import prefixkv as _prefixkv  # noqa: F401  (registers prefixkv_layer_ratios)
 from kvlab.calibration.artefact import Artefact, cache_path
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, Recorder, region_targets
 from kvlab.config.errors import ConfigError, did_you_mean
@@ -80,7 +81,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
         raise ConfigError(
             "calibration config needs data.dataset, e.g. {name: synthetic_image_qa, num_samples: 32}."
         )
-    samples = build_dataset(dataset_node, "data.dataset").samples()
+    samples = build_dataset(dataset_node, "data.dataset", tokenizer=model_name).samples()
     if statistic.needs_answers and any(not s.answers for s in samples):
         raise ConfigError(
             f"calibration '{statistic.registry_name}' teacher-forces reference answers, but some samples of "

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvlab.data import benchmarks as _benchmarks  # noqa: F401  (registers the long-context suites)
+from kvlab.data import kvpress as _kvpress  # noqa: F401  (registers the kvpress-schema dataset)
 from kvlab.data.datasets import DATASETS, JsonlDataset, SampleSource, build_dataset
 from kvlab.data.hf import HFDataset
 from kvlab.data.sample import Sample
 from kvlab.data.synthetic import PALETTE, REGIONS, SyntheticImageQA, SyntheticRetrieval
+from kvlab.data.vlm_tasks import VLMTask  # registers docvqa, chartqa, textvqa, ocrbench, mmmu
 
 if TYPE_CHECKING:
     from kvlab.data.datamodule import KVLabDataModule
@@ -27,6 +30,7 @@ __all__ = [
     "SampleSource",
     "SyntheticImageQA",
     "SyntheticRetrieval",
+    "VLMTask",
     "build_dataset",
 ]
 

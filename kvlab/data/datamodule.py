@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import to_plain
@@ -42,19 +43,21 @@ def prompt_length(processor: Any, sample: Sample) -> int:
 
 def truncate_left(processor: Any, sample: Sample, limit: int) -> tuple[Sample, int]:
     """``sample`` with the fewest leading words of its prompt dropped so that it fits ``limit``
-    tokens; returns ``(sample, words dropped)``. Raises :class:`ConfigError` when even the
-    empty prompt (chat template, system message, images) does not fit."""
-    words = sample.prompt.split(" ")
+    tokens; returns ``(sample, words dropped)``. Only context words are dropped: a sample's
+    ``question`` stays whole. Raises :class:`ConfigError` when even the empty context (chat
+    template, system message, images, question, answer prefix) does not fit."""
+    words = sample.context.split(" ")
+    question = sample.question or ""
 
     def cut(k: int) -> Sample:
-        return replace(sample, prompt=" ".join(words[k:]))
+        return replace(sample, prompt=" ".join(words[k:]) + question)
 
     if prompt_length(processor, cut(len(words))) > limit:
         raise ConfigError(
-            f"sample '{sample.id}': even with its whole prompt text removed, the chat template, system "
-            f"message and images take more than the model's context of {limit} tokens, so "
-            "data.long_prompts = truncate_left cannot make it fit. Remove images or the system message "
-            "from this sample, or use a model with a longer context."
+            f"sample '{sample.id}': even with its whole prompt text before the question removed, the chat "
+            f"template, system message, images, question and answer prefix take more than the model's "
+            f"context of {limit} tokens, so data.long_prompts = truncate_left cannot make it fit. Remove "
+            "images or the system message from this sample, or use a model with a longer context."
         )
     low, high = 0, len(words)  # invariant: cut(high) fits
     while low < high:
@@ -64,6 +67,71 @@ def truncate_left(processor: Any, sample: Sample, limit: int) -> tuple[Sample, i
         else:
             low = mid + 1
     return cut(high), high
+
+
+def check_contexts(samples: list[Sample]) -> None:
+    """Refuse samples of one ``context_id`` whose contexts differ (text before the question, system
+    message, number of images): they could not share one compressed context."""
+    first: dict[str, Sample] = {}
+
+    def shared(s: Sample) -> tuple[str, str | None, int]:
+        return s.context, s.system, len(s.images)
+
+    for sample in samples:
+        if sample.context_id is None:
+            continue
+        seen = first.setdefault(sample.context_id, sample)
+        if shared(seen) != shared(sample):
+            raise ConfigError(
+                f"samples '{seen.id}' and '{sample.id}' share context_id '{sample.context_id}' but not their "
+                "context (the prompt before the question, the system message or the images differ). Samples "
+                "of one context_id must differ only in their question; fix the data or their context ids."
+            )
+
+
+def context_batches(context_ids: Sequence[str | None], batch_size: int) -> list[list[int]]:
+    """Batches of positions in ``context_ids`` (one per sample) holding whole contexts: the samples
+    of each context id (in order of first appearance; a sample without one is its own context),
+    ``batch_size`` contexts per batch."""
+    groups: dict[Any, list[int]] = {}
+    for index, context_id in enumerate(context_ids):
+        key = context_id if context_id is not None else ("sample", index)
+        groups.setdefault(key, []).append(index)
+    contexts = list(groups.values())
+    return [
+        [i for members in contexts[start : start + batch_size] for i in members]
+        for start in range(0, len(contexts), batch_size)
+    ]
+
+
+class ContextBatchSampler(BatchSampler):
+    """Batches of whole contexts (:func:`context_batches`) over the indices ``sampler`` yields.
+
+    ``context_ids[i]``: the ``context_id`` of sample ``i``. A ``BatchSampler`` with a ``sampler``
+    argument, so Lightning can put its own (distributed) sampler in; under data-parallel predict a
+    context whose samples land on two ranks is compressed once on each.
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler[int] | Iterable[int],
+        batch_size: int,
+        drop_last: bool = False,
+        context_ids: Sequence[str | None] = (),
+    ) -> None:
+        super().__init__(sampler, batch_size, drop_last)
+        self.context_ids = list(context_ids)
+
+    def _batches(self) -> list[list[int]]:
+        indices = list(self.sampler)
+        positions = context_batches([self.context_ids[i] for i in indices], self.batch_size)
+        return [[indices[p] for p in batch] for batch in positions]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self._batches()
+
+    def __len__(self) -> int:
+        return len(self._batches())
 
 
 def _validate_model_name(name: str) -> None:
@@ -97,6 +165,9 @@ class KVLabDataModule(L.LightningDataModule):
 
     The dataset is built (and validated) in ``__init__``, so data errors surface before a model
     loads. Set :attr:`skip_ids` before predicting to leave out samples already done (resume).
+    :attr:`group_by_context` (set by the model's protocol, ``multi_question``) makes each batch
+    hold whole contexts: every pending sample of a ``context_id``, ``batch_size`` contexts per
+    batch (docs/protocols.md); the samples of one ``context_id`` must share their context.
     """
 
     def __init__(
@@ -139,7 +210,8 @@ class KVLabDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         node = to_plain(dataset) if dataset is not None else dict(DEFAULT_DATASET)
         self.dataset_config: dict[str, Any] | str = node
-        self.source = build_dataset(node, "data.dataset")
+        _validate_model_name(model)  # before the dataset, which may load the model's tokenizer
+        self.source = build_dataset(node, "data.dataset", tokenizer=model)
         self.model_name = model
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -148,9 +220,10 @@ class KVLabDataModule(L.LightningDataModule):
         self.chat_template = chat_template
         self._checked = False
         self.skip_ids: set[str] = set()
+        #: batch whole contexts (all samples of a ``context_id``), ``batch_size`` contexts a batch
+        self.group_by_context = False
         self.processor: Any = None
         self._samples: list[Sample] | None = None
-        _validate_model_name(model)
 
     @property
     def samples(self) -> list[Sample]:
@@ -201,6 +274,7 @@ class KVLabDataModule(L.LightningDataModule):
         limit = context_length(self.model_name)
         if limit is None or not hasattr(self.processor, "tokenizer"):  # a custom processor: not checked
             return
+        check_contexts(selected)
         truncated: list[str] = []
         for index, sample in enumerate(selected):
             length = prompt_length(self.processor, sample)
@@ -217,6 +291,7 @@ class KVLabDataModule(L.LightningDataModule):
             self.samples[index] = replace(short, meta={**short.meta, "truncated_words": dropped})
             truncated.append(f"'{sample.id}' ({length} tokens, {dropped} words dropped)")
         if truncated:
+            self._align_truncated_contexts(len(selected))
             print(
                 f"kvlab: data.long_prompts = truncate_left: {len(truncated)} prompts longer than the "
                 f"context of {self.model_name} ({limit} tokens) lost their first words: "
@@ -224,14 +299,44 @@ class KVLabDataModule(L.LightningDataModule):
                 file=sys.stderr,
             )
 
+    def _align_truncated_contexts(self, count: int) -> None:
+        """After ``truncate_left``: the samples of one ``context_id`` lose as many context words as
+        the one that lost the most, so they still share their context."""
+        by_context: dict[str, list[int]] = {}
+        for index, sample in enumerate(self.samples[:count]):
+            if sample.context_id is not None:
+                by_context.setdefault(sample.context_id, []).append(index)
+        for members in by_context.values():
+            dropped = max(self.samples[i].meta.get("truncated_words", 0) for i in members)
+            for i in members:
+                sample = self.samples[i]
+                already = sample.meta.get("truncated_words", 0)
+                if already == dropped:
+                    continue
+                words = sample.context.split(" ")[dropped - already :]
+                meta = {**sample.meta, "truncated_words": dropped}
+                self.samples[i] = replace(sample, prompt=" ".join(words) + (sample.question or ""), meta=meta)
+
     def predict_dataloader(self) -> DataLoader:
-        """Batches of the pending samples, collated by ``processor.collate``."""
+        """Batches of the pending samples, collated by ``processor.collate`` (whole contexts per
+        batch under :attr:`group_by_context`)."""
         if self.processor is None:
             self.setup("predict")
+        pending = self.pending_samples()
+        if not self.group_by_context:
+            return DataLoader(
+                pending,  # type: ignore[arg-type]
+                batch_size=self.batch_size,
+                shuffle=False,
+                num_workers=self.num_workers,
+                collate_fn=self.processor.collate,
+            )
+        sampler = ContextBatchSampler(
+            SequentialSampler(pending), self.batch_size, context_ids=[s.context_id for s in pending]
+        )
         return DataLoader(
-            self.pending_samples(),  # type: ignore[arg-type]
-            batch_size=self.batch_size,
-            shuffle=False,
+            pending,  # type: ignore[arg-type]
+            batch_sampler=sampler,
             num_workers=self.num_workers,
             collate_fn=self.processor.collate,
         )

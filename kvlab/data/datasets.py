@@ -31,9 +31,13 @@ class SampleSource(Protocol):
 DATASETS: Registry[SampleSource] = Registry("dataset", "data.dataset")
 
 
-def build_dataset(node: Any, where: str = "data.dataset") -> SampleSource:
-    """Build a dataset from its config node ``{name: ..., <params>}`` (validated)."""
-    return DATASETS.build(node, where)
+def build_dataset(node: Any, where: str = "data.dataset", **context: Any) -> SampleSource:
+    """Build a dataset from its config node ``{name: ..., <params>}`` (validated).
+
+    ``context`` (e.g. ``tokenizer=<the run's model>``) fills fields a dataset declares and the
+    node leaves unset; datasets without such a field never see it.
+    """
+    return DATASETS.build(node, where, **context)
 
 
 def check_metrics(names: tuple[str, ...]) -> tuple[str, ...]:

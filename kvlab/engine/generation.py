@@ -18,14 +18,22 @@ positions for the whole sequence (given a mask) or ignore left padding (without 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from kvlab.compression.context import sample_positions
 from kvlab.compression.pipeline import LayerReport, Pipeline
-from kvlab.engine.attention import CompressionSession, compression_session
+from kvlab.config.errors import ConfigError
+from kvlab.engine.attention import (
+    CompressionSession,
+    check_prefill_chunk,
+    chunked_vlm_message,
+    compression_session,
+    observed_window,
+)
 from kvlab.engine.cache import CompressedCache
 from kvlab.models.base import LoadedModel
 from kvlab.models.placement import input_device
@@ -160,8 +168,9 @@ def prefill(
     batch: dict[str, Any],
     decode_capacity: int = 32,
     record_scores: bool = False,
+    prefill_chunk: int | None = None,
 ) -> PrefillState:
-    """One forward over the padded prompt of ``batch``; every layer is compressed inside it.
+    """One forward over the padded prompt of ``batch`` (or chunks); every layer is compressed inside it.
 
     Args:
         loaded: the model, its attention routed through kvlab (``enable_kvlab_attention``).
@@ -171,37 +180,66 @@ def prefill(
         decode_capacity: decode tokens reserved per (sample, KV head) in every layer (the step
             limit is the right value; the region grows if exceeded).
         record_scores: keep each layer's mixed scores in its report.
+        prefill_chunk: None: one forward. N: forwards of N prompt tokens each (``model.prefill_chunk``);
+            a chunk attends to the dense K/V of the chunks before it, and each layer is compressed
+            by the last chunk, with the queries of the recent window held from the earlier ones
+            (``docs/scaling.md``).
 
     Returns:
         the :class:`PrefillState` to hand to :func:`decode`.
+
+    Raises:
+        ConfigError: a ``prefill_chunk`` the pipeline refuses
+            (:func:`~kvlab.engine.attention.check_prefill_chunk`), or any with a vision-language model.
     """
     model, info = loaded.model, loaded.info
     pipeline.bind_model(info.name)
+    if prefill_chunk is not None:
+        check_prefill_chunk(pipeline, prefill_chunk)
+        if info.vision_language:
+            raise ConfigError(chunked_vlm_message(info.name, prefill_chunk))
     device = input_device(model)  # embeddings' device: with a device_map, not the first parameter's
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device)
     valid = attention_mask.bool()
     extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.get("model_inputs", {}).items()}
     cache = CompressedCache(info.num_layers, decode_capacity=decode_capacity)
+    T = input_ids.shape[1]
+    chunk = prefill_chunk if prefill_chunk is not None and prefill_chunk < T else None
     session = CompressionSession(
         cache=cache,
         pipeline=pipeline,
         valid=valid,
         modality=batch["modality"].to(device),
         record_scores=record_scores,
+        prefill_chunk=chunk,
+        held_queries=observed_window(pipeline, valid.sum(-1)) if chunk is not None else 0,
     )
     positions = sample_positions(valid).clamp(min=0)  # [B, T]; padding gets 0, as in transformers
     with compression_session(session):
         start = time.perf_counter()
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **_prefill_positions(model, positions, extra),
-            **extra,
-        )
+        if chunk is None:
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **_prefill_positions(model, positions, extra),
+                **extra,
+            )
+        else:  # text only: explicit positions ([B, T], or [3, B, T] for M-RoPE), sliced per chunk
+            position_ids = _prefill_positions(model, positions, extra)["position_ids"]
+            for first in range(0, T, chunk):
+                last = min(T, first + chunk)
+                out = model(
+                    input_ids=input_ids[:, first:last],
+                    attention_mask=attention_mask[:, :last],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    position_ids=position_ids[..., first:last],
+                )
         seconds = time.perf_counter() - start
     return PrefillState(
         loaded=loaded,
@@ -220,6 +258,8 @@ def decode(
     max_new_tokens: int = 32,
     return_logits: bool = False,
     teacher_tokens: torch.Tensor | None = None,
+    limits: torch.Tensor | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> DecodeResult:
     """Greedy decoding over ``state``'s cache, one token per step, the decode policy after each.
 
@@ -228,6 +268,11 @@ def decode(
     tokens or once every sample chose an end-of-sequence token; the last chosen token is not
     fed to the model. ``teacher_tokens [B, S]`` are fed instead of the greedy choices (teacher
     forcing, for fidelity metrics); decoding then runs exactly S steps.
+
+    ``limits [B]`` (long, each <= ``max_new_tokens``): a sample is finished once it holds that
+    many tokens (per-sample ``max_new_tokens``; its row still gets the batch's steps, to be cut
+    by the caller). ``on_step(step)`` runs after the decode policy at every fed step (the
+    step's token is in the cache): the decode-time protocol compresses from there.
 
     Decoding advances ``state.cache`` (and the decode policy's state): run it once per prefill.
     """
@@ -249,6 +294,8 @@ def decode(
             next_token = logits.argmax(-1) if teacher_tokens is None else teacher_tokens[:, step].to(device)
             tokens = torch.cat([tokens, next_token[:, None]], dim=1)
             finished |= torch.isin(next_token, eos)
+            if limits is not None:
+                finished |= limits.to(device) <= step + 1
             if (teacher_tokens is None and bool(finished.all())) or step == steps - 1:
                 break
             out = model(
@@ -262,11 +309,57 @@ def decode(
             if return_logits:
                 step_logits.append(logits)
             policy.after_step(session, step)
+            if on_step is not None:
+                on_step(step)
         seconds = time.perf_counter() - start
     return DecodeResult(
         tokens=tokens,
         step_logits=torch.stack(step_logits, dim=1) if return_logits else None,
         seconds=seconds,
+    )
+
+
+@torch.no_grad()
+def extend(state: PrefillState, input_ids: torch.Tensor, valid: torch.Tensor) -> PrefillState:
+    """Prefill a left-padded block of new tokens on top of ``state``'s compressed cache, uncompressed.
+
+    One forward of ``input_ids [B, q]`` (``valid [B, q]`` bool, False on each row's left padding)
+    through the compressed layers: every token attends to the kept entries and, causally, to the
+    block's real tokens before it (kvlab's attention sends ``q > 1`` new tokens on a compressed
+    layer to decode attention); the padding entries are hidden from every later query and take
+    no position (:meth:`~kvlab.engine.cache.CompressedCache.appending_valid`). Positions continue
+    from each sample's own next position (RoPE positions never shift after compression). This is
+    how the ``query_agnostic`` and ``multi_question`` protocols put a question on a compressed
+    context (docs/protocols.md).
+
+    Returns:
+        a new :class:`PrefillState` on the same session: ``logits`` at each row's last real token
+        (unchanged for a row with no real token), ``next_positions`` advanced by each row's real
+        tokens, ``seconds`` increased by this forward's wall time.
+    """
+    if input_ids.shape[1] == 0:
+        return state
+    loaded, session = state.loaded, state.session
+    model, device = loaded.model, state.logits.device
+    input_ids, valid = input_ids.to(device), valid.to(device).bool()
+    before = valid.long().cumsum(1) - valid.long()  # [B, q] real tokens before each one
+    positions = _decode_positions(model, state.next_positions + before, state.rope_deltas)
+    with compression_session(session), session.cache.appending_valid(valid):
+        start = time.perf_counter()
+        out = model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=session.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        seconds = time.perf_counter() - start
+    real = valid.any(1, keepdim=True)  # [B, 1]
+    return replace(
+        state,
+        logits=torch.where(real, out.logits[:, -1].float(), state.logits),
+        next_positions=state.next_positions + valid.sum(1, keepdim=True),
+        seconds=state.seconds + seconds,
     )
 
 
@@ -279,14 +372,22 @@ def generate(
     return_logits: bool = False,
     record_scores: bool = False,
     teacher_tokens: torch.Tensor | None = None,
+    prefill_chunk: int | None = None,
 ) -> GenerationResult:
     """Prefill ``batch`` (a processor's collate output), compress every layer, decode greedily.
 
     :func:`prefill` then :func:`decode`; ``teacher_tokens`` ``[B, S]``: feed these tokens
     instead of the greedy choices (teacher forcing, for fidelity metrics); decoding then runs
-    exactly S steps.
+    exactly S steps. ``prefill_chunk``: prefill in chunks of that many tokens (:func:`prefill`).
     """
-    state = prefill(loaded, pipeline, batch, decode_capacity=max_new_tokens, record_scores=record_scores)
+    state = prefill(
+        loaded,
+        pipeline,
+        batch,
+        decode_capacity=max_new_tokens,
+        record_scores=record_scores,
+        prefill_chunk=prefill_chunk,
+    )
     decoded = decode(state, max_new_tokens, return_logits=return_logits, teacher_tokens=teacher_tokens)
     return _result(state, decoded)
 

@@ -28,7 +28,8 @@ def reference_key(
 ) -> str:
     """Hex digest naming one sample's reference (``prompt_ids``: the valid prompt token ids)."""
     digest = hashlib.sha256()
-    digest.update(f"{model}\0{dtype}\0{max_new_tokens}\0{sample.id}\0".encode())
+    limit = sample.max_new_tokens if sample.max_new_tokens is not None else max_new_tokens
+    digest.update(f"{model}\0{dtype}\0{limit}\0{sample.id}\0".encode())
     digest.update(prompt_ids.to(torch.int64).cpu().numpy().tobytes())
     for image in sample.images:
         digest.update(f"{image.mode}{image.size}".encode())

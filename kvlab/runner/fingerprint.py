@@ -5,9 +5,11 @@ one; otherwise :func:`check_run` refuses, naming the differing fields. What is i
 
 - ``kvlab_version``;
 - ``model``: every ``KVLabModule`` argument (the model name, a local directory made absolute,
-  ``dtype``, the whole ``compression`` node, ``max_new_tokens``, ``fidelity``, and any argument
-  added later) except those that only change what is shown or how it is computed
-  (:data:`MODEL_EXCLUDED`: TensorBoard views, the kernel implementation, device placement);
+  ``dtype``, the whole ``compression`` node, ``max_new_tokens``, ``fidelity``, the ``protocol``
+  as its canonical node ``{name: ..., <every parameter>}``, and any argument added later) except
+  those that only change what is shown or how it is computed (:data:`MODEL_EXCLUDED`:
+  TensorBoard views, the kernel implementation, device placement). A run recorded before
+  ``model.protocol`` existed ran ``query_aware`` and resumes as such;
 - ``data``: every ``KVLabDataModule`` argument (the whole ``dataset`` node) except
   :data:`DATA_EXCLUDED`: ``batch_size`` and ``num_workers`` (a padded batch gives what each
   sample gives alone, by design) and ``limit`` (it chooses how many samples, not what each one
@@ -25,16 +27,34 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.engine.protocols import protocol_node
 from kvlab.runner.files import atomic_write_text
 
 RUN_JSON = "run.json"
 MODEL_EXCLUDED = frozenset(
-    # verify: the first-batch engine check refuses a run or lets it go; it never changes a result
-    {"record_scores", "inspect_samples", "inspect_layers", "kernels", "device_map", "max_memory", "verify"}
+    # verify: the first-batch engine check refuses a run or lets it go; it never changes a result;
+    # record_positions: a side file of what was kept (samples finished before it was on have no row)
+    {
+        "record_scores",
+        "record_positions",
+        "inspect_samples",
+        "inspect_layers",
+        "kernels",
+        "device_map",
+        "max_memory",
+        "verify",
+    }
 )
 DATA_EXCLUDED = frozenset({"batch_size", "num_workers", "limit", "model"})  # data.model is model.model
 # what `--run.overwrite true` removes (run.json and config.yaml are rewritten by the run itself)
-RESULTS = ("predictions.jsonl", "predictions.rank*.jsonl", "metrics.json", "tensorboard")
+RESULTS = (
+    "predictions.jsonl",
+    "predictions.rank*.jsonl",
+    "metrics.json",
+    "tensorboard",
+    "positions.jsonl",  # model.record_positions
+    "positions.rank*.jsonl",
+)
 
 
 def kvlab_version() -> str:
@@ -64,6 +84,8 @@ def fingerprint_fields(config: Any, imports: list[str] | tuple[str, ...] = ()) -
     model = {k: v for k, v in (config.get("model") or {}).items() if k not in MODEL_EXCLUDED}
     if "model" in model:
         model["model"] = resolved_model(model["model"])
+    if "protocol" in model:
+        model["protocol"] = protocol_node(model["protocol"])
     data = {k: v for k, v in (config.get("data") or {}).items() if k not in DATA_EXCLUDED}
     return {
         "kvlab_version": kvlab_version(),
@@ -136,6 +158,9 @@ def check_run(run_dir: str | Path, fields: dict[str, Any], overwrite: bool = Fal
             f"{path} cannot be read ({exc}), so kvlab cannot tell whether this is the same run; pass "
             "`--run.overwrite true` to start the run afresh, or choose another `--run.method`."
         ) from None
+    model = recorded.get("model") if isinstance(recorded, dict) else None
+    if isinstance(model, dict) and "protocol" not in model:  # recorded before model.protocol existed
+        model["protocol"] = protocol_node(None)
     diff = differences(recorded, fields)
     if diff:
         raise ConfigError(

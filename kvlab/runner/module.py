@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,9 +12,12 @@ import lightning as L
 import torch
 
 from kvlab.api import load_model, load_pipeline
+from kvlab.compression.retrieval import retrieval_record
 from kvlab.compression.routing import route_metric, switch_layers
 from kvlab.config.errors import ConfigError
-from kvlab.engine.generation import GenerationResult, generate
+from kvlab.engine.attention import check_prefill_chunk, chunked_vlm_message
+from kvlab.engine.generation import GenerationResult
+from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
 from kvlab.metrics.evaluation import FidelityEvaluator
@@ -21,7 +25,9 @@ from kvlab.metrics.reference import ReferenceStore
 from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, score_output, validate_task_metrics
 from kvlab.models.base import LoadedModel
 from kvlab.runner.files import atomic_write_text
-from kvlab.runner.views import Inspector
+from kvlab.runner.positions import RECORD_FIELD as POSITIONS_FIELD
+from kvlab.runner.positions import encode_row, kept_masks
+from kvlab.runner.views import Inspector, run_label
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: what a re-run needs to reproduce a run, written into the run directory (``docs/evaluation.md``)
@@ -35,6 +41,20 @@ def budget_overshoot(reports: list[Any]) -> torch.Tensor | None:
     return torch.stack(values).amax(0).cpu() if values else None
 
 
+@dataclass
+class ProtocolFidelity(FidelityEvaluator):
+    """Fidelity of a protocol's runs: the references stay the full cache on the whole prompt
+    (every protocol gives it with nothing evicted), and the method's teacher-forced run goes
+    through the protocol (``protocol``), each sample with its own ``max_new_tokens``."""
+
+    protocol: Protocol = field(default_factory=lambda: build_protocol("query_aware"))
+
+    def _generate(self, pipeline, batch, **kwargs: Any) -> GenerationResult:
+        protocol = self.protocol if pipeline.compresses else build_protocol("query_aware")
+        return protocol.run(self.loaded, pipeline, batch, self.max_new_tokens, return_logits=True, **kwargs,
+                            **self.generate_kwargs).result  # fmt: skip
+
+
 class KVLabModule(L.LightningModule):
     """Runs one compression method on a model.
 
@@ -45,6 +65,10 @@ class KVLabModule(L.LightningModule):
         dtype: model dtype.
         record_scores: keep per-layer scores of every batch (the first ``inspect_samples``
             batches always keep them for the TensorBoard histograms).
+        record_positions: write each sample's kept prompt positions per layer and KV head to
+            ``positions.jsonl`` beside the predictions (:mod:`kvlab.runner.positions`; compared
+            across runs by ``kvlab compare``). Not part of the run's fingerprint: it changes no
+            result, and samples finished before it was turned on have no row.
         fidelity: compare every sample with the full-cache model (greedy agreement,
             teacher-forced KL and top-1; ``docs/evaluation.md``). The full-cache reference is
             cached per sample in :attr:`reference_dir` (set by the CLI to
@@ -63,6 +87,17 @@ class KVLabModule(L.LightningModule):
         verify: ``first_batch`` (default): before any prediction, the first sample runs through
             transformers' own attention and through kvlab's engine with nothing evicted
             (:func:`kvlab.engine.verify.verify_engine`); a mismatch refuses the run. ``off`` skips it.
+        protocol: what is compressed and when (``docs/protocols.md``): ``query_aware`` (default:
+            the whole prompt in one prefill), ``query_agnostic`` (the context alone, then the
+            question prefilled uncompressed), ``multi_question`` (one compressed context per
+            ``context_id`` answers each of its questions) or ``decode_time`` (also compress during
+            generation: ``{name: decode_time, interval: 512, target_size: 1024}`` or ``ratio``).
+            A name or a node; checked against the pipeline here, before the model loads.
+        prefill_chunk: None (default): the prompt in one forward. N: prefill it in chunks of N
+            tokens, each attending to the dense K/V of the chunks before it; every layer is
+            compressed after the last chunk (``docs/scaling.md``). Refused here, before the
+            model loads, for methods whose scorers need every prompt query (H2O, LOOK-M), and
+            for vision-language models when the model is loaded.
     """
 
     def __init__(
@@ -72,12 +107,15 @@ class KVLabModule(L.LightningModule):
         max_new_tokens: int = 32,
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         record_scores: bool = False,
+        record_positions: bool = False,
         fidelity: bool = True,
         inspect_samples: int = 4,
         inspect_layers: list[int] | None = None,
         kernels: Literal["auto", "reference", "triton"] = "auto",
         device_map: str | dict[str, str | int] | None = None,
         verify: Literal["first_batch", "off"] = "first_batch",
+        protocol: str | dict[str, Any] = "query_aware",
+        prefill_chunk: int | None = None,
     ):
         super().__init__()
         from kvlab.models import validate_model_name
@@ -100,9 +138,14 @@ class KVLabModule(L.LightningModule):
         self.model_name = model
         self.pipeline = load_pipeline(compression)
         self.pipeline.bind_model(model)  # a calibration artefact of another model fails here, before loading
+        self.protocol: Protocol = build_protocol(protocol)
+        self.protocol.check(self.pipeline)
+        check_prefill_chunk(self.pipeline, prefill_chunk)
+        self.prefill_chunk = prefill_chunk
         self.max_new_tokens = max_new_tokens
         self.dtype_name = dtype
         self.record_scores = record_scores
+        self.record_positions = record_positions
         self.fidelity = fidelity
         self.inspect_samples = inspect_samples
         self.inspect_layers = tuple(inspect_layers) if inspect_layers is not None else (0, -1)
@@ -132,10 +175,19 @@ class KVLabModule(L.LightningModule):
             )
         # attention routed through kvlab
         self.loaded = load_model(self.model_name, self.dtype_name, device_map=self.device_map)
+        if self.prefill_chunk is not None and self.loaded.info.vision_language:
+            raise ConfigError(chunked_vlm_message(self.model_name, self.prefill_chunk))
         if self.device_map is None:
             self.language_model = self.loaded.model  # registered so Lightning moves it to the device
         # with a device_map the model stays unregistered: Lightning's move of the module to its root
         # device (strategy.model_to_device) would otherwise pull every layer onto that one device
+
+    def setup(self, stage: str) -> None:
+        """Before the data loaders are built: a protocol that shares one compressed context among
+        samples (``multi_question``) has the data module batch each ``context_id`` together."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None and hasattr(datamodule, "group_by_context"):
+            datamodule.group_by_context = self.protocol.groups_contexts
 
     def on_predict_start(self) -> None:
         """Task metrics from the dataset (``metrics`` attribute), the TensorBoard inspector and, on
@@ -143,7 +195,10 @@ class KVLabModule(L.LightningModule):
         source = getattr(getattr(self._trainer, "datamodule", None), "source", None)
         self.task_metrics = validate_task_metrics(getattr(source, "metrics", None) or DEFAULT_TASK_METRICS)
         if self.logger is not None:
-            self.inspector = Inspector(self.logger.experiment, self.inspect_samples, self.inspect_layers)
+            method = Path(self.run_dir).name if getattr(self, "run_dir", None) else None
+            label = run_label(method, self.pipeline)  # figure titles: method and budget
+            experiment = self.logger.experiment
+            self.inspector = Inspector(experiment, self.inspect_samples, self.inspect_layers, label)
         run_dir = getattr(self, "run_dir", None)
         if run_dir is not None and self.global_rank == 0:
             record = self.reproduce_record()
@@ -194,19 +249,24 @@ class KVLabModule(L.LightningModule):
         if not cuda_devices:
             rss_before = process_rss_bytes()
         detailed = self.inspector is not None and self.inspector.detailed(batch_idx)
-        result = generate(
+        run = self.protocol.run(
             self.loaded,
             self.pipeline,
             batch,
-            max_new_tokens=self.max_new_tokens,
+            self.max_new_tokens,
             return_logits=self.fidelity,
             record_scores=self.record_scores or detailed,
+            prefill_chunk=self.prefill_chunk,
         )
+        result = run.result
         if cuda_devices:  # summed over the devices a device_map spreads the model over
             peak, kind = sum(torch.cuda.max_memory_allocated(d) for d in cuda_devices), "cuda_allocated"
         else:  # a high-water mark over the process's life: rss_before says where the batch started
             peak, kind = process_peak_rss_bytes(), "process_rss_high_water"
         records = self.records(result, batch)
+        for record, extra in zip(records, run.extras, strict=True):
+            record["protocol"] = self.protocol.registry_name
+            record.update(extra)
         if self.verify_seconds is not None and not getattr(self, "_verify_reported", False):
             records[0]["verify_seconds"] = self.verify_seconds
             self._verify_reported = True
@@ -218,8 +278,13 @@ class KVLabModule(L.LightningModule):
             if rss_before is not None:
                 record["peak_memory_rss_before_bytes"] = rss_before
         if self.fidelity:
-            evaluator = FidelityEvaluator(
-                self.loaded, ReferenceStore(self.reference_dir), self.max_new_tokens, self.dtype_name
+            evaluator = ProtocolFidelity(
+                self.loaded,
+                ReferenceStore(self.reference_dir),
+                self.max_new_tokens,
+                self.dtype_name,
+                generate_kwargs={"prefill_chunk": self.prefill_chunk},
+                protocol=self.protocol,
             )
             values = evaluator.evaluate(self.pipeline, batch, result)
             for record, fidelity in zip(records, values, strict=True):
@@ -258,6 +323,9 @@ class KVLabModule(L.LightningModule):
         B = len(batch["ids"])
         switch = switch_layers(result.reports)  # routed pipelines (DAVID): first layer switched
         overshoot = budget_overshoot(result.reports)  # [B] or None (full cache)
+        masks = None
+        if self.record_positions:
+            masks = kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)
         for b, sample in enumerate(batch["samples"]):
             text = self.loaded.processor.decode(result.tokens[b])
             record = {
@@ -282,5 +350,8 @@ class KVLabModule(L.LightningModule):
             if switch is not None:
                 record["route_switch_layer"] = switch[b]
                 record["route_metric"] = [route_metric(r, b) for r in result.reports]
+            record.update(retrieval_record(result.reports, b, int(result.kv_bytes_kept[b])))
+            if masks is not None:  # the writer moves it to positions.jsonl
+                record[POSITIONS_FIELD] = encode_row(sample.id, masks[b])
             records.append(record)
         return records
