@@ -57,12 +57,10 @@ _WORD_VALUES = (
 )  # fmt: skip
 
 MAX_PAIRS = len(_KEYS)
-#: SmolLM2 tokens per filler word, of the rest of the prompt (default system turn, chat markup,
-#: instructions, question, the needle) and of each distractor fact, fitted with its tokenizer on
-#: 300..3000-word prompts; ``context_tokens`` uses them.
-TOKENS_PER_WORD = 1.11
-PROMPT_OVERHEAD_TOKENS = 70
-FACT_TOKENS = 14
+#: fewest tokens ``context_tokens`` may ask for (plus this per pair): no tokenizer kvlab knows
+#: fits the instructions, the facts and the question in less
+MIN_CONTEXT_TOKENS = 64
+MIN_TOKENS_PER_PAIR = 16
 #: what a fact calls its value, per value kind
 _NOUNS = {"number": "code", "word": "word"}
 _ANSWER_HINTS = {"number": "Answer with the 5-digit number only.", "word": "Answer with the word only."}
@@ -96,10 +94,13 @@ class SyntheticRetrieval:
     (the needle), placed at relative depth ``needle_depth`` (0 = start, 1 = end). With
     ``needle_depth: null`` the depths are spread evenly over [0, 1] across the samples (in a
     seeded shuffled order). Length: ``context_words`` filler words, or, when ``context_tokens`` is
-    set, about that many prompt tokens with SmolLM2's tokenizer (within 6% from 512 to 4k).
+    set, the most filler sentences whose prompt takes at most ``context_tokens`` tokens of the
+    ``tokenizer`` model (null: the run's ``model.model``), counted as the model sees the prompt
+    (its chat template included; :mod:`kvlab.data.benchmarks.tokens`): one more sentence would
+    exceed it, so a prompt falls short by less than one sentence (~10-30 tokens).
     ``value: word`` asks for "the secret word" (a common noun) instead of a 5-digit code.
     ``Sample.meta`` records ``key``, ``needle_depth`` (requested) and ``needle_word_fraction``
-    (the share of context words before the needle).
+    (the share of context words before the needle), and ``prompt_tokens`` with ``context_tokens``.
     """
 
     num_samples: int = 8
@@ -110,6 +111,7 @@ class SyntheticRetrieval:
     value: Literal["number", "word"] = "number"
     metrics: tuple[str, ...] = ("contains_answer", "exact_match")
     seed: int = 0
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         check_num_samples(self.num_samples)
@@ -119,12 +121,12 @@ class SyntheticRetrieval:
                 f"context_words must be >= 1, got {self.context_words}. Set "
                 f"data.dataset.context_words to the approximate prompt length in words."
             )
-        least = 2 * PROMPT_OVERHEAD_TOKENS + FACT_TOKENS * self.num_pairs
+        least = MIN_CONTEXT_TOKENS + MIN_TOKENS_PER_PAIR * self.num_pairs
         if self.context_tokens is not None and self.context_tokens < least:
             raise ConfigError(
-                f"context_tokens must be >= {least} with {self.num_pairs} pairs (the prompt without filler "
-                f"is about {least // 2} tokens), got {self.context_tokens}. Raise it, or set it to null and "
-                f"use context_words."
+                f"context_tokens must be >= {least} with {self.num_pairs} pairs (no tokenizer fits the "
+                f"instructions, facts and question in less), got {self.context_tokens}. Raise it, or set it "
+                f"to null and use context_words."
             )
         pool = len(_WORD_VALUES) if self.value == "word" else MAX_PAIRS
         if not 1 <= self.num_pairs <= min(MAX_PAIRS, pool):
@@ -137,14 +139,11 @@ class SyntheticRetrieval:
                 f"needle_depth must be in [0, 1] (0 = start of the context, 1 = end) or null to vary "
                 f"it across samples, got {self.needle_depth}. Fix data.dataset.needle_depth."
             )
+        from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer
 
-    @property
-    def filler_words(self) -> int:
-        """Filler words per prompt: ``context_words``, or derived from ``context_tokens``."""
-        if self.context_tokens is None:
-            return self.context_words
-        fixed = PROMPT_OVERHEAD_TOKENS + FACT_TOKENS * (self.num_pairs - 1)
-        return max(1, round((self.context_tokens - fixed) / TOKENS_PER_WORD))
+        check_tokenizer_name(self.tokenizer)
+        if self.context_tokens is not None and self.tokenizer is None:
+            require_tokenizer(None, "synthetic_retrieval", "context_tokens")  # refuses, naming the fix
 
     def depths(self) -> list[float]:
         """The needle depth of each sample."""
@@ -157,18 +156,42 @@ class SyntheticRetrieval:
 
     def samples(self) -> list[Sample]:
         """``num_samples`` retrieval prompts."""
-        return [self._sample(i, depth) for i, depth in enumerate(self.depths())]
+        if self.context_tokens is None:
+            return [self._sample(i, depth) for i, depth in enumerate(self.depths())]
+        return [self._fitted_sample(i, depth) for i, depth in enumerate(self.depths())]
+
+    def _fitted_sample(self, index: int, depth: float) -> Sample:
+        """The sample with the most filler sentences whose prompt fits ``context_tokens``."""
+        from kvlab.data.benchmarks.tokens import fit_units, require_tokenizer
+
+        counter = require_tokenizer(self.tokenizer, "synthetic_retrieval", "context_tokens")
+        limit = int(self.context_tokens)  # type: ignore[arg-type]
+        fitted = fit_units(
+            lambda n: counter.count_prompt(self._sample(index, depth, n)), limit, max(1, limit // 16)
+        )
+        if fitted is None:
+            shortest = counter.count_prompt(self._sample(index, depth, 1))
+            raise ConfigError(
+                f"data.dataset.context_tokens: {limit} tokens is too short for synthetic_retrieval with "
+                f"{self.num_pairs} pairs and tokenizer {counter.name}: one filler sentence already makes "
+                f"a {shortest}-token prompt. Raise context_tokens to at least {shortest}."
+            )
+        n, tokens = fitted
+        sample = self._sample(index, depth, n)
+        sample.meta["prompt_tokens"] = tokens
+        return sample
 
     def _values(self, rng: random.Random) -> list[str]:
         if self.value == "word":
             return rng.sample(_WORD_VALUES, self.num_pairs)
         return [str(v) for v in rng.sample(range(10000, 100000), self.num_pairs)]
 
-    def _sample(self, index: int, depth: float) -> Sample:
+    def _sample(self, index: int, depth: float, sentences: int | None = None) -> Sample:
+        """Sample ``index``: ``sentences`` filler sentences, or ``context_words`` words of them."""
         rng = random.Random(f"{self.seed}:{index}")
         filler: list[str] = []
         words = 0
-        while words < self.filler_words:
+        while len(filler) < sentences if sentences is not None else words < self.context_words:
             sentence = filler_sentence(rng)
             filler.append(sentence)
             words += len(sentence.split())

@@ -130,3 +130,7 @@ class TaskScores(SampleMeans):
 
     def __init__(self, **kwargs: Any):
         super().__init__(tuple(TASK_METRICS), **kwargs)
+
+
+from kvlab.metrics import longcontext as _longcontext  # noqa: E402, F401  (long-context benchmarks' metrics)
+from kvlab.metrics import vlm as _vlm  # noqa: E402, F401  (registers the VLM benchmarks' metrics)

@@ -1,0 +1,29 @@
+"""Standard long-context benchmark suites as kvlab datasets (docs/benchmark_suites.md).
+
+Importing this package registers the datasets ``ruler`` (generated offline), ``longbench``,
+``infinitebench``, ``loogle`` (read from a download or the Hub) and ``needle_haystack``
+(generated offline); their metrics live in :mod:`kvlab.metrics.longcontext`.
+:func:`needle_heatmap` draws the needle grid's heatmap from a run's predictions, and
+:func:`task_scores` tabulates any suite's scores per task.
+"""
+
+from __future__ import annotations
+
+from kvlab.data.benchmarks.infinitebench import InfiniteBenchDataset
+from kvlab.data.benchmarks.longbench import LongBenchDataset
+from kvlab.data.benchmarks.loogle import LooGLEDataset
+from kvlab.data.benchmarks.needle import NeedleHaystack, needle_grid, needle_heatmap
+from kvlab.data.benchmarks.report import task_scores, task_table
+from kvlab.data.benchmarks.ruler import RulerDataset
+
+__all__ = [
+    "InfiniteBenchDataset",
+    "LongBenchDataset",
+    "LooGLEDataset",
+    "NeedleHaystack",
+    "RulerDataset",
+    "needle_grid",
+    "needle_heatmap",
+    "task_scores",
+    "task_table",
+]

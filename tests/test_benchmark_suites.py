@@ -1,0 +1,329 @@
+"""The long-context benchmark datasets (kvlab.data.benchmarks): token-measured lengths on two
+tokenizers, the loaders on small fixtures in each suite's real schema (tests/data/benchmarks, no
+download), the needle grid and heatmap, and the shipped benchmark configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvlab.config.errors import ConfigError
+from kvlab.config.loader import check_fields, load_config, presets_dir, resolve
+from kvlab.data import DATASETS
+from kvlab.data.benchmarks import (
+    InfiniteBenchDataset,
+    LongBenchDataset,
+    LooGLEDataset,
+    NeedleHaystack,
+    RulerDataset,
+    needle_grid,
+    needle_heatmap,
+    task_table,
+)
+from kvlab.data.benchmarks.longbench import LONGBENCH_PROMPTS
+from kvlab.data.benchmarks.tokens import fit_units, token_counter
+from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.metrics.tasks import score_output
+
+FIXTURES = Path(__file__).parent / "data" / "benchmarks"
+
+
+# ---- token-measured lengths --------------------------------------------------------------------
+def test_fit_units_finds_the_largest_fitting_count() -> None:
+    def length(n: int) -> int:
+        return 40 + 7 * n + (n % 3)  # a non-uniform, non-decreasing cost
+
+    for limit in (48, 100, 1000, 5000):
+        for start in (1, 5, 500):
+            n, used = fit_units(length, limit, start)  # type: ignore[misc]
+            assert used == length(n) <= limit < length(n + 1)
+    assert fit_units(length, 30, 10) is None
+
+
+@pytest.mark.parametrize("tokenizer", ["tiny-qwen2", "smollm2-135m"])
+def test_retrieval_context_tokens_measured_with_the_tokenizer(tokenizer: str) -> None:
+    counter = token_counter(tokenizer)
+    for target, pairs in ((512, 1), (2048, 4)):
+        data = SyntheticRetrieval(
+            num_samples=1, context_tokens=target, num_pairs=pairs, seed=3, tokenizer=tokenizer
+        )
+        for index, sample in enumerate(data.samples()):
+            n_tokens = counter.count_prompt(sample)
+            assert n_tokens == sample.meta["prompt_tokens"] and target - 48 <= n_tokens <= target
+            sentences = sample.prompt.count(".") - pairs  # one period per filler sentence and fact
+            longer = data._sample(index, sample.meta["needle_depth"], sentences + 1)
+            assert counter.count_prompt(longer) > target  # one more sentence would not fit
+    # tiny-qwen2's 1k-token vocabulary needs ~2.5x SmolLM2's tokens for the same text
+    if tokenizer == "tiny-qwen2":
+        words = len(
+            SyntheticRetrieval(num_samples=1, context_tokens=4096, tokenizer=tokenizer)
+            .samples()[0]
+            .prompt.split()
+        )
+        assert words < 2000
+
+
+def test_retrieval_context_tokens_needs_a_tokenizer() -> None:
+    with pytest.raises(ConfigError, match="data.dataset.tokenizer"):
+        SyntheticRetrieval(context_tokens=1024)
+    with pytest.raises(ConfigError, match="data.dataset.tokenizer"):
+        SyntheticRetrieval(context_tokens=1024, tokenizer="no-such-model")
+    built = DATASETS.build(
+        {"name": "synthetic_retrieval", "context_tokens": 600}, "data.dataset", tokenizer="tiny-qwen2"
+    )
+    assert built.tokenizer == "tiny-qwen2"  # what kvlab predict passes: the run's model
+    assert SyntheticRetrieval(context_words=50).samples()  # words need no tokenizer
+
+
+# ---- RULER ------------------------------------------------------------------------------------
+TINY_TASKS = [
+    "niah_single_1",
+    "niah_single_2",
+    "niah_multikey_2",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "fwe",
+]
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "tasks"), [("tiny-qwen2", TINY_TASKS), ("smollm2-135m", ["niah_single_3", "cwe"])]
+)
+def test_ruler_lengths_fit_the_run_tokenizer(tokenizer: str, tasks: list[str]) -> None:
+    data = RulerDataset(tasks=tasks, lengths=[1024, 2048], samples_per_task=1, tokenizer=tokenizer)
+    counter = token_counter(tokenizer)
+    samples = data.samples()
+    assert [s.id for s in samples] == [f"ruler-{t}-{n}-0000" for t in tasks for n in (1024, 2048)]
+    for s in samples:
+        total = counter.count_prompt(s) + s.max_new_tokens
+        length, units = s.meta["length"], s.meta["haystack_units"]
+        assert total == s.meta["prompt_tokens"] + s.max_new_tokens <= length
+        assert total > 0.85 * length  # within one haystack unit (a noise paragraph, a needle line)
+        longer = data.prompt(s.meta["task"], length, 0, units + 1)
+        assert counter.count_prompt(longer) + s.max_new_tokens > length  # one more unit would not fit
+        assert s.prompt.endswith(s.question) and s.context + s.question == s.prompt
+        assert s.answers and score_output(" ".join(s.answers), s, data.metrics) == {"string_match_all": 1.0}
+        if s.meta["task"].startswith("niah"):
+            assert all(a in s.context for a in s.answers) and all(k in s.question for k in s.meta["keys"])
+    assert [s.prompt for s in data.samples()] == [s.prompt for s in samples]  # deterministic
+
+
+def test_ruler_templates_and_answers() -> None:
+    data = RulerDataset(
+        tasks=["niah_single_1", "vt", "fwe"], lengths=[1024], samples_per_task=1, tokenizer="tiny-qwen2"
+    )
+    niah, vt, fwe = data.samples()
+    assert niah.prompt.startswith("A special magic number is hidden within the following text.")
+    assert (
+        niah.answer_prefix
+        == f" The special magic number for {niah.meta['keys'][0]} mentioned in the provided text is"
+    )
+    assert (
+        f"One of the special magic numbers for {niah.meta['keys'][0]} is: {niah.answers[0]}." in niah.prompt
+    )
+    assert (niah.max_new_tokens, vt.max_new_tokens, fwe.max_new_tokens) == (128, 30, 50)
+    # vt: a worked example, then the chain VAR A = <value>, VAR B = VAR A, ... to name in full
+    assert vt.prompt.count("Memorize and track the chain(s)") == 2 and len(vt.answers) == 5
+    assert f"VAR {vt.answers[0]} = {vt.meta['value']}" in vt.context
+    assert all(f"VAR {b} = VAR {a} " in vt.context for a, b in zip(vt.answers, vt.answers[1:], strict=False))
+    # fwe: the three answers are the most frequent coded words after the "..." noise
+    counts = {w: fwe.context.split().count(w) for w in set(fwe.context.split())}
+    top = sorted((c, w) for w, c in counts.items() if w != "..." and len(w) == 6)[-3:]
+    assert sorted(fwe.answers) == sorted(w for _, w in top)
+
+
+def test_ruler_validation() -> None:
+    for bad, field in (({"tasks": ["qa_1"]}, "SQuAD"), ({"tasks": ["niah_singel_1"]}, "niah_single_1"),
+                       ({"lengths": [100]}, "lengths"), ({"lengths": 4096}, "lengths"),
+                       ({"samples_per_task": 0}, "samples_per_task")):  # fmt: skip
+        with pytest.raises(ConfigError, match=field):
+            DATASETS.build({"name": "ruler", **bad}, "data.dataset")
+    with pytest.raises(ConfigError, match="data.dataset.tokenizer"):
+        RulerDataset(tasks=["fwe"], lengths=[1024]).samples()
+    with pytest.raises(ConfigError, match="too short"):
+        RulerDataset(tasks=["cwe"], lengths=[512], samples_per_task=1, tokenizer="tiny-qwen2").samples()
+
+
+# ---- LongBench ----------------------------------------------------------------------------------
+def _rows(task: str, suite: str = "longbench") -> list[dict[str, Any]]:
+    lines = (FIXTURES / suite / f"{task}.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_longbench_prompts_lengths_and_scores() -> None:
+    tasks = ["hotpotqa", "trec", "samsum", "lcc", "passage_retrieval_en"]
+    data = LongBenchDataset(path=str(FIXTURES / "longbench"), tasks=tasks)
+    samples = data.samples()
+    assert [s.meta["task"] for s in samples] == ["hotpotqa", "hotpotqa", *tasks[1:]]
+    for s in samples:
+        row = _rows(s.meta["task"])[int(s.id[-4:])]
+        assert s.prompt == LONGBENCH_PROMPTS[s.meta["task"]].format(
+            context=row["context"], input=row["input"]
+        )
+        assert s.context.endswith(row["context"]) and s.question and s.answer_prefix == ""
+        assert score_output(s.answers[0], s, data.metrics) == {"longbench_score": pytest.approx(1.0)}
+    hotpot, _, trec, samsum, lcc, retrieval = samples
+    assert hotpot.question == (
+        "\n\nAnswer the question based on the given passages. Only give me the answer and do not output any "
+        "other words.\n\nQuestion: Which city is the Eiffel Tower in?\nAnswer:"
+    )
+    assert [s.max_new_tokens for s in samples] == [32, 32, 64, 128, 64, 32]  # dataset2maxlen.json
+    assert (trec.meta["reference_chat_template"], hotpot.meta["reference_chat_template"]) == ("none", "model")
+    assert score_output("City\nIndividual", trec, ["longbench_score"]) == {"longbench_score": 1.0}  # 1st line
+    assert score_output("Paragraph 2", retrieval, ["longbench_score"]) == {"longbench_score": 1.0}
+    assert lcc.question == "Next line of code:\n" and samsum.question.endswith("Summary: ")
+
+
+def test_longbench_truncation_keeps_head_and_question() -> None:
+    data = LongBenchDataset(
+        path=str(FIXTURES / "longbench"), tasks=["hotpotqa"], max_length=170, tokenizer="tiny-qwen2"
+    )
+    full = LongBenchDataset(path=str(FIXTURES / "longbench"), tasks=["hotpotqa"]).samples()
+    counter = token_counter("tiny-qwen2")
+    for short, long in zip(data.samples(), full, strict=True):
+        assert counter.count_text(short.prompt) <= 170 < counter.count_text(long.prompt)
+        assert short.meta["truncated_tokens"] > 0 and short.prompt.endswith(long.question)
+        assert short.prompt.startswith("Answer the question based on the given passages.")
+
+
+def test_longbench_refusals_and_schema(tmp_path: Path) -> None:
+    path = str(FIXTURES / "longbench")
+    with pytest.raises(ConfigError, match="jieba"):
+        LongBenchDataset(path=path, tasks=["dureader"])
+    with pytest.raises(ConfigError, match="no file for task 'qasper'"):
+        LongBenchDataset(path=path, tasks=["qasper"])
+    with pytest.raises(ConfigError, match="not a directory"):
+        LongBenchDataset(path=str(tmp_path / "missing"), tasks=["hotpotqa"])
+    with pytest.raises(ConfigError, match="data.dataset.tokenizer"):
+        LongBenchDataset(path=path, tasks=["hotpotqa"], max_length=100)
+    (tmp_path / "hotpotqa.jsonl").write_text(
+        json.dumps({"input": "q", "context": "c", "answers": "x"}) + "\n"
+    )
+    with pytest.raises(ConfigError, match="'answers' must be a non-empty list"):
+        LongBenchDataset(path=str(tmp_path), tasks=["hotpotqa"])
+
+
+def test_longbench_reads_a_saved_hf_dataset(tmp_path: Path) -> None:
+    import datasets
+
+    rows = _rows("hotpotqa")
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
+    data = LongBenchDataset(path=str(tmp_path / "saved"), tasks=["hotpotqa"], samples_per_task=1)
+    assert [s.answers for s in data.samples()] == [rows[0]["answers"]]
+
+
+# ---- InfiniteBench -------------------------------------------------------------------------------
+def test_infinitebench_prompts_and_labels() -> None:
+    tasks = ["passkey", "kv_retrieval", "longbook_choice_eng", "code_run", "math_find", "code_debug"]
+    data = InfiniteBenchDataset(path=str(FIXTURES / "infinitebench"), tasks=tasks)
+    passkey, kv, choice, code_run, math_find, debug = data.samples()
+    assert passkey.question == "\n\nWhat is the pass key?\n\nThe pass key is" and passkey.max_new_tokens == 6
+    assert choice.answers == ["Light housework", "C"]  # get_answer: option text and letter
+    assert choice.question.endswith("D. Taking care of Totty\n\nThe letter of the correct answer is")
+    assert code_run.prompt.startswith("There is a function called func_2 in the following Python code.")
+    assert code_run.question.endswith(
+        "Please compute the exact value of func_2(-4). The value of func_2(-4) is"
+    )
+    assert math_find.prompt.startswith("What is the largest number in the following list?\n\n[3, 88, 14, 7]")
+    assert debug.answers == ["broken", "B"]
+    outputs = [" 71432.", "beef-2", "C", " -6", " 88", "B. broken"]
+    for sample, output in zip(data.samples(), outputs, strict=True):
+        assert sample.prompt.endswith(sample.question)
+        assert score_output(output, sample, data.metrics) == {"infinitebench_score": 1.0}
+    assert score_output("12345", passkey, data.metrics) == {"infinitebench_score": 0.0}
+
+
+# ---- LooGLE --------------------------------------------------------------------------------------
+def test_loogle_questions_share_their_document() -> None:
+    data = LooGLEDataset(
+        path=str(FIXTURES / "loogle"), tasks=["shortdep_qa", "shortdep_cloze", "longdep_summarization"]
+    )
+    qa1, qa2, cloze, summary = data.samples()
+    document = _rows("shortdep_qa", "loogle")[0]["input"]
+    assert qa1.context_id == qa2.context_id != cloze.context_id and qa1.context == qa2.context
+    head = "Please answer the question based on the long texts below. \n"
+    assert qa1.prompt == f"{head}{document}\nQuestion: Where does Tank work?\nAnswer: "
+    assert qa1.question == "\nQuestion: Where does Tank work?\nAnswer: " and qa1.max_new_tokens == 300
+    assert (
+        cloze.meta["cloze_answer"] == {"<mask-0>": "Tank", "<mask-1>": "JoAnn Fabrics"}
+        and cloze.max_new_tokens == 50
+    )
+    assert "{'<mask-0>': 'Bob'" in cloze.prompt  # the template's escaped braces
+    assert summary.question == "\n Summarization: " and summary.max_new_tokens == 500
+    assert data.metrics == (*(f"loogle_{m}" for m in ("bleu1", "bleu4", "rouge1", "rouge2", "rouge_l")),
+                            "loogle_cloze_exact", "loogle_cloze_partial")  # fmt: skip
+    scores = score_output("{'<mask-0>': 'Tank', '<mask-1>': 'JoAnn'}", cloze, data.metrics)
+    assert scores == {"loogle_cloze_exact": 0.5, "loogle_cloze_partial": 1.0}
+    assert score_output("JoAnn Fabrics", qa1, data.metrics)["loogle_rouge_l"] == pytest.approx(1.0)
+    short = LooGLEDataset(
+        path=str(FIXTURES / "loogle"), tasks=["shortdep_qa"], max_length=80, tokenizer="tiny-qwen2"
+    )
+    a, b = short.samples()
+    assert a.context == b.context and a.meta["truncated_tokens"] > 0  # one cut, shared
+
+
+# ---- needle in a haystack ------------------------------------------------------------------------
+def test_needle_grid_and_heatmap(tmp_path: Path) -> None:
+    data = NeedleHaystack(lengths=[400, 800], depths=[0, 50, 100], tokenizer="tiny-qwen2")
+    samples = data.samples()
+    assert [(s.meta["length"], s.meta["depth"]) for s in samples] == [
+        (n, d) for n in (400, 800) for d in (0, 50, 100)
+    ]
+    counter = token_counter("tiny-qwen2")
+    needle = data.needle.strip()
+    for s in samples:
+        assert s.prompt.endswith(s.question) and needle in s.context and s.max_new_tokens == 300
+        haystack = s.context.replace(data.needle, "")
+        assert counter.count_text(haystack) <= s.meta["length"] - data.buffer
+        where = s.context.index(needle) / len(haystack)  # share of the haystack before the needle
+        assert {0: where < 0.05, 50: 0.3 < where <= 0.55, 100: where > 0.95}[int(s.meta["depth"])]
+    rows = []
+    for s in samples:
+        output = "Eat a sandwich and sit in Dolores Park." if s.meta["depth"] < 100 else "No idea."
+        rows.append({"id": s.id, "meta": s.meta, **score_output(output, s, data.metrics)})
+    lengths, depths, grid = needle_grid(rows)
+    assert (
+        (lengths, depths) == ([400, 800], [0.0, 50.0, 100.0]) and grid[2] == [0.0, 0.0] and grid[0][0] > 0.5
+    )
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = needle_heatmap(tmp_path / "run", tmp_path / "plots" / "needle.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| needle | 400 | 3 |" in task_table(rows, ["needle_rouge1"])
+    with pytest.raises(ConfigError, match="no prediction"):
+        needle_heatmap([{"id": "x"}], tmp_path / "x.png")
+    with pytest.raises(ConfigError, match="buffer"):
+        NeedleHaystack(lengths=[100], tokenizer="tiny-qwen2")
+
+
+# ---- shipped configs -----------------------------------------------------------------------------
+SHIPPED = sorted(p.stem for p in (presets_dir() / "benchmarks").glob("*.yaml"))
+LOCAL = {
+    "longbench": ["hotpotqa"],
+    "longbench_fewshot": ["trec"],
+    "infinitebench": ["passkey"],
+    "loogle": ["shortdep_qa"],
+}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_benchmark_configs_validate(name: str) -> None:
+    from kvlab.data.datamodule import KVLabDataModule
+
+    assert load_config(f"benchmarks/{name}")["data"]["dataset"]["name"]
+    cfg = resolve(["snapkv", f"benchmarks/{name}"], [])
+    assert cfg["run"]["method"] == "snapkv" and cfg["run"]["experiment"] == name  # the method keeps its name
+    check_fields(cfg, {"data": KVLabDataModule})
+    node = dict(cfg["data"]["dataset"])
+    if name in LOCAL:  # the Hub copies are not downloaded in tests: the fixtures have the same schema
+        suite = node["name"]
+        node.update(path=str(FIXTURES / suite), tasks=LOCAL[name])
+    else:  # generated suites: a small slice
+        node.update({"lengths": [1024]} if node["name"] == "ruler" else {"lengths": [400], "depths": [50]})
+        node.update({"tasks": ["niah_single_1"], "samples_per_task": 1} if node["name"] == "ruler" else {})
+    dataset = DATASETS.build(node, "data.dataset", tokenizer="tiny-qwen2")
+    assert dataset.samples() and dataset.metrics
