@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_cli import predict, write_jsonl
 
 from kvlab.compression.selectors import Selection
-from kvlab.runner.views import image_grids, modality_counts, patch_overlay
+from kvlab.runner.views import image_grids, modality_counts, patch_figure, render
 
 
 def events(directory):
@@ -41,7 +41,12 @@ def test_event_files_hold_every_view(vlm_run):
     layers = len(
         json.loads((vlm_run / "predictions.jsonl").read_text().splitlines()[0])["kept_per_layer_head"]
     )
-    assert {"budget/kept_layer_head", "budget/kept_layer_head_mean"} <= set(tags["images"])
+    figures = {"budget/kept_layer_head", "budget/kept_per_layer", "budget/kept_layer_head_mean",
+               "modality/kept_fraction_per_layer"}  # fmt: skip
+    assert figures <= set(tags["images"])
+    for tag in figures:  # rendered figures a screen shows, not a layers x heads pixel strip
+        image = acc.Images(tag)[0]
+        assert image.width >= 600 and image.height >= 200
     for layer in (0, layers - 1):
         assert f"patches/layer_{layer}/image_0" in tags["images"]
         assert f"scores/layer_{layer}" in tags["histograms"]
@@ -55,7 +60,7 @@ def test_event_files_hold_every_view(vlm_run):
     assert 0 < acc.Scalars("summary/kv_ratio")[0].value < 1
     assert 0 <= acc.Scalars("summary/fidelity_top1")[0].value <= 1
     image = acc.Images("patches/layer_0/image_0")[0]
-    assert image.width >= 16 and image.height >= 16
+    assert image.width >= 600 and image.height >= 250
 
 
 def naive_kept(selection, length):
@@ -96,8 +101,7 @@ def test_image_grids_and_overlay():
     assert image_grids(batch, 0, Proc()) == [(2, 2, 2), (7, 2, 1)]
     square_plus_cls = {"samples": [sample], "modality": torch.tensor([[0] + [1] * 10])}
     assert image_grids(square_plus_cls, 0, None) == [(2, 2, 2), (7, 2, 2)]  # 5 tokens: CLS + 2x2
-    share = torch.tensor([[1.0, 0.0]])
-    overlay = patch_overlay(Image.new("RGB", (10, 10), "white"), share)
-    cell = overlay.shape[-1] // 2
-    assert overlay.shape[0] == 3 and overlay[:, :, :cell].min() == 1.0
-    assert overlay[:, :, cell:].max() == pytest.approx(0.2)
+    kept = render(patch_figure(Image.new("RGB", (10, 10), "white"), torch.tensor([[1.0, 0.0]]), "t"))
+    dropped = render(patch_figure(Image.new("RGB", (10, 10), "white"), torch.tensor([[0.0, 0.0]]), "t"))
+    assert kept.shape == dropped.shape and kept.shape[2] == 3
+    assert kept.mean() > dropped.mean()  # a kept patch is drawn bright, a dropped one dark

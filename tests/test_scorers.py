@@ -178,15 +178,18 @@ def test_random_scores_batch_invariant_and_seeded():
 # 4. keydiff
 
 
-def test_keydiff_matches_naive():
+@pytest.mark.parametrize("anchor", ["unit_mean", "raw_mean"])
+def test_keydiff_matches_naive(anchor):
+    """KeyDiff's anchor is the mean of unit keys (the paper, the default) or of raw keys."""
     ctx = make_ctx(LENGTHS, seed=10)
-    scores = build(DIVERSITY, name="keydiff").score(ctx)
+    scores = build(DIVERSITY, name="keydiff", anchor=anchor).score(ctx)
     for b in range(2):
         n, off, _, k, _ = sample_lists(ctx, b)
         expected = []
         for h in range(2):
-            anchor = [sum(k[h][t][d] for t in range(n)) / n for d in range(len(k[h][0]))]
-            expected.append([-dot(k[h][t], anchor) / (norm(k[h][t]) * norm(anchor)) for t in range(n)])
+            keys = [[x / norm(row) for x in row] for row in k[h][:n]] if anchor == "unit_mean" else k[h][:n]
+            mean = [sum(keys[t][d] for t in range(n)) / n for d in range(len(k[h][0]))]
+            expected.append([-dot(k[h][t], mean) / (norm(k[h][t]) * norm(mean)) for t in range(n)])
         assert_scores(scores[b, :, off:], expected)
 
 

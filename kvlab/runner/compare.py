@@ -1,27 +1,34 @@
-"""``kvlab compare runs/<experiment>``: methods x metrics, and quality against memory.
+"""``kvlab compare runs/<experiment>``: methods x metrics, a methods x budget leaderboard, and plots.
 
 Every subdirectory of the experiment holding a ``predictions.jsonl`` is a run (``reference/``
 and the outputs below are not). Its aggregates are recomputed from the per-sample records
 with the same :class:`~kvlab.metrics.run.RunMetrics` that wrote ``metrics.json``, so the
 table equals the runs' ``metrics.json`` and includes samples added by a resumed run.
 
-Writes into the experiment directory:
+Writes into the experiment directory (``docs/evaluation.md``, "Comparing runs"):
 
-- ``compare.md`` and ``compare.csv``: the table (also printed);
+- ``compare.md`` (also printed): the methods x metrics table (``compare.csv``), then the
+  leaderboard and the kept-position overlap below;
+- the **leaderboard** (``leaderboard.csv``, :mod:`kvlab.runner.leaderboard`): the task score (%)
+  of each method (rows) at each budget (columns, read from each run's ``run.json``), per task
+  family and overall; ``score_vs_<ratio|tokens>.png``: score against budget, one panel per
+  family, one line per method, the full cache dashed;
 - ``quality_vs_memory.png``: each quality metric against the kept KV fraction, one line per
   method family (the points of a sweep, :func:`kvlab.config.sweep.parse_method`);
-- ``compare/tensorboard/<family>/``: TensorBoard scalars ``sweep/<metric>`` whose step is the
-  kept KV in per mille (``round(1000 * kv_ratio)``), so TensorBoard draws one quality-vs-memory
-  curve per family, and the figure as ``sweep/quality_vs_memory``.
+- ``positions_overlap.csv``: for runs that recorded kept positions (``model.record_positions``),
+  the mean Jaccard index of every pair over their shared samples, layers and KV heads;
+- ``compare/tensorboard/``: ``<family>/`` scalars ``sweep/<metric>`` whose step is the kept KV
+  in per mille (``round(1000 * kv_ratio)``), ``leaderboard/<method>/`` scalars
+  ``leaderboard/<family>_vs_<ratio|tokens>`` whose step is the budget (per mille of a ratio, or
+  tokens), and the figures under ``_figure/``.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import io
+import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +36,18 @@ from kvlab.config.errors import ConfigError
 from kvlab.config.sweep import parse_method
 from kvlab.metrics.run import summarize
 from kvlab.metrics.tasks import TASK_METRICS
+from kvlab.runner.leaderboard import (
+    FULL,
+    BudgetPoint,
+    Leaderboard,
+    csv_text,
+    leaderboard,
+    leaderboard_text,
+    markdown,
+    plot_leaderboard,
+    pyplot,
+)
+from kvlab.runner.positions import mean_jaccard, read_positions
 from kvlab.runner.writer import PREDICTIONS, read_predictions
 
 FIDELITY = ("fidelity_exact", "fidelity_token_match", "fidelity_rouge_l", "fidelity_kl", "fidelity_top1")
@@ -44,12 +63,16 @@ TB_DIR = Path("compare") / "tensorboard"
 
 @dataclass
 class Run:
-    """One method's run: its directory name, family and swept values, and recomputed metrics."""
+    """One method's run: its directory name, family and swept values, recomputed metrics, and (for
+    the leaderboard) its records and recorded fingerprint fields (``run.json``, empty if absent)."""
 
     method: str
     family: str
     point: dict[str, str]
     metrics: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    fields: dict[str, Any] = field(default_factory=dict, repr=False)
+    path: Path | None = None
 
 
 def _sort_key(run: Run) -> tuple:
@@ -62,6 +85,13 @@ def _sort_key(run: Run) -> tuple:
     return (run.family, values)
 
 
+def _fields(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "run.json").read_text()).get("fields") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def load_runs(experiment: str | Path) -> list[Run]:
     """The experiment's runs, grouped by family and ordered by swept value."""
     root = Path(experiment)
@@ -72,7 +102,8 @@ def load_runs(experiment: str | Path) -> list[Run]:
     runs = []
     for path in sorted(p for p in root.iterdir() if (p / PREDICTIONS).is_file()):
         family, point = parse_method(path.name)
-        runs.append(Run(path.name, family, point, summarize(read_predictions(path))))
+        records = read_predictions(path)
+        runs.append(Run(path.name, family, point, summarize(records), records, _fields(path), path))
     if not runs:
         raise ConfigError(
             f"kvlab compare: no runs in {root} (no subdirectory holds a {PREDICTIONS}); "
@@ -101,17 +132,6 @@ def table(runs: list[Run], keys: list[str]) -> list[list[str]]:
     return [[r.method, *(_cell(r.metrics.get(k)) for k in keys)] for r in runs]
 
 
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
-
-
-def _csv(header: list[str], rows: list[list[str]]) -> str:
-    out = io.StringIO()
-    csv.writer(out, lineterminator="\n").writerows([header, *rows])
-    return out.getvalue()
-
-
 def quality_metrics(runs: list[Run]) -> list[str]:
     """Quality metrics to plot: those in :data:`QUALITY` that some run has."""
     return [k for k in QUALITY if any(k in r.metrics for r in runs)]
@@ -127,11 +147,7 @@ def families(runs: list[Run]) -> dict[str, list[Run]]:
 
 def plot(runs: list[Run], path: Path) -> Any:
     """Figure of every quality metric against ``kv_ratio`` (one panel per metric), saved as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     metrics = quality_metrics(runs)
     fig, axes = plt.subplots(1, max(len(metrics), 1), figsize=(4 * max(len(metrics), 1), 3.4), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=False):
@@ -149,8 +165,34 @@ def plot(runs: list[Run], path: Path) -> Any:
     return fig
 
 
-def write_tensorboard(runs: list[Run], root: Path, figure: Any) -> None:
-    """Quality-vs-memory scalars per family (step = kept KV per mille) and the figure."""
+# ---------------------------------------------------------------------------------------------
+# kept-position overlap
+
+
+def positions_overlap(runs: list[Run]) -> list[list[str]]:
+    """``[run a, run b, mean Jaccard, samples, skipped]`` for every pair of runs that recorded kept
+    positions (:func:`kvlab.runner.positions.mean_jaccard`)."""
+    recorded = {r.method: read_positions(r.path) for r in runs if r.path is not None}
+    recorded = {k: v for k, v in recorded.items() if v}
+    names = sorted(recorded)
+    rows = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            mean, samples, skipped = mean_jaccard(recorded[a], recorded[b])
+            rows.append([a, b, "n/a" if mean is None else f"{mean:.4f}", str(samples), str(skipped)])
+    return rows
+
+
+POSITIONS_HEADER = ["run_a", "run_b", "mean_jaccard", "samples", "skipped_samples"]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def write_tensorboard(runs: list[Run], root: Path, figure: Any, board: Leaderboard | None = None,
+                      board_figures: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Quality-vs-memory scalars per family (step = kept KV per mille), the leaderboard's scores per
+    method (step = budget: per mille of a ratio, or tokens), and the figures."""
     from torch.utils.tensorboard import SummaryWriter
 
     shutil.rmtree(root, ignore_errors=True)  # our own output: rewritten whole on every compare
@@ -162,32 +204,77 @@ def write_tensorboard(runs: list[Run], root: Path, figure: Any) -> None:
                 if metric in run.metrics:
                     writer.add_scalar(f"sweep/{metric}", run.metrics[metric], step)
         writer.close()
+    if board is not None:
+        by_method: dict[str, list[tuple[str, BudgetPoint, float]]] = {}
+        for family, rows in board.scores.items():
+            for method, values in rows.items():
+                for budget in board.budgets:
+                    if budget.label in values and budget.kind != FULL:
+                        by_method.setdefault(method, []).append((family, budget, values[budget.label]))
+        for method, entries in by_method.items():
+            writer = SummaryWriter(str(root / "leaderboard" / method))
+            for family, budget, value in entries:
+                step = round(1000 * budget.value) if budget.kind == "ratio" else int(budget.value)
+                writer.add_scalar(f"leaderboard/{family}_vs_{budget.kind}", value, step)
+            writer.close()
     writer = SummaryWriter(str(root / "_figure"))
-    writer.add_figure("sweep/quality_vs_memory", figure, 0)
+    if figure is not None:
+        writer.add_figure("sweep/quality_vs_memory", figure, 0)
+    for kind, fig in (board_figures or {}).items():
+        writer.add_figure(f"leaderboard/score_vs_{kind}", fig, 0)
     writer.close()
 
 
-def compare_experiment(experiment: str | Path, plots: bool = True) -> str:
-    """Write the comparison files of an experiment; returns the Markdown table."""
-    root = Path(experiment)
+def _compare(root: Path, plots: bool) -> tuple[str, list[str]]:
+    """Write the comparison files; returns the Markdown and the names of the files written."""
     runs = load_runs(root)
+    for stale in [*root.glob("score_vs_*.png"), root / "leaderboard.csv", root / "positions_overlap.csv"]:
+        stale.unlink(missing_ok=True)  # our own outputs of an earlier compare
+    outputs: dict[str, str] = {}
     keys = columns(runs)
     header, rows = ["method", *keys], table(runs, keys)
     text = markdown(header, rows)
-    (root / "compare.md").write_text(text)
-    (root / "compare.csv").write_text(_csv(header, rows))
-    if plots and quality_metrics(runs):
-        figure = plot(runs, root / "quality_vs_memory.png")
-        write_tensorboard(runs, root / TB_DIR, figure)
-    return text
+    outputs["compare.csv"] = csv_text(header, rows)
+    board = leaderboard(runs)
+    if board is not None:
+        section, outputs["leaderboard.csv"] = leaderboard_text(board)
+        text += section
+    overlap = positions_overlap(runs)
+    if overlap:
+        text += "\n## Kept positions: mean Jaccard over shared samples, layers and KV heads\n\n"
+        text += markdown(POSITIONS_HEADER, overlap)
+        outputs["positions_overlap.csv"] = csv_text(POSITIONS_HEADER, overlap)
+    outputs["compare.md"] = text
+    for name, content in outputs.items():
+        (root / name).write_text(content)
+    written = list(outputs)
+    if plots:
+        figure = None
+        if quality_metrics(runs):
+            figure = plot(runs, root / "quality_vs_memory.png")
+            written.append("quality_vs_memory.png")
+        board_figures = {}
+        for kind in sorted({b.kind for b in board.budgets} - {FULL}) if board is not None else []:
+            title = f"{root.name}: task score vs KV budget"
+            board_figures[kind] = plot_leaderboard(board, kind, root / f"score_vs_{kind}.png", title)
+            written.append(f"score_vs_{kind}.png")
+        if figure is not None or board_figures:
+            write_tensorboard(runs, root / TB_DIR, figure, board, board_figures)
+            written.append(str(TB_DIR))
+    return text, written
+
+
+def compare_experiment(experiment: str | Path, plots: bool = True) -> str:
+    """Write the comparison files of an experiment; returns the Markdown (table, leaderboard, overlap)."""
+    return _compare(Path(experiment), plots)[0]
 
 
 def main(args: list[str]) -> None:
     """``kvlab compare``."""
     parser = argparse.ArgumentParser(prog="kvlab compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("experiment", help="an experiment directory, runs/<experiment>")
-    parser.add_argument("--no-plots", action="store_true", help="table only (no PNG, no TensorBoard)")
+    parser.add_argument("--no-plots", action="store_true", help="tables only (no PNG, no TensorBoard)")
     ns = parser.parse_args(args)
-    print(compare_experiment(ns.experiment, plots=not ns.no_plots), end="")
-    written = "compare.md, compare.csv" + ("" if ns.no_plots else ", quality_vs_memory.png")
-    print(f"kvlab: wrote {written} in {ns.experiment}")
+    text, written = _compare(Path(ns.experiment), plots=not ns.no_plots)
+    print(text, end="")
+    print(f"kvlab: wrote {', '.join(written)} in {ns.experiment}")

@@ -14,6 +14,11 @@ computes ``metrics.json`` from the merged records: the metrics are sums and maxi
 records, so this is their reduction over the ranks, and it holds even when a rank had nothing
 left to do on a resumed run. A run killed before the merge leaves its shards; a re-run reads
 them (:func:`read_predictions`) and skips their samples. ``metrics.json`` is written atomically.
+
+Kept positions (``model.record_positions``): a record carrying
+:data:`~kvlab.runner.positions.RECORD_FIELD` has it moved to ``positions.jsonl`` (the rank's
+``positions.rank<k>.jsonl``), written before the predictions line and merged the same way
+(:mod:`kvlab.runner.positions`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torchmetrics import Metric
 
 from kvlab.metrics.run import RunMetrics, summarize
+from kvlab.runner import positions
 from kvlab.runner.files import atomic_write_text
 
 __all__ = [
@@ -139,6 +145,7 @@ class PredictionWriter(BasePredictionWriter):
         self.metrics = RunMetrics()
         self.summary: dict[str, Any] = {}
         self.path = self.run_dir / PREDICTIONS
+        self.positions_path = self.run_dir / positions.POSITIONS
 
     def completed_ids(self) -> set[str]:
         """Ids already written, in ``predictions.jsonl`` or a shard (skipped when the run is resumed)."""
@@ -153,13 +160,18 @@ class PredictionWriter(BasePredictionWriter):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if trainer.world_size > 1:
             self.path = self.run_dir / shard_name(trainer.global_rank)
+            self.positions_path = self.run_dir / positions.shard_name(trainer.global_rank)
         self.drop_partial_line()
+        drop_partial_line(self.positions_path)
         if trainer.world_size == 1:
             self.metrics.update(read_predictions(self.run_dir))
 
     def write_on_batch_end(
         self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx
     ):
+        # positions first: a crash in between re-runs the sample, and readers keep an id's first row
+        positions.append_rows(self.positions_path, [r.pop(positions.RECORD_FIELD) for r in prediction
+                                                    if positions.RECORD_FIELD in r])  # fmt: skip
         with self.path.open("a") as f:
             for record in prediction:
                 f.write(json.dumps(record) + "\n")
@@ -172,10 +184,12 @@ class PredictionWriter(BasePredictionWriter):
             trainer.strategy.barrier("kvlab-shards-written")
             if trainer.global_rank == 0:
                 self.summary = local_summary(merge_predictions(self.run_dir, self.order))
+                positions.merge_positions(self.run_dir, self.order)
         else:
             self.summary = self.metrics.compute()
             if shard_paths(self.run_dir):  # finishing a data-parallel run in one process
                 merge_predictions(self.run_dir, self.order)
+            positions.merge_positions(self.run_dir, self.order)  # a no-op without shards
         if trainer.global_rank == 0:
             atomic_write_text(self.run_dir / METRICS, json.dumps(self.summary, indent=2) + "\n")
             if pl_module.logger is not None:

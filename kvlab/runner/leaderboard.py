@@ -1,0 +1,252 @@
+"""The leaderboard of ``kvlab compare``: task score by method (rows) and KV budget (columns).
+
+Per task family and overall, the table and the score-vs-budget figure KV-cache papers print
+(``docs/evaluation.md``, "Comparing runs"). A run's budget comes from its ``run.json``; a
+sample's task, family and metric from its ``meta`` (``task``, ``task_family``, ``metric``, set by
+the benchmarks, :mod:`kvlab.data.vlm_tasks`) or else from the run's dataset.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvlab.metrics.tasks import TASK_METRICS
+
+if TYPE_CHECKING:
+    from kvlab.runner.compare import Run
+
+FULL = "full"  # the budget label of a run that compresses nothing
+OVERALL = "overall"
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def csv_text(header: list[str], rows: list[list[str]]) -> str:
+    """A CSV table."""
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows([header, *rows])
+    return out.getvalue()
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+@dataclass(frozen=True)
+class BudgetPoint:
+    """A run's budget: ``kind`` ``ratio`` (kept fraction of each prompt) or ``tokens`` (per KV
+    head), or ``full`` (no compression)."""
+
+    kind: str
+    value: float
+
+    @property
+    def label(self) -> str:
+        return FULL if self.kind == FULL else f"{self.kind}={self.value:g}"
+
+
+def budget_point(fields: dict[str, Any]) -> BudgetPoint:
+    """The budget in a run's fingerprint fields (``model.compression.budget``: ``{ratio: r}``,
+    ``{tokens: n}`` or their shorthands ``0.2`` / ``128``); ``full`` without scorers or budget."""
+    compression = (fields.get("model") or {}).get("compression") or {}
+    scored = any(compression.get(slot) for slot in ("importance", "diversity", "route"))
+    budget = compression.get("budget")
+    if isinstance(budget, dict):
+        budget = budget.get("ratio") if budget.get("ratio") is not None else budget.get("tokens")
+    if not scored or budget is None or isinstance(budget, bool):
+        return BudgetPoint(FULL, 1.0)
+    return BudgetPoint("tokens" if isinstance(budget, int) else "ratio", float(budget))
+
+
+def method_label(run: Run) -> str:
+    """The run's name without its budget sweep keys (``snapkv@budget.ratio=0.1`` -> ``snapkv``)."""
+    rest = {k: v for k, v in run.point.items() if not k.startswith("budget")}
+    return run.family + ("@" + ",".join(f"{k}={v}" for k, v in rest.items()) if rest else "")
+
+
+def method_key(run: Run) -> str:
+    """What makes two runs the same method at different budgets: the family (the run's name before
+    ``@``) and the recorded ``model`` fields (model, compression, protocol, ...) without
+    ``compression.budget``; the data may differ (a benchmark's tasks run one by one). Without a
+    ``run.json``: :func:`method_label`."""
+    model = (run.fields.get("model") or {}) if run.fields else {}
+    if not model:
+        return method_label(run)
+    compression = {k: v for k, v in (model.get("compression") or {}).items() if k != "budget"}
+    return json.dumps([run.family, {**model, "compression": compression}], sort_keys=True)
+
+
+def primary_metric(run: Run) -> str | None:
+    """The task metric a run's dataset names first (``data.dataset.metrics`` in ``run.json``, else the
+    dataset class's default); None when its records hold no task score."""
+    dataset = (run.fields.get("data") or {}).get("dataset") or {}
+    names = dataset.get("metrics") if isinstance(dataset, dict) else None
+    if not names and isinstance(dataset, dict) and dataset.get("name"):
+        from kvlab.data import DATASETS
+
+        if dataset["name"] in DATASETS:
+            cls = DATASETS.get(dataset["name"])
+            defaults = (
+                {f.name: f.default for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+            )
+            names = defaults.get("metrics")
+    names = [n for n in (names or []) if n in TASK_METRICS] + list(TASK_METRICS)
+    return next((n for n in names if any(n in r for r in run.records)), None)
+
+
+@dataclass
+class Leaderboard:
+    """``scores[family][method][budget label]`` in %, the budgets in column order, the task metrics
+    used per family, and the methods that compress nothing (their score fills every column)."""
+
+    scores: dict[str, dict[str, dict[str, float]]]
+    budgets: list[BudgetPoint]
+    metrics: dict[str, list[str]]
+    full: set[str]
+
+
+def _labels(runs: list[Run]) -> dict[str, str]:
+    """Method key -> row label: the family (``snapkv``), or the name without its budget keys where two
+    methods share a family."""
+    families_of: dict[str, set[str]] = {}
+    for run in runs:
+        families_of.setdefault(run.family, set()).add(method_key(run))
+    return {method_key(r): r.family if len(families_of[r.family]) == 1 else method_label(r) for r in runs}
+
+
+def leaderboard(runs: list[Run]) -> Leaderboard | None:
+    """Per (method, budget): each sample's task score, averaged per task, the tasks of a family
+    averaged (macro), and ``overall`` = the mean over families (with two families or more, and only
+    where every family has a score). A sample's task is ``meta.task`` (else the run's dataset name),
+    its family ``meta.task_family`` (else its task), its metric ``meta.metric`` (else the run's
+    :func:`primary_metric`). Runs of one method (:func:`method_key`) and budget are pooled. The full
+    cache (no budget) fills every budget column. None when no run has task scores."""
+    pooled: dict[tuple[str, BudgetPoint], dict[str, dict[str, list[float]]]] = {}
+    metrics: dict[str, list[str]] = {}
+    labels = _labels(runs)
+    for run in runs:
+        default_metric = primary_metric(run)
+        dataset = (run.fields.get("data") or {}).get("dataset") or {}
+        default_task = str(dataset.get("name", "task")) if isinstance(dataset, dict) else "task"
+        for record in run.records:
+            meta = record.get("meta") or {}
+            metric = meta.get("metric") if meta.get("metric") in TASK_METRICS else default_metric
+            if metric is None or record.get(metric) is None:
+                continue
+            task = str(meta.get("task") or default_task)
+            family = str(meta.get("task_family") or task)
+            cell = pooled.setdefault((labels[method_key(run)], budget_point(run.fields)), {})
+            cell.setdefault(family, {}).setdefault(task, []).append(100.0 * float(record[metric]))
+            if metric not in metrics.setdefault(family, []):
+                metrics[family].append(metric)
+    if not pooled:
+        return None
+    budgets = sorted({b for _, b in pooled if b.kind != FULL}, key=lambda b: (b.kind, b.value))
+    budgets = budgets or [BudgetPoint(FULL, 1.0)]
+    scores: dict[str, dict[str, dict[str, float]]] = {}
+    names = sorted(metrics)
+    full = {method for method, budget in pooled if budget.kind == FULL}
+    for (method, budget), by_family in pooled.items():
+        family_scores = {
+            family: sum(sum(v) / len(v) for v in tasks.values()) / len(tasks)
+            for family, tasks in by_family.items()
+        }
+        if len(names) > 1 and set(family_scores) == set(names):  # one family: overall would repeat it
+            family_scores[OVERALL] = sum(family_scores.values()) / len(family_scores)
+        for family, value in family_scores.items():
+            row = scores.setdefault(family, {}).setdefault(method, {})
+            for label in [b.label for b in budgets] if budget.kind == FULL else [budget.label]:
+                row[label] = value
+    return Leaderboard(scores, budgets, metrics, full)
+
+
+def _family_order(board: Leaderboard) -> list[str]:
+    return ([OVERALL] if OVERALL in board.scores else []) + sorted(f for f in board.scores if f != OVERALL)
+
+
+def _methods(board: Leaderboard, family: str) -> list[str]:
+    """The full cache first, then the methods by name."""
+    rows = board.scores[family]
+    return sorted(rows, key=lambda m: (m not in board.full, m))
+
+
+def leaderboard_text(board: Leaderboard) -> tuple[str, str]:
+    """The leaderboard as Markdown sections and as CSV (``family, method, <budget>...``, in %)."""
+    labels = [b.label for b in board.budgets]
+    parts = ["\n## Leaderboard: task score (%) by method and budget\n"]
+    rows_csv = []
+    for family in _family_order(board):
+        used = ", ".join(sorted({m for f, ms in board.metrics.items() for m in ms if family in (f, OVERALL)}))
+        title = "overall (mean of the task families)" if family == OVERALL else family
+        parts.append(f"\n### {title} ({used})\n\n")
+        rows = []
+        for method in _methods(board, family):
+            values = board.scores[family][method]
+            rows.append([method, *(f"{values[label]:.1f}" if label in values else "" for label in labels)])
+            rows_csv.append(
+                [family, method, *(f"{values[label]:.3f}" if label in values else "" for label in labels)]
+            )
+        parts.append(markdown(["method", *labels], rows))
+    return "".join(parts), csv_text(["family", "method", *labels], rows_csv)
+
+
+def plot_leaderboard(board: Leaderboard, kind: str, path: Path, title: str) -> Any:
+    """Score (%) against budget of one kind (``ratio`` or ``tokens``): a panel per family (overall
+    first), a line per method, the full cache as a dashed line; saved as PNG (>= 600 px wide)."""
+    plt = pyplot()
+    order = _family_order(board)
+    cols = min(3, len(order))
+    rows = math.ceil(len(order) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 1.2, 3.6 * rows), squeeze=False)
+    points = [b for b in board.budgets if b.kind == kind]
+    for ax, family in zip(axes.flat, order, strict=False):
+        for method in _methods(board, family):
+            values = board.scores[family][method]
+            xs = [b.value for b in points if b.label in values]
+            ys = [values[b.label] for b in points if b.label in values]
+            if method in board.full:
+                level = next(iter(values.values()))
+                ax.axhline(level, color="black", linestyle="--", linewidth=1.2, label=method)
+            elif xs:
+                ax.plot(xs, ys, marker="o", label=method)
+        metrics = ", ".join(board.metrics.get(family, [])) or ", ".join(
+            sorted({m for v in board.metrics.values() for m in v})
+        )
+        ax.set_title(
+            f"{'overall (mean of families)' if family == OVERALL else family} - {metrics}", fontsize=10
+        )
+        ax.set_xlabel(
+            "budget.ratio (kept fraction of each prompt)" if kind == "ratio" else "budget.tokens per KV head"
+        )
+        ax.set_ylabel("score (%)")
+        if kind == "tokens":
+            ax.set_xscale("log", base=2)
+        ax.set_xticks([b.value for b in points], [f"{b.value:g}" for b in points])
+        ax.minorticks_off()
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(order) :]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=9, frameon=False)
+    fig.suptitle(title, fontsize=12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig

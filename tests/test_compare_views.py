@@ -1,0 +1,159 @@
+"""`kvlab compare`'s leaderboard (methods x budget per task family, CSV, plots, TensorBoard) on a
+hand-built experiment, and the rendered TensorBoard figures (sizes, no pixel-strip images)."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from kvlab.config.cli import main
+from kvlab.runner.compare import load_runs
+from kvlab.runner.leaderboard import budget_point, leaderboard
+from kvlab.runner.views import heatmap_figure, layer_curves_figure, patch_figure, render, run_label
+
+ATTENTION = {"attention": {"name": "window_attention"}}
+
+
+def write_run(root, name, budget, samples, dataset="bench"):
+    """A run directory: run.json with the model and data fields, and one record per sample
+    ``(task, family, metric, score)``."""
+    path = root / name
+    path.mkdir(parents=True)
+    scorer = {"random": {}} if name.startswith("random") else ATTENTION
+    compression = {} if budget is None else {"budget": budget, "importance": scorer}
+    fields = {"model": {"model": "tiny-llama", "compression": compression, "max_new_tokens": 4},
+              "data": {"dataset": {"name": "jsonl", "path": f"{dataset}.jsonl"}}}  # fmt: skip
+    (path / "run.json").write_text(json.dumps({"fingerprint": "x", "fields": fields}))
+    kv_ratio = 1.0 if budget is None else 0.3
+    records = [
+        {
+            "id": f"{dataset}-{i}",
+            "kv_ratio": kv_ratio,
+            "meta": {"task": t, "task_family": f, "metric": m},
+            m: score,
+        }
+        for i, (t, f, m, score) in enumerate(samples)
+    ]
+    (path / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def samples(doc, chart_a, chart_b):
+    """Two docvqa samples (anls), one sample of each of two chart tasks in the family `chart`."""
+    return [
+        ("docvqa", "document", "anls", doc[0]),
+        ("docvqa", "document", "anls", doc[1]),
+        ("chartqa", "chart", "relaxed_accuracy", chart_a),
+        ("plotqa", "chart", "relaxed_accuracy", chart_b),
+    ]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench") / "exp"
+    write_run(root, "full", None, samples((1.0, 0.5), 1.0, 1.0))
+    write_run(root, "snapkv@budget.ratio=0.1", {"ratio": 0.1, "window": 8}, samples((0.5, 0.0), 1.0, 0.0))
+    write_run(root, "snapkv@budget.ratio=0.5", {"ratio": 0.5, "window": 8}, samples((1.0, 0.5), 1.0, 0.0))
+    write_run(root, "random@budget.ratio=0.1", {"ratio": 0.1, "window": 8}, samples((0.0, 0.0), 0.0, 0.0))
+    # a method run task by task (two runs of one budget, other datasets): pooled into one cell
+    write_run(
+        root,
+        "random@budget.ratio=0.5,name=a",
+        {"ratio": 0.5, "window": 8},
+        samples((1.0, 1.0), 1.0, 1.0)[:2],
+        "a",
+    )
+    write_run(
+        root,
+        "random@budget.ratio=0.5,name=b",
+        {"ratio": 0.5, "window": 8},
+        samples((1.0, 1.0), 0.0, 1.0)[2:],
+        "b",
+    )
+    main(["compare", str(root)])
+    return root
+
+
+def test_budget_points():
+    assert (
+        budget_point({"model": {"compression": {"budget": 0.2, "importance": ATTENTION}}}).label
+        == "ratio=0.2"
+    )
+    assert (
+        budget_point(
+            {"model": {"compression": {"budget": {"tokens": 64}, "diversity": {"keydiff": {}}}}}
+        ).label
+        == "tokens=64"
+    )
+    assert budget_point({"model": {"compression": {}}}).label == "full"
+    assert (
+        budget_point({"model": {"compression": {"budget": 0.2}}}).label == "full"
+    )  # no scorer: nothing evicted
+
+
+def test_leaderboard_table_by_hand(bench):
+    board = leaderboard(load_runs(bench))
+    assert [b.label for b in board.budgets] == ["ratio=0.1", "ratio=0.5"]
+    assert board.metrics == {"document": ["anls"], "chart": ["relaxed_accuracy"]}
+    # document = docvqa's mean; chart = mean of chartqa's and plotqa's means; overall = mean of both
+    expected = {  # method: {budget: (document, chart)}
+        "full": {"ratio=0.1": (75.0, 100.0), "ratio=0.5": (75.0, 100.0)},  # fills every column
+        "snapkv": {"ratio=0.1": (25.0, 50.0), "ratio=0.5": (75.0, 50.0)},
+        "random": {"ratio=0.1": (0.0, 0.0), "ratio=0.5": (100.0, 50.0)},  # pooled from runs a and b
+    }
+    for method, cells in expected.items():
+        for budget, (document, chart) in cells.items():
+            assert board.scores["document"][method][budget] == pytest.approx(document)
+            assert board.scores["chart"][method][budget] == pytest.approx(chart)
+            assert board.scores["overall"][method][budget] == pytest.approx((document + chart) / 2)
+    assert board.full == {"full"}
+
+
+def test_compare_writes_leaderboard_csv_markdown_plot_and_tensorboard(bench):
+    text = (bench / "compare.md").read_text()
+    assert text.startswith("| method |")  # today's table first
+    assert "### overall (mean of the task families) (anls, relaxed_accuracy)" in text
+    assert "| snapkv | 25.0 | 75.0 |" in text.split("### document")[1]
+    rows = list(csv.DictReader((bench / "leaderboard.csv").open()))
+    overall = {r["method"]: r for r in rows if r["family"] == "overall"}
+    assert list(overall) == ["full", "random", "snapkv"]  # the full cache first
+    assert float(overall["snapkv"]["ratio=0.1"]) == pytest.approx(37.5)
+    with Image.open(bench / "score_vs_ratio.png") as image:
+        assert image.width >= 600 and image.height >= 300
+    figures = EventAccumulator(
+        str(bench / "compare" / "tensorboard" / "_figure"), size_guidance={"images": 0}
+    )
+    figures.Reload()
+    assert "leaderboard/score_vs_ratio" in figures.Tags()["images"]
+    scalars = EventAccumulator(str(bench / "compare" / "tensorboard" / "leaderboard" / "snapkv"))
+    scalars.Reload()
+    points = [(e.step, e.value) for e in scalars.Scalars("leaderboard/overall_vs_ratio")]
+    assert points == [(100, pytest.approx(37.5)), (500, pytest.approx(62.5))]
+
+
+def test_figures_are_readable_sizes():
+    share = torch.rand(30, 3)
+    heat = render(heatmap_figure(share, "snapkv · 128 tokens/head, window 32\nsample s0"))
+    assert heat.shape[1] >= 600 and heat.shape[0] >= 200 and heat.dtype == np.uint8
+    assert heat.std() > 10  # drawn, not blank
+    curves = render(
+        layer_curves_figure(share, "t", budget=torch.full((30,), 0.4), modalities={"image": torch.rand(30)})
+    )
+    assert curves.shape[1] >= 600
+    patches = render(
+        patch_figure(Image.new("RGB", (64, 48), "white"), torch.tensor([[1.0, 0.0], [0.5, 0.25]]), "t")
+    )
+    assert patches.shape[1] >= 600 and patches.shape[0] >= 250
+
+
+def test_run_label():
+    from kvlab.compression.pipeline import Pipeline
+
+    snap = Pipeline.from_config({"budget": {"tokens": 128, "window": 32}, "importance": ATTENTION})
+    assert run_label("snapkv", snap) == "snapkv · 128 tokens/head, window 32"
+    assert run_label("full", Pipeline.from_config({})) == "full · full cache"
+    ratio = Pipeline.from_config({"budget": {"ratio": 0.2, "window": 8, "sinks": 4}, "importance": ATTENTION})
+    assert run_label(None, ratio) == "ratio 0.2, window 8, 4 sinks"

@@ -1,0 +1,257 @@
+"""Kept positions (``model.record_positions``): the side file, its reader, the shard merge, Jaccard in
+``kvlab compare``, and keydiff's anchor compared index by index with kvpress' formula."""
+
+import json
+import math
+
+import e2e
+import numpy as np
+import pytest
+import torch
+from naive import LENGTHS, build, dot, make_ctx, norm, sample_lists
+from test_cli import TINY, write_jsonl
+
+from kvlab.compression.diversity import DIVERSITY
+from kvlab.compression.pipeline import Pipeline
+from kvlab.config.cli import main
+from kvlab.config.errors import ConfigError
+from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.runner import positions
+from kvlab.runner.positions import (
+    KeptPositions,
+    append_rows,
+    decode_row,
+    encode_row,
+    jaccard,
+    kept_masks,
+    mean_jaccard,
+    merge_positions,
+    read_positions,
+)
+
+
+def naive_jaccard(a, b):
+    a, b = set(a), set(b)
+    return len(a & b) / len(a | b) if a | b else 1.0
+
+
+def random_mask(seed, shape=(3, 2, 21)):
+    return np.random.default_rng(seed).random(shape) < 0.4
+
+
+# ---------------------------------------------------------------------------------------------
+# format, reader, merge
+
+
+def test_encode_decode_roundtrip_and_plain_rows():
+    mask = random_mask(0)
+    row = json.loads(json.dumps(encode_row("s1", mask)))
+    kept = decode_row(row)
+    assert kept.shape == (3, 2, 21) and np.array_equal(kept.mask(), mask)
+    assert kept.positions(2, 1) == np.flatnonzero(mask[2, 1]).tolist()
+    lists = [[np.flatnonzero(mask[layer, h]).tolist() for h in range(2)] for layer in range(3)]
+    plain = {"id": "s1", "prompt_tokens": 21, "positions": lists}
+    assert np.array_equal(decode_row(plain).packed, kept.packed)  # another framework's rows read the same
+    with pytest.raises(ValueError, match="unknown encoding"):
+        decode_row({**row, "encoding": "rle"})
+
+
+def test_jaccard_matches_sets():
+    a, b = random_mask(1), random_mask(2)
+    b[0, 0] = a[0, 0] = False  # both empty -> 1
+    A, B = (
+        KeptPositions(np.packbits(a, -1, bitorder="little"), 21),
+        KeptPositions(np.packbits(b, -1, bitorder="little"), 21),
+    )
+    values = jaccard(A, B)
+    for layer in range(3):
+        for head in range(2):
+            expected = naive_jaccard(np.flatnonzero(a[layer, head]), np.flatnonzero(b[layer, head]))
+            assert values[layer, head] == pytest.approx(expected)
+    other = KeptPositions(np.packbits(random_mask(3, (3, 2, 22)), -1, bitorder="little"), 22)
+    mean, samples, skipped = mean_jaccard({"x": A, "y": A, "z": A}, {"x": B, "y": A, "z": other})
+    assert (samples, skipped) == (2, 1) and mean == pytest.approx((values.sum() + 6) / 12)
+    assert mean_jaccard({"x": A}, {"q": B}) == (None, 0, 0)
+
+
+def test_shards_merge_in_order_without_loss_or_duplicates(tmp_path):
+    rows = {i: encode_row(f"s{i}", random_mask(i)) for i in range(5)}
+    append_rows(tmp_path / positions.POSITIONS, [rows[0]])  # a resumed run's earlier rows
+    append_rows(tmp_path / positions.shard_name(1), [rows[3], rows[1]])
+    append_rows(tmp_path / positions.shard_name(0), [rows[2], rows[0]])  # s0 re-run after a crash
+    with (tmp_path / positions.shard_name(0)).open("a") as f:
+        f.write(json.dumps(rows[4])[:40])  # a line cut short by a crash
+    assert sorted(read_positions(tmp_path)) == ["s0", "s1", "s2", "s3"]  # unmerged shards are read too
+    merge_positions(tmp_path, order=[f"s{i}" for i in range(5)])
+    lines = (tmp_path / positions.POSITIONS).read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["s0", "s1", "s2", "s3"]
+    assert not positions.shard_paths(tmp_path)
+    merged = read_positions(tmp_path)
+    assert all(np.array_equal(merged[f"s{i}"].mask(), random_mask(i)) for i in range(4))
+
+
+# ---------------------------------------------------------------------------------------------
+# positions = the layer reports' selections, in each sample's own coordinates
+
+
+def test_positions_equal_the_selections_of_the_reports():
+    loaded = e2e.kvlab_model("tiny-llama")
+    samples = SyntheticRetrieval(num_samples=2, context_words=20, seed=5).samples()
+    samples[1].prompt = samples[1].prompt[-120:]  # a shorter prompt: left padding in the batch
+    pipeline = Pipeline.from_config(
+        {"budget": {"tokens": 16, "window": 4}, "importance": {"attention": {"name": "window_attention"}}}
+    )
+    batch = loaded.processor.collate(samples)
+    from kvlab.engine.generation import generate
+
+    result = generate(loaded, pipeline, batch, max_new_tokens=1)
+    masks = kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)
+    T = batch["attention_mask"].shape[1]
+    for b in range(2):
+        n = int(batch["attention_mask"][b].sum())
+        kept = decode_row(encode_row(samples[b].id, masks[b]))
+        assert kept.shape == (len(result.reports), result.kept.shape[2], n)
+        assert (n < T) == (b == 1)  # the second sample is left-padded
+        for layer, report in enumerate(result.reports):
+            for h in range(result.kept.shape[2]):
+                expected = [p - (T - n) for p in report.selection.kept_positions(b, h)]  # padding removed
+                assert kept.positions(layer, h) == expected
+                assert len(expected) == int(result.kept[layer, b, h])
+    with pytest.raises(RuntimeError, match="cannot be mapped"):
+        kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# keydiff's anchor, index by index against kvpress' KeyDiffPress formula
+
+
+def naive_keydiff(k, n, anchor):
+    """``-cos(k_t, a)`` over one head's n valid keys; ``a`` = mean of unit keys or of raw keys."""
+    dim = len(k[0])
+    if anchor == "unit_mean":
+        a = [sum(k[t][d] / norm(k[t]) for t in range(n)) / n for d in range(dim)]
+    else:
+        a = [sum(k[t][d] for t in range(n)) / n for d in range(dim)]
+    return [-dot(k[t], a) / (norm(k[t]) * norm(a)) for t in range(n)]
+
+
+@pytest.mark.parametrize("anchor", ["unit_mean", "raw_mean"])
+def test_keydiff_scores_match_the_anchor_formula(anchor):
+    ctx = make_ctx(LENGTHS, seed=10)
+    node = {"name": "keydiff"} if anchor == "unit_mean" else {"name": "keydiff", "anchor": anchor}
+    scores = build(DIVERSITY, **node).score(ctx)  # the default is the paper's unit_mean
+    for b in range(2):
+        n, off, _, k, _ = sample_lists(ctx, b)
+        for h in range(2):
+            expected = naive_keydiff(k[h], n, anchor)
+            expected = torch.tensor(expected, dtype=torch.float64)
+            torch.testing.assert_close(scores[b, h, off:].double(), expected, atol=1e-5, rtol=0)
+
+
+def test_keydiff_anchors_differ_and_unknown_anchor_is_refused():
+    ctx = make_ctx([24], kv_heads=1, seed=3)
+    ctx.keys[0, 0] += 2.0  # a shared offset, and a few large keys that pull a raw mean towards them
+    ctx.keys[0, 0, :3] *= 12.0
+    unit = build(DIVERSITY, name="keydiff").score(ctx)[0, 0].argsort(descending=True)[:8]
+    raw = build(DIVERSITY, name="keydiff", anchor="raw_mean").score(ctx)[0, 0].argsort(descending=True)[:8]
+    assert set(unit.tolist()) != set(raw.tolist())
+    with pytest.raises(ConfigError, match="anchor"):
+        build(DIVERSITY, name="keydiff", anchor="mean")
+
+
+def test_keydiff_on_a_tiny_model_keeps_kvpress_positions():
+    """Every layer's kept positions equal a naive top-k of kvpress' score (mean of unit keys) on
+    the keys the layer saw, window protected, ties to the lower position."""
+    loaded = e2e.kvlab_model("tiny-llama")
+    samples = SyntheticRetrieval(num_samples=1, context_words=15, seed=9).samples()
+    budget, window = 14, 4
+    pipeline = Pipeline.from_config(
+        {"budget": {"tokens": budget, "window": window}, "diversity": {"keydiff": {}}}
+    )
+    seen = []
+    compress = pipeline.compress
+
+    def spy(ctx, record_scores=False):
+        seen.append(ctx.keys[0].double().tolist())  # [Hkv][T][D], one unpadded sample
+        return compress(ctx, record_scores=record_scores)
+
+    pipeline.compress = spy
+    batch = loaded.processor.collate(samples)
+    from kvlab.engine.generation import generate
+
+    result = generate(loaded, pipeline, batch, max_new_tokens=1)
+    kept = decode_row(
+        encode_row("s", kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)[0])
+    )
+    n = kept.prompt_tokens
+    assert n > budget and len(seen) == len(result.reports)
+    for layer, keys in enumerate(seen):
+        for h, k in enumerate(keys):
+            scores = naive_keydiff(k, n, "unit_mean")
+            candidates = sorted(range(n - window), key=lambda t: (-scores[t], t))[: budget - window]
+            assert kept.positions(layer, h) == sorted(candidates + list(range(n - window, n)))
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: the side file of a run, resume, and kvlab compare's Jaccard
+
+
+def run(tmp, method, config, *args):
+    options = ["--model.max_new_tokens", "2", "--model.fidelity", "false", "--model.verify", "off"]
+    where = ["--run.dir", str(tmp / "runs"), "--run.experiment", "exp", "--run.method", method]
+    main(["predict", "--config", config, *TINY, *options, "--model.record_positions", "true", *where, *args])
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("positions")
+    rows = [
+        {"id": f"s{i}", "prompt": f"{'river stone ' * (12 + 4 * i)} what was it?", "answers": ["x"]}
+        for i in range(3)
+    ]
+    data = ["--data.dataset", f"{{name: jsonl, path: {write_jsonl(tmp / 'd.jsonl', rows)}}}"]
+    snap = ["--model.compression.budget", "{tokens: 16, window: 4}"]
+    run(tmp, "snapkv", "snapkv", *data, *snap, "--data.limit", "1")
+    run(tmp, "snapkv", "snapkv", *data, *snap)  # resumed: samples 2 and 3 only
+    run(tmp, "snapkv_again", "snapkv", *data, *snap, "--data.batch_size", "3")
+    run(tmp, "random", "random", *data, "--model.compression.budget", "{tokens: 16, window: 4}")
+    return tmp / "runs" / "exp"
+
+
+def test_run_writes_one_row_per_sample_and_keeps_predictions_clean(experiment):
+    lines = (experiment / "snapkv" / positions.POSITIONS).read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == [
+        "s0",
+        "s1",
+        "s2",
+    ]  # resumed, nothing lost or doubled
+    records = [
+        json.loads(line) for line in (experiment / "snapkv" / "predictions.jsonl").read_text().splitlines()
+    ]
+    assert all(positions.RECORD_FIELD not in r for r in records)
+    kept = read_positions(experiment / "snapkv")
+    for record in records:
+        sample = kept[record["id"]]
+        assert sample.prompt_tokens == record["prompt_tokens"]
+        counts = sample.mask().sum(-1)  # [L, H]
+        assert counts.tolist() == record["kept_per_layer_head"]
+
+
+def test_compare_reports_jaccard(experiment, capsys):
+    main(["compare", str(experiment), "--no-plots"])
+    out = capsys.readouterr().out
+    assert "Kept positions" in out
+    rows = {(r["run_a"], r["run_b"]): r for r in _csv(experiment / "positions_overlap.csv")}
+    same = rows[("snapkv", "snapkv_again")]
+    assert float(same["mean_jaccard"]) == 1.0 and same["samples"] == "3"  # batched or resumed: the same
+    assert float(rows[("random", "snapkv")]["mean_jaccard"]) < 1.0
+    assert math.isclose(
+        float(rows[("random", "snapkv")]["mean_jaccard"]),
+        float(rows[("random", "snapkv_again")]["mean_jaccard"]),
+    )
+
+
+def _csv(path):
+    import csv
+
+    return list(csv.DictReader(path.open()))
