@@ -23,11 +23,11 @@ from PIL import Image
 import kvlab.data.datamodule as datamodule
 import kvlab.models
 import kvlab.runner.guards as guards
-import kvlab.runner.module as runner_module
 from kvlab.calibration.artefact import Artefact
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.data import KVLabDataModule, Sample
+from kvlab.engine.protocols import QueryAware
 
 BASE = [
     "--config", "snapkv",
@@ -321,16 +321,16 @@ def test_disk_full_while_writing_keeps_finished_samples_and_resumes(
 def test_ctrl_c_stops_with_130_keeps_predictions_and_resumes(
     tmp_path: Path, capsys, monkeypatch, restore_sigint
 ) -> None:
-    real_generate = runner_module.generate
+    real_run = QueryAware.run
     calls = {"n": 0}
 
-    def generate(*args, **kwargs):
+    def run(*args, **kwargs):  # the second batch is interrupted
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real_generate(*args, **kwargs)
+        return real_run(*args, **kwargs)
 
-    monkeypatch.setattr(runner_module, "generate", generate)
+    monkeypatch.setattr(QueryAware, "run", run)
     with pytest.raises(SystemExit) as exit_info:
         run_kvlab(tmp_path)
     err = capsys.readouterr().err

@@ -133,6 +133,14 @@ def test_methods_needing_every_query_are_refused_before_the_model_loads(preset, 
     assert "every prompt query" in message and "docs/scaling.md" in message
 
 
+def test_h2o_decode_policy_after_a_window_scorer_is_refused(no_model_load):
+    """The h2o decode policy is seeded with every prompt query's attention, whatever scored the prompt."""
+    node = kvlab.compression_config("snapkv", decode={"name": "h2o"})
+    with pytest.raises(ConfigError) as error:
+        KVLabModule(model="tiny-qwen2", compression=node, prefill_chunk=64)
+    assert "model.compression.decode (h2o)" in str(error.value) and "every prompt query" in str(error.value)
+
+
 @pytest.mark.parametrize("value", [0, -3, True, 2.5, "64"])
 def test_bad_prefill_chunk_values_are_refused(value, no_model_load):
     with pytest.raises(ConfigError, match="model.prefill_chunk must be null"):

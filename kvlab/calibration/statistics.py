@@ -91,7 +91,8 @@ class VisualHeadScores(CalibrationStatistic):
         n = int(batch.answer_tokens.max())
         if n == 0 or batch.targets is None:
             return
-        probs = attention_probs(ctx.queries[:, :, T - n :], ctx, first_query=T - n)  # [B, H, n, T]
+        queries = ctx.last_queries(n, "the retrieval-head statistics")  # [B, H, n, D]
+        probs = attention_probs(queries, ctx, first_query=T - n)  # [B, H, n, T]
         top = probs.argmax(-1)  # [B, H, n]
         for b in range(ctx.batch_size):
             region = batch.targets[b].to(top.device)

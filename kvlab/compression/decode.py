@@ -150,6 +150,7 @@ class H2ODecodePolicy(DecodePolicy):
     recent: int = 32
     gqa: Literal["mean", "sum"] = "mean"
 
+    chunked_prefill: ClassVar[bool] = False  # seeded with every prompt query's attention
     SEEDS: ClassVar[str] = "h2o_seeds"  # session.state keys
     ENTRIES: ClassVar[str] = "h2o_entries"
 

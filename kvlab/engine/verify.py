@@ -149,9 +149,12 @@ def local_span(model: torch.nn.Module) -> int | None:
 
 
 def _native_implementation(model: torch.nn.Module) -> str:
-    """``eager`` when the attention uses soft-capping or sinks (sdpa ignores them), else ``sdpa``."""
+    """``eager`` when the attention uses soft-capping or sinks (sdpa ignores them) or the model
+    class does not support sdpa at all (``_supports_sdpa`` False), else ``sdpa``."""
     features = attention_features(model)
-    return "eager" if "attn_logit_softcapping" in features or "sinks" in features else "sdpa"
+    if "attn_logit_softcapping" in features or "sinks" in features:
+        return "eager"
+    return "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
 
 
 def _set_attention(loaded: LoadedModel, implementation: str) -> None:

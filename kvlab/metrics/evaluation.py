@@ -8,7 +8,8 @@ For a batch already generated with the method's pipeline (``result``, with step 
    its own reference);
 2. if every sample's greedy output equals its reference, the method's own step logits are
    the teacher-forced logits (same inputs at every decided position); otherwise the method
-   runs again on the batch, fed the references' tokens (``generate(teacher_tokens=...)``);
+   runs again on the batch through its protocol, fed the references' tokens
+   (``teacher_tokens=...``);
 3. :func:`~kvlab.metrics.fidelity.fidelity_values` per sample.
 
 Definitions and the caching rules: ``docs/evaluation.md``.
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.compression.pipeline import Pipeline
-from kvlab.engine.generation import GenerationResult, generate
+from kvlab.engine.generation import GenerationResult
+from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.metrics.fidelity import Reference, fidelity_values, teacher_tokens
 from kvlab.metrics.reference import ReferenceStore, reference_key
 from kvlab.models.base import LoadedModel
@@ -35,7 +37,11 @@ class FidelityEvaluator:
         store: where references are cached (``ReferenceStore(None)``: not cached).
         max_new_tokens: the runs' decode limit (part of the reference key).
         dtype: the model dtype name (part of the reference key).
-        generate_kwargs: passed to every extra :func:`generate` call (e.g. ``record_scores``).
+        generate_kwargs: passed to every extra run (e.g. ``prefill_chunk``).
+        protocol: how the method's teacher-forced run compresses (``model.protocol``,
+            :mod:`kvlab.engine.protocols`; default ``query_aware``). The references stay the full
+            cache on the whole prompt, which every protocol gives when nothing is evicted; each
+            sample decodes up to its own ``max_new_tokens`` when it has one.
     """
 
     loaded: LoadedModel
@@ -43,6 +49,7 @@ class FidelityEvaluator:
     max_new_tokens: int
     dtype: str
     generate_kwargs: dict[str, Any] = field(default_factory=dict)
+    protocol: Protocol = field(default_factory=lambda: build_protocol("query_aware"))
 
     def references(self, batch: dict[str, Any], own: GenerationResult | None = None) -> list[Reference]:
         """One full-cache :class:`Reference` per sample (loaded, or computed and stored).
@@ -58,7 +65,7 @@ class FidelityEvaluator:
         refs = [self.store.load(key) for key in keys]
         if all(ref is not None for ref in refs):
             return refs  # type: ignore[return-value]
-        full = own or self._generate(Pipeline.from_config(None), batch)
+        full = own or self.run(Pipeline.from_config(None), batch)
         for b, key in enumerate(keys):
             if refs[b] is None:
                 refs[b] = Reference.from_logits(full.tokens[b], full.step_logits[b])
@@ -74,11 +81,14 @@ class FidelityEvaluator:
             forced = result.step_logits
         else:
             pad = self.loaded.processor.eos_token_ids[0]
-            forced = self._generate(pipeline, batch, teacher_tokens=teacher_tokens(refs, pad)).step_logits
+            forced = self.run(pipeline, batch, teacher_tokens=teacher_tokens(refs, pad)).step_logits
         return [fidelity_values(ref, result.tokens[b], forced[b]) for b, ref in enumerate(refs)]
 
-    def _generate(self, pipeline: Pipeline, batch: dict[str, Any], **kwargs: Any) -> GenerationResult:
-        return generate(
+    def run(self, pipeline: Pipeline, batch: dict[str, Any], **kwargs: Any) -> GenerationResult:
+        """``pipeline`` on ``batch`` with step logits: through :attr:`protocol` when it compresses,
+        ``query_aware`` (prefill, then decode) for the full cache."""
+        protocol = self.protocol if pipeline.compresses else build_protocol("query_aware")
+        return protocol.run(
             self.loaded,
             pipeline,
             batch,
@@ -86,4 +96,4 @@ class FidelityEvaluator:
             return_logits=True,
             **kwargs,
             **self.generate_kwargs,
-        )
+        ).result

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,20 +38,6 @@ def budget_overshoot(reports: list[Any]) -> torch.Tensor | None:
     or None when no layer reported one (nothing compressed)."""
     values = [r.overshoot for r in reports if getattr(r, "overshoot", None) is not None]
     return torch.stack(values).amax(0).cpu() if values else None
-
-
-@dataclass
-class ProtocolFidelity(FidelityEvaluator):
-    """Fidelity of a protocol's runs: the references stay the full cache on the whole prompt
-    (every protocol gives it with nothing evicted), and the method's teacher-forced run goes
-    through the protocol (``protocol``), each sample with its own ``max_new_tokens``."""
-
-    protocol: Protocol = field(default_factory=lambda: build_protocol("query_aware"))
-
-    def _generate(self, pipeline, batch, **kwargs: Any) -> GenerationResult:
-        protocol = self.protocol if pipeline.compresses else build_protocol("query_aware")
-        return protocol.run(self.loaded, pipeline, batch, self.max_new_tokens, return_logits=True, **kwargs,
-                            **self.generate_kwargs).result  # fmt: skip
 
 
 class KVLabModule(L.LightningModule):
@@ -278,7 +263,7 @@ class KVLabModule(L.LightningModule):
             if rss_before is not None:
                 record["peak_memory_rss_before_bytes"] = rss_before
         if self.fidelity:
-            evaluator = ProtocolFidelity(
+            evaluator = FidelityEvaluator(
                 self.loaded,
                 ReferenceStore(self.reference_dir),
                 self.max_new_tokens,
