@@ -8,7 +8,6 @@ is checked in ``__post_init__``, so a bad data config fails before any model is 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,6 +16,7 @@ from PIL import Image
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import Registry
+from kvlab.data.jsonl import read_json_lines
 from kvlab.data.sample import Sample
 
 
@@ -116,33 +116,21 @@ class JsonlDataset:
     def _parse(self, file: Path, root: Path) -> list[_Record]:
         records: list[_Record] = []
         first_line: dict[str, int] = {}
-        with file.open(encoding="utf-8") as handle:
-            for lineno, raw in enumerate(handle, start=1):
-                if not raw.strip():
-                    continue
-                where = f"{file}:{lineno}"
-                try:
-                    obj = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(
-                        f"{where}: malformed JSON ({exc.msg} at column {exc.colno}). Each line of a "
-                        f"JSONL file must be one complete JSON object; fix or remove this line."
-                    ) from None
-                if not isinstance(obj, dict):
-                    raise ConfigError(
-                        f"{where}: expected a JSON object, got {type(obj).__name__}. Each line of a "
-                        f"JSONL file must be one JSON object such as "
-                        f'{{"{self.id_field}": "q1", "{self.text_field}": "..."}}.'
-                    )
-                record = self._record(obj, lineno, where, root)
-                if record.id in first_line:
-                    raise ConfigError(
-                        f"{where}: duplicate id '{record.id}' (first used on line "
-                        f"{first_line[record.id]}). Ids must be unique because predictions are keyed "
-                        f"and resumed by them; rename one of the samples."
-                    )
-                first_line[record.id] = lineno
-                records.append(record)
+        fix = (
+            "Each line of a JSONL file must be one complete JSON object such as "
+            f'{{"{self.id_field}": "q1", "{self.text_field}": "..."}}; fix or remove this line.'
+        )
+        for lineno, obj in read_json_lines(file, fix):
+            where = f"{file}:{lineno}"
+            record = self._record(obj, lineno, where, root)
+            if record.id in first_line:
+                raise ConfigError(
+                    f"{where}: duplicate id '{record.id}' (first used on line "
+                    f"{first_line[record.id]}). Ids must be unique because predictions are keyed "
+                    f"and resumed by them; rename one of the samples."
+                )
+            first_line[record.id] = lineno
+            records.append(record)
         if not records:
             raise ConfigError(
                 f"data.dataset.path: {file} contains no samples. Add one JSON object per line, "

@@ -30,13 +30,13 @@ loader, :class:`~kvlab.data.hf.HFDataset`).
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvlab.config.errors import ConfigError
 from kvlab.data.datasets import DATASETS, check_metrics
+from kvlab.data.jsonl import read_json_lines
 from kvlab.data.sample import Sample
 
 #: the columns of kvpress' schema (``answer`` or ``answers`` holds the references)
@@ -182,22 +182,8 @@ def _answers(row: dict[str, Any], where: str) -> list[str]:
 
 def _json_lines(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSON-lines file (blank lines skipped); a line that is not a JSON object is an error."""
-    rows = []
-    with path.open(encoding="utf-8") as handle:
-        for lineno, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be "
-                    "one JSON object with kvpress' columns (context, question, ...)."
-                ) from None
-            if not isinstance(obj, dict):
-                raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}.")
-            rows.append(obj)
-    return rows
+    fix = "Each line must be one JSON object with kvpress' columns (context, question, ...)."
+    return [row for _, row in read_json_lines(path, fix)]
 
 
 def _parquet(path: Path) -> list[dict[str, Any]]:

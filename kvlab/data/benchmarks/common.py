@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.config.errors import ConfigError, did_you_mean
+from kvlab.data.jsonl import read_json_lines
 
 __all__ = [
     "HaystackWords",
@@ -95,22 +96,8 @@ def fill(template: str, **fields: Any) -> str:
 
 
 def _read_jsonl(file: Path) -> list[dict[str, Any]]:
-    rows = []
-    with file.open(encoding="utf-8") as handle:
-        for lineno, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    f"{file}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno}). The file must hold "
-                    "one JSON object per line, as the benchmark ships it; re-extract the download."
-                ) from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{file}:{lineno}: expected a JSON object, got {type(row).__name__}.")
-            rows.append(row)
-    return rows
+    fix = "The file must hold one JSON object per line, as the benchmark ships it; re-extract the download."
+    return [row for _, row in read_json_lines(file, fix)]
 
 
 def _load_hf(path: str, subset: str | None, split: str, features: Any = None) -> Any:
