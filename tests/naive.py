@@ -232,3 +232,172 @@ def assert_scores(actual: torch.Tensor, expected: list[list[float]], atol: float
 
 
 LENGTHS = [37, 26]  # B = 2, different left padding
+
+
+# ---------------------------------------------------------------------------------------------
+# PrefixKV (Wang et al. 2024): importance, global prefix configuration, decode rule
+
+
+def naive_layer_importance(q, k, scaling) -> list[float]:
+    """``I[n] = mean_h sum_m softmax_n(q^{h,m} . k^{h,n})`` of one unpadded sample (Sec. 3.2)."""
+    H, Hkv, n = len(q), len(k), len(k[0])
+    G = H // Hkv
+    total = [0.0] * n
+    for h in range(H):
+        for m in range(n):
+            probs = softmax([dot(q[h][m], k[h // G][j]) * scaling for j in range(m + 1)])
+            for j, p in enumerate(probs):
+                total[j] += p / H
+    return total
+
+
+def naive_prefix_sizes(importance: list[list[float]], protected: list[bool], total: int) -> list[int]:
+    """Layer sizes of Eq. 1 found by scanning thresholds: ``k_l(p) = min{k : C_l[k] >= p}``.
+
+    ``C_l`` is the cumulative normalised importance along layer l's priority sequence, protected
+    tokens first (their mass counted first), then the rest by descending importance (ties to the
+    lower position); a layer keeps at least its protected tokens. Thresholds are tried from the
+    smallest upward (every value of every ``C_l``) until the sizes add up to ``total``.
+    """
+    curves = []
+    for row in importance:
+        mass = sum(row)
+        w = [x / mass for x in row]
+        held = [w[j] for j in range(len(w)) if protected[j]]
+        rest = sorted((j for j in range(len(w)) if not protected[j]), key=lambda j: (-w[j], j))
+        curve, acc = [], 0.0
+        for x in held + [w[j] for j in rest]:
+            acc += x
+            curve.append(acc)
+        curves.append(curve)
+    floor = sum(protected)
+
+    def sizes(p: float) -> list[int]:
+        return [
+            max(floor, next(k + 1 for k, c in enumerate(curve) if c >= p or k == len(curve) - 1))
+            for curve in curves
+        ]
+
+    for p in sorted({c for curve in curves for c in curve[max(floor - 1, 0) :]} | {0.0}):
+        found = sizes(p)
+        if sum(found) == total:
+            return found
+    raise AssertionError("no threshold gives that total (ties); use continuous scores")
+
+
+def naive_fixed_index_decode(arrivals, kept: int, prompt: int, distance: int, steps: int):
+    """PrefixKV's decode rule on one (sample, head) as a list, returning the list after each step.
+
+    ``arrivals``: the ``kept`` entries after prefill in position order; step ``t`` appends
+    ``("new", t)``; then, with ``n`` tokens processed, the entry at index ``e = kept - distance``
+    (``kept // 2`` if below 1) is deleted (later ones shift left) when
+    ``trunc(len - n * kept / prompt) > 0``, computed exactly with fractions.
+    """
+    from fractions import Fraction
+
+    entries = list(arrivals)
+    e = kept - distance if kept - distance >= 1 else kept // 2
+    history = []
+    for t in range(steps):
+        entries.append(("new", t))
+        processed = prompt + t + 1
+        if math.trunc(len(entries) - Fraction(processed * kept, prompt)) > 0:
+            del entries[e]
+        history.append(list(entries))
+    return history
+
+
+# ---------------------------------------------------------------------------------------------
+# HybridKV (Zeng et al. 2026): text-centric sparsity (Eq. 2-3), top-down allocation (Eq. 4-5),
+# text-prior pruning (Appendix A), chunk retrieval by mean keys (Appendix A)
+
+
+def naive_text_sparsity(q, k, scaling: float, text: list[int], topk: float) -> list[float]:
+    """S per KV head of one sample (lists ``q [H][n][D]``, ``k [Hkv][n][D]``, text query positions).
+
+    Per query head: for each text query i, the causal softmax over keys 0..i, its ``ceil(topk n)``
+    largest probabilities summed; mean over the text queries; mean over the GQA group.
+    """
+    H, Hkv, n = len(q), len(k), len(k[0])
+    G = H // Hkv
+    kk = max(1, math.ceil(topk * n - 1e-9))
+    per_head = []
+    for h in range(H):
+        masses = []
+        for i in text:
+            probs = softmax([dot(q[h][i], k[h // G][j]) * scaling for j in range(i + 1)])
+            masses.append(sum(sorted(probs, reverse=True)[:kk]))
+        per_head.append(sum(masses) / len(masses))
+    return [sum(per_head[g * G : (g + 1) * G]) / G for g in range(Hkv)]
+
+
+def naive_hybridkv_floor_budgets(
+    S: list[float], static: list[bool], per_head: int, length: int, protected: int, r: float, alpha: float
+) -> list[int]:
+    """HybridKV Eq. 4-5 with floors, nearest power of two, stepped down to fit; per-head budgets.
+
+    b_dyn = nearest power of two to r * Bbar (ties down), halved while it does not leave every
+    static head its protected tokens, at least 8 and the protected tokens, at most the prompt;
+    B_stat = Bbar N - b_dyn N_dyn;
+    b = floor(alpha B_stat / N_stat) + floor((1 - alpha) B_stat S / sum S_static), clamped to
+    [protected, length] (no head above the prompt in these cases).
+    """
+    N = len(S)
+    n_dyn = sum(1 for s in static if not s)
+    n_stat = N - n_dyn
+    total = per_head * N
+    b_dyn = 0
+    if n_dyn:
+        x = r * per_head
+        p = 1
+        while p * 2 <= x:
+            p *= 2
+        b_dyn = p if x - p <= 2 * p - x else 2 * p
+        while b_dyn * n_dyn + protected * n_stat > total and b_dyn > 1:
+            b_dyn //= 2
+        b_dyn = min(max(b_dyn, 8, protected), length)  # a head's budget holds its protected tokens
+    stat = total - b_dyn * n_dyn
+    norm = sum(s for s, st in zip(S, static, strict=True) if st)
+    out = []
+    for s, st in zip(S, static, strict=True):
+        if not st:
+            out.append(b_dyn)
+            continue
+        b = math.floor(alpha * stat / n_stat) + math.floor((1 - alpha) * stat * s / norm)
+        out.append(min(max(b, protected), length))
+    return out
+
+
+def naive_text_prior_keep(
+    s_w: list[float], visual: list[bool], n: int, budget: int, window: int
+) -> list[int]:
+    """Kept positions of a static head: the window, then text by s_w, then visual by s_w (Appendix A)."""
+    if budget >= n:
+        return list(range(n))
+    history = range(n - window)
+    text = sorted((j for j in history if not visual[j]), key=lambda j: (-s_w[j], j))
+    vision = sorted((j for j in history if visual[j]), key=lambda j: (-s_w[j], j))
+    free = budget - window
+    chosen = text[:free] + vision[: max(0, free - len(text))]
+    return sorted(chosen + list(range(n - window, n)))
+
+
+def naive_chunk_choice(
+    q_group: list[list[float]], keys: list[list[float]], chunk: int, n_sel: int
+) -> list[int]:
+    """Brute force: rank the ``chunk``-token chunks of ``keys [m][D]`` by the mean over the chunk's
+    tokens and the group's queries of ``q . k_j``; the top ``n_sel`` chunk ids (ties: lower id), ascending."""
+    m = len(keys)
+    chunks = [list(range(c, min(c + chunk, m))) for c in range(0, m, chunk)]
+    score = [
+        sum(dot(qv, keys[j]) for qv in q_group for j in tokens) / (len(q_group) * len(tokens))
+        for tokens in chunks
+    ]
+    order = sorted(range(len(chunks)), key=lambda c: (-score[c], c))
+    return sorted(order[:n_sel])
+
+
+def naive_attention(query: list[float], keys: list[list[float]], values: list[list[float]], scaling: float):
+    """``softmax(q K^T scaling) V`` of one query over lists."""
+    probs = softmax([dot(query, key) * scaling for key in keys])
+    return [sum(p * v[d] for p, v in zip(probs, values, strict=True)) for d in range(len(values[0]))]

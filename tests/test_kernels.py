@@ -22,10 +22,12 @@ from kvlab.kernels import dispatch  # noqa: E402
 from kvlab.kernels.compaction import compact_kv_reference  # noqa: E402
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402
 from kvlab.kernels.merge import merge_scatter, merge_scatter_reference  # noqa: E402
+from kvlab.kernels.retrieval import chunk_topk_reference, gather_chunks_reference  # noqa: E402
 from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
 from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton  # noqa: E402
 from kvlab.kernels.tl.launches import record_launches  # noqa: E402
 from kvlab.kernels.tl.merge import merge_scatter_triton  # noqa: E402
+from kvlab.kernels.tl.retrieval import chunk_topk_triton, gather_chunks_triton  # noqa: E402
 from kvlab.kernels.tl.window_scores import window_attention_scores_triton  # noqa: E402
 from kvlab.kernels.window_scores import (  # noqa: E402
     window_attention_scores,
@@ -312,6 +314,92 @@ def test_merge_bounds_the_work_of_a_program_when_many_entries_merge_into_one(dty
     assert [launch.grid for launch in launches] == [(pieces,), (CROWDED_MERGE["N"],)]
 
 
+# --- chunk retrieval (the retrieve selector): chunk scores + exact top-k, and the chunk gather ---
+def topk_inputs(B, Hkv, G, q, D, NC, R, dtype, tie=False, seed=0):
+    """Queries ``[B, H, q, D]``, a chunk index ``[R, NC, D]`` over R (sample, KV head) rows, about a
+    quarter of the chunks invalid, and per-row counts some of which exceed the valid chunks."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(B, Hkv * G, q, D, generator=gen).to(dtype)
+    rows = torch.stack([torch.arange(R) % B, torch.arange(R) % Hkv], -1)
+    index = torch.randn(R, NC, D, generator=gen).to(dtype)
+    if tie:  # every score equal: the lower chunks win
+        query.zero_()
+    chunk_valid = torch.rand(R, NC, generator=gen) > 0.25
+    n_sel = torch.randint(1, NC + 3, (R,), generator=gen)
+    return query.to(DEVICE), index.to(DEVICE), rows.to(DEVICE), chunk_valid.to(DEVICE), n_sel.to(DEVICE), Hkv
+
+
+# (B, Hkv, G, q, D, NC, R, dtype, tie): GQA 1/2/4/7, q 1 and 2, odd head dims, ties, real head
+# dims (64 and 128 with several select tiles); each distinct (dtype, D) is one more compilation
+TOPK_CASES = [
+    (1, 2, 2, 1, 16, 37, 2, torch.float32, False),
+    (2, 3, 4, 2, 12, 90, 5, torch.float16, False),
+    (2, 2, 1, 1, 64, 9, 3, torch.bfloat16, False),
+    (1, 1, 2, 1, 16, 20, 1, torch.float32, True),
+    (1, 4, 7, 1, 128, 600, 4, torch.bfloat16, False),
+]
+
+
+def run_topk(*case):
+    return chunk_topk_triton(*topk_inputs(*case))
+
+
+@pytest.mark.parametrize("case", TOPK_CASES)
+def test_chunk_topk_kernel_equals_the_reference(case):
+    """The same chunk ids as the reference's stable sort (exact), ascending, -1 past each count."""
+    inputs = topk_inputs(*case)
+    want = chunk_topk_reference(*inputs)
+    assert torch.equal(run_topk(*case), want)
+    query, _, _, chunk_valid, n_sel, _ = inputs
+    k = torch.minimum(n_sel[:, None], chunk_valid.sum(-1, keepdim=True))  # [R, 1]
+    assert torch.equal((want >= 0).sum(-1), k.expand(-1, query.shape[2]))
+
+
+def gather_inputs(R, q, S, M, D, chunk, dtype, seed=0):
+    """A host store ``[R, M, D]`` (M a multiple of ``chunk``) and chunk ids ``[R, q, S]`` (-1: empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(R, M, D, generator=gen).to(dtype)
+    values = torch.randn(R, M, D, generator=gen).to(dtype)
+    ids = torch.randint(-1, M // chunk, (R, q, S), generator=gen)
+    if DEVICE == "cuda":  # the store in page-locked host memory, read by the device
+        keys, values = keys.pin_memory(), values.pin_memory()
+    return keys, values, ids.to(DEVICE), chunk, torch.device(DEVICE)
+
+
+# (R, q, S, M, D, chunk, dtype): chunk 8 (HybridKV) and 4, odd and real head dims
+GATHER_CASES = [
+    (3, 1, 4, 40, 16, 8, torch.float32),
+    (2, 2, 3, 24, 12, 4, torch.bfloat16),
+    (2, 1, 5, 64, 128, 8, torch.float16),
+]
+
+
+def run_gather(*case):
+    return gather_chunks_triton(*gather_inputs(*case))
+
+
+@pytest.mark.parametrize("case", GATHER_CASES)
+def test_gather_kernel_equals_the_reference(case):
+    got, want = run_gather(*case), gather_chunks_reference(*gather_inputs(*case))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_retrieval_launches_do_not_recompile_with_chunk_counts_rows_queries_or_slots():
+    """Launches that differ only in the chunk count, rows, queries per step, counts and slots have
+    the same compile key (one compilation per head dim, group and dtype)."""
+
+    def launches(B, q, NC, R, S, M):
+        with record_launches(execute=False) as recorded:
+            chunk_topk_triton(*topk_inputs(B, 2, 4, q, 64, NC, R, torch.bfloat16))
+            gather_chunks_triton(*gather_inputs(R, q, S, M, 64, 8, torch.bfloat16))
+        return recorded
+
+    short, long = launches(1, 1, 9, 2, 3, 40), launches(3, 2, 500, 6, 60, 4000)
+    assert [launch.grid for launch in short] != [launch.grid for launch in long]
+    assert [launch.compile_key() for launch in short] == [launch.compile_key() for launch in long]
+    assert {launch.kernel for launch in short} == {"_chunk_scores", "_chunk_select", "_gather_chunks"}
+
+
 def kernel_test_launches() -> Iterator[tuple[Callable[..., object], tuple]]:
     """``(function, arguments)`` of every Triton launcher call the kernel tests above make.
 
@@ -325,6 +413,8 @@ def kernel_test_launches() -> Iterator[tuple[Callable[..., object], tuple]]:
     yield from ((lambda *c: compact_kv_triton(*compaction_inputs(*c)), case) for case in COMPACTION_CASES)
     yield from ((lambda *c: merge_scatter_triton(*merge_case(*c)), case) for case in MERGE_CASES)
     yield from ((run_crowded_merge, case) for case in CROWDED_CASES)
+    yield from ((run_topk, case) for case in TOPK_CASES)
+    yield from ((run_gather, case) for case in GATHER_CASES)
 
 
 def test_merge_reference_gives_the_three_lookm_rules():

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from kvlab.calibration import Artefact
 from kvlab.calibration.synthetic import synthetic_visual_heads
 from kvlab.compression.pipeline import Pipeline
+from kvlab.compression.retrieval import retrieval_record
 from kvlab.config.loader import merge, preset_names, resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.masking import load_masked_model
@@ -43,19 +44,29 @@ class Traits:
     adakv: bool  # heads of a layer share its budget: their kept counts sum to it
     sparsemm: bool  # static per-head capacities from a visual-head artefact
     keeps_all_text: bool  # a text prior keeping every text token, even beyond the budget
+    retrieves: bool = False  # some heads retrieve (a `retrieve` selector, maybe in a per-head route branch)
+    local: str = "none"  # what a retrieving head holds resident: `none`, or its `protected` tokens
+    chunk: int = 8  # a retrieving head's tokens per chunk
 
 
 def traits(name: str) -> Traits:
-    allocate = resolve([name], [])["model"]["compression"].get("allocate") or {}
+    node = resolve([name], [])["model"]["compression"]
+    allocate = node.get("allocate") or {}
     head = (allocate.get("head") or {}).get("name", "uniform")
     layer = (allocate.get("layer") or {}).get("name", "uniform")
     modality = allocate.get("modality") or {}
+    branches = ((node.get("route") or {}).get("branches") or {}).values()
+    selects = [node.get("select") or {}, *((branch or {}).get("select") or {} for branch in branches)]
+    retrieve = [select for select in selects if select.get("name") == "retrieve"]
     return Traits(
         ragged=head != "uniform",
         layerwise=layer != "uniform",
         adakv=head == "adakv",
         sparsemm=head == "sparsemm",
         keeps_all_text=modality.get("name") == "text_prior" and modality.get("overflow") == "keep_all_text",
+        retrieves=bool(retrieve),
+        local=retrieve[0].get("local", "none") if retrieve else "none",
+        chunk=retrieve[0].get("chunk", 8) if retrieve else 8,
     )
 
 
@@ -135,6 +146,9 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
     trait = traits(preset)
     window = protected(preset, T)[0]  # an int window in the ragged checks below (AdaKV, SparseMM)
     Hkv = loaded.info.num_kv_heads
+    if trait.retrieves:
+        check_retrieval_budgets(preset, trait, result, batch, budget, Hkv)
+        return
     for report in result.reports:
         expected = torch.minimum(report.budget, lengths)
         if trait.ragged:  # heads differ; the layer (AdaKV) or the model (SparseMM) sums to the budget
@@ -178,6 +192,9 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
     info = loaded.info
     per_token = info.num_layers * info.num_kv_heads * info.head_dim * 2 * 4
     trait = traits(preset)
+    if trait.retrieves:
+        check_device_bytes_fall(preset, trait, loaded, model, per_token)
+        return
     kept = {}
     for budget in (64, 32):
         result = run(loaded, pipeline(preset, model, tokens=budget), samples_for(model))
@@ -198,6 +215,96 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
     # pyramid budgets average to the configured one up to the schedule's floor
     ratio = (kept[32].float() / kept[64].float()).tolist()
     assert all(0.4 < r < 0.6 for r in ratio)
+
+
+def device_counts(report):
+    """``(resident, fetched, stored)`` ``[B, Hkv]`` of one layer: prompt entries the compressed cache
+    holds, token slots fetched per decode step, prompt tokens in the host store (0 where a head does
+    not retrieve)."""
+    store = report.selection.offloaded
+    if store is None:
+        zero = torch.zeros_like(report.kept)
+        return report.kept, zero, zero
+    fetched, stored = store.retrieval_counts()
+    return report.kept, fetched.to(report.kept.device), stored.to(report.kept.device)
+
+
+def check_retrieval_budgets(preset, trait, result, batch, budget, Hkv):
+    """The budget invariants of a retrieving preset (``kept`` counts resident entries only).
+
+    A retrieving head's on-device budget is its resident entries plus the token slots it fetches
+    per decode step (whole chunks: up to ``chunk - 1`` tokens of a budget are left unused); its
+    resident entries plus its host store are the whole prompt (retrieval sees everything). With
+    one head budget (no head allocator) each head's resident + fetched is the layer budget, less
+    that remainder; with a head allocator (HybridKV) the heads of a layer share ``Hkv x budget``
+    and every retrieving head of a sample fetches the same amount (b_dyn). Heads that do not
+    retrieve keep the window and sinks like any evicting head, and the whole prompt when the
+    budget covers it.
+    """
+    chunk = trait.chunk
+    lengths = result.prompt_lengths
+    T = batch["input_ids"].shape[1]
+    for report in result.reports:
+        expected = torch.minimum(report.budget, lengths)  # [B]
+        resident, fetched, stored = device_counts(report)
+        retrieving = stored > 0
+        device = resident + fetched
+        assert bool(retrieving.any()), report.layer_idx  # the budget is below every prompt here
+        # retrieval sees the whole prompt: resident + stored = the prompt
+        assert torch.equal(torch.where(retrieving, resident + stored, lengths[:, None]),
+                           lengths[:, None].expand_as(resident)), report.layer_idx  # fmt: skip
+        assert bool((fetched % chunk == 0).all())
+        if trait.ragged:  # a head allocator: the layer's heads share its budget
+            assert bool((device.sum(-1) <= Hkv * expected).all()), report.layer_idx
+            for b in range(len(lengths)):
+                assert len(set(fetched[b][retrieving[b]].tolist())) == 1  # one b_dyn per sample
+        else:
+            unused = torch.where(retrieving, expected[:, None] - device, 0)
+            assert bool(((unused >= 0) & (unused < chunk)).all()), report.layer_idx
+            kept_whole = torch.where(retrieving, expected[:, None], resident)  # a head that does not retrieve
+            assert torch.equal(kept_whole, expected[:, None].expand_as(resident))  # keeps its budget
+        for b in range(len(lengths)):
+            pad = T - int(lengths[b])
+            recent, sinks = protected(preset, int(lengths[b]))
+            must = set(range(T - recent, T)) | set(range(pad, pad + sinks))
+            for h in range(report.kept.shape[1]):
+                kept = report.selection.kept_positions(b, h)
+                assert len(set(kept)) == len(kept)
+                assert all(pad <= p < T for p in kept)  # padding never kept
+                if not bool(retrieving[b, h]):
+                    assert must <= set(kept)  # recent window and sinks kept
+                elif trait.local == "protected":
+                    assert set(kept) == must  # resident: exactly the protected tokens
+                else:
+                    assert kept == []  # nothing resident: the window is reached through the store
+    assert all(int(r.budget.max()) == budget for r in result.reports)
+
+
+def check_device_bytes_fall(preset, trait, loaded, model, per_token):
+    """A retrieving preset's device bytes (``kv_bytes_device``: resident entries + chunk index + one
+    step's fetch buffer) fall with the budget, its budgeted part (resident + fetched entries) stays
+    within the budget, and the host store does not depend on the budget. With one head budget the
+    budgeted part falls in proportion (whole chunks aside)."""
+    info = loaded.info
+    per_entry = per_token // (info.num_layers * info.num_kv_heads)
+    device, budgeted, host = {}, {}, {}
+    for budget in (64, 32):
+        result = run(loaded, pipeline(preset, model, tokens=budget), samples_for(model))
+        assert torch.equal(result.kv_bytes_full, result.prompt_lengths * per_token)
+        records = [retrieval_record(result.reports, b, int(result.kv_bytes_kept[b]))
+                   for b in range(len(result.prompt_lengths))]  # fmt: skip
+        device[budget] = torch.tensor([r["kv_bytes_device"] for r in records])
+        host[budget] = torch.tensor([r["kv_bytes_offloaded"] for r in records])
+        entries = sum(resident + fetched for resident, fetched, _ in map(device_counts, result.reports))
+        budgeted[budget] = entries.sum(-1) * per_entry  # [B]
+        assert bool((budgeted[budget] <= budget * per_token).all())
+        assert bool((device[budget] > budgeted[budget]).all())  # + the chunk index
+    assert torch.equal(host[32], host[64])
+    assert bool((budgeted[32] <= budgeted[64]).all()) and bool((device[32] <= device[64]).all())
+    if not trait.ragged:
+        assert bool((device[32] < device[64]).all())
+        ratio = (budgeted[32].float() / budgeted[64].float()).tolist()
+        assert all(0.4 < r < 0.6 for r in ratio)
 
 
 @pytest.mark.parametrize("preset", ["snapkv", "h2o", "pyramidkv", "streamingllm", "adakv", "mixkv_sparsemm"])

@@ -40,6 +40,7 @@ MODULES = (
     "kvlab.kernels.tl.window_scores",
     "kvlab.kernels.tl.compaction",
     "kvlab.kernels.tl.merge",
+    "kvlab.kernels.tl.retrieval",
 )
 ARCHS = (80, 90)
 

@@ -20,6 +20,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "window": ("kvlab.bench.window", "window-attention scoring: Triton two-pass kernel vs naive reference"),
     "memory": ("kvlab.bench.memory", "KV bytes and decode time: ragged head budgets vs full vs masking"),
     "scoring": ("kvlab.bench.scoring", "compression time of MixKV scoring vs its host (SnapKV)"),
+    "retrieval": ("kvlab.bench.retrieval", "device KV, fetched bytes, decode time: retrieval vs full/snapkv"),
 }
 
 

@@ -3,11 +3,15 @@
 from kvlab.compression import (  # noqa: F401  (imported for their registrations)
     allocators,
     decode,
+    decode_prefixkv,
     diversity,
+    hybridkv,
     importance,
     merge,
     mixers,
     modality,
+    prefixkv,
+    retrieval,
     routing,
     selectors,
 )

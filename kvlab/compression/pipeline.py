@@ -41,7 +41,20 @@ One layer's compression (:meth:`Pipeline.compress`):
 With ``route``, each branch is the parent node with the branch's fields merged over it (the
 preset rules of ``kvlab.config.loader.merge``: lists and renamed components replaced whole); the rule
 picks a branch per sample at every layer and the branches' selections are combined row by row.
+A per-head rule (``text_sparsity``, HybridKV's classifier) picks a branch per (sample, KV head):
+every branch some head took runs over the layer and each head's row comes from its own branch
+(the branches share the layer budget; a retrieving branch's store serves its own heads only).
 ``decode``, ``schedule`` and ``sliding_layers`` belong to the parent only.
+
+``schedule`` (a kvlab extension) says when layers are compressed. ``layerwise`` (the default):
+each layer right after its own prefill attention, with the steps above. ``global``: the prefill
+first runs :meth:`Pipeline.observe` on every layer (its route decision, every scorer's score,
+the mix, and the layer allocator's ``observe`` hook, so the allocator sees all layers), keeping
+each layer's full K/V; once the last layer's attention has run, the engine calls
+:meth:`Pipeline.compress` on every layer in order, which reuses those scores and decisions.
+A component that compares layers declares ``needs_all_layers`` (PrefixKV's online
+``prefix_threshold``, HybridKV's ``scope: global`` head allocator) and is refused under
+``layerwise``. A layer-local method keeps exactly the same tokens under both schedules.
 
 Sliding-window layers (Mistral, Gemma 2/3, GPT-OSS: the attention function passes the layer's
 ``sliding_window`` W, :attr:`LayerContext.sliding_window`) never keep a token their next query
@@ -75,7 +88,14 @@ from kvlab.compression.diversity import DIVERSITY, DiversityScorer
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.compression.mixers import MIXERS, Mixer
 from kvlab.compression.modality import group_topk_mask
-from kvlab.compression.routing import ROUTE_RULES, RouteDecision, RouteRule, combine_selections, pick_rows
+from kvlab.compression.routing import (
+    ROUTE_RULES,
+    ROUTED_HEADS,
+    RouteDecision,
+    RouteRule,
+    combine_selections,
+    pick_rows,
+)
 from kvlab.compression.selectors import SELECTORS, Selection, Selector
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import merge
@@ -87,6 +107,12 @@ FIELDS = (
     "sliding_layers",
 )  # fmt: skip
 SLIDING_LAYERS = ("window", "compress")
+SCHEDULES = ("layerwise", "global")
+_SCORED = "pipeline_scores"  # ctx.state keys of what schedule: global observed, per pipeline and layer
+_DECIDED = "pipeline_route_decision"
+#: ctx.state key (schedule: global): the set of layers kept whole without scoring (sliding-window
+#: layers under ``sliding_layers: window``), so a component comparing layers knows none is missing
+WHOLE_LAYERS = "pipeline_whole_layers"
 ROUTE_FIELDS = ("rule", "branches")
 ALLOCATE_FIELDS = ("layer", "head", "modality")
 ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -186,6 +212,18 @@ def _take_budget_settings(component: Any, where: str, budget: Budget | None) -> 
             )
 
 
+def _check_shared_budget(branch: dict[str, Any], where: str) -> None:
+    """A per-head route's branch may not change the layer budget its heads share."""
+    allocate = branch.get("allocate")
+    layer = allocate.get("layer") if isinstance(allocate, dict) else None
+    for key, value in (("budget", branch.get("budget")), ("allocate.layer", layer)):
+        if value is not None:
+            raise ConfigError(
+                f"{where}.{key}: the rule routes each KV head, and the heads of a layer share one layer "
+                f"budget; set {WHERE}.{key} on the parent pipeline instead of inside a branch."
+            )
+
+
 @dataclass
 class LayerReport:
     """What one layer's compression did, for predictions and TensorBoard.
@@ -246,11 +284,12 @@ class Pipeline:
         if not isinstance(allocate, dict):
             raise ConfigError(f"{WHERE}.allocate must be a mapping with keys {', '.join(ALLOCATE_FIELDS)}.")
         _check_fields(allocate, ALLOCATE_FIELDS, f"{WHERE}.allocate")
-        schedule = node.get("schedule", "layerwise")
-        if schedule != "layerwise":
+        schedule = node.get("schedule") or "layerwise"
+        if schedule not in SCHEDULES:
             raise ConfigError(
-                f"{WHERE}.schedule '{schedule}' is not supported yet; use 'layerwise' (compress each layer "
-                "right after its prefill attention)."
+                f"{WHERE}.schedule must be 'layerwise' (compress each layer right after its prefill "
+                "attention) or 'global' (score every layer during the prefill, then allocate over all "
+                f"layers and compress them), got {schedule!r}.{did_you_mean(str(schedule), SCHEDULES)}"
             )
         sliding_layers = node.get("sliding_layers") or "window"
         if sliding_layers not in SLIDING_LAYERS:
@@ -300,6 +339,7 @@ class Pipeline:
             sliding_layers=sliding_layers,
         )
         pipeline._check_roles()
+        pipeline._check_schedule()
         return pipeline
 
     @staticmethod
@@ -354,6 +394,40 @@ class Pipeline:
                 "`signal: mixed` (the mixed score) or the key of the scorer to allocate from."
             )
 
+    def _slots(self) -> list[tuple[str, Any]]:
+        """``(YAML field, component)`` of this node's own components (branches not included)."""
+        scorers = [(f"importance.{role}", c) for role, c in self.importance.items()]
+        scorers += [(f"diversity.{role}", c) for role, c in self.diversity.items()]
+        slots = [("mixer", self.mixer), ("allocate.layer", self.layer_allocator),
+                 ("allocate.head", self.head_allocator), ("allocate.modality", self.modality_allocator),
+                 ("select", self.selector), ("decode", self.decode_policy)]  # fmt: skip
+        return [(f"{WHERE}.{name}", c) for name, c in [*scorers, *slots] if c is not None]
+
+    def all_layer_components(self) -> list[tuple[str, Any]]:
+        """``(field, component)`` of every component that compares layers (``needs_all_layers``),
+        branches included: they need ``schedule: global``."""
+        own = [(where, c) for where, c in self._slots() if getattr(c, "needs_all_layers", False)]
+        return own + [pair for branch in self.branches.values() for pair in branch.all_layer_components()]
+
+    @property
+    def needs_all_layers(self) -> bool:
+        """True when a component compares layers, so no layer can be compressed before the last
+        layer's prefill (``schedule: global``)."""
+        return bool(self.all_layer_components())
+
+    def _check_schedule(self) -> None:
+        """A component comparing layers needs ``schedule: global``."""
+        needs = self.all_layer_components()
+        if needs and self.schedule != "global":
+            where, component = needs[0]
+            raise ConfigError(
+                f"{where} ({getattr(component, 'registry_name', '') or type(component).__name__}) compares "
+                f"every layer, whose scores exist only after the last layer's prefill, so it cannot run "
+                f"with {WHERE}.schedule = {self.schedule}: set `{WHERE}.schedule: global` (memory during "
+                "the prefill is then the full cache), or use a component that needs only its own layer "
+                "(for PrefixKV: the offline `prefix_calibrated` allocator with a calibration artefact)."
+            )
+
     def components(self) -> list[Any]:
         """Every configured component (scorers, mixer, allocators, selector, decode policy, branches)."""
         parts = [*self.importance.values(), *self.diversity.values(), self.mixer, self.layer_allocator]
@@ -378,8 +452,64 @@ class Pipeline:
         """False for the full cache (no scorer configured, in no branch)."""
         return bool(self.importance or self.diversity) or any(b.compresses for b in self.branches.values())
 
+    def observe(self, ctx: LayerContext) -> None:
+        """``schedule: global``, during the prefill of layer ``ctx.layer_idx``: everything that reads
+        its queries, kept in ``ctx.state`` for :meth:`compress` after the last layer.
+
+        The route decision (per branch taken: that branch's observation), the budget's protected
+        tokens, every scorer's score ``[B, Hkv, T]`` and the mix, then the layer allocator's
+        ``observe(ctx, scores, mixed)`` hook when it has one (how ``prefix_threshold`` sees every
+        layer). A sliding-window layer kept whole (``sliding_layers: window``) observes nothing and
+        is listed in ``ctx.state[WHOLE_LAYERS]``.
+        """
+        if ctx.sliding_window is not None:
+            ctx = within_window(ctx)
+            if self.sliding_layers == "window":
+                ctx.state.setdefault(WHOLE_LAYERS, set()).add(ctx.layer_idx)
+                return
+        self._observe(ctx)
+
+    def _observe(self, ctx: LayerContext) -> None:
+        if self.route_rule is not None:
+            if self.budget is not None:
+                self._protect(ctx)
+            decision = self.route_rule.decide(ctx)
+            ctx.state[(_DECIDED, id(self), ctx.layer_idx)] = decision
+            if decision.heads is None:
+                for name in sorted(set(decision.branches)):
+                    self.branches[name]._observe(ctx)
+                return
+            heads = decision.heads.to(ctx.keys.device)
+            for i in sorted(set(heads.flatten().tolist())):
+                ctx.state[ROUTED_HEADS] = heads == i
+                try:
+                    self.branches[decision.head_names[i]]._observe(ctx)
+                finally:
+                    ctx.state.pop(ROUTED_HEADS, None)
+            return
+        if not self.compresses:
+            return
+        self._protect(ctx)
+        scores, mixed = self._score(ctx)
+        ctx.state[(_SCORED, id(self), ctx.layer_idx)] = (scores, mixed)
+        hook = getattr(self.layer_allocator, "observe", None)
+        if hook is not None:
+            hook(ctx, scores, mixed)
+
+    def _score(self, ctx: LayerContext) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Every scorer's ``[B, Hkv, T]`` score by role and their fp32 mix ``[B, Hkv, T]``: the ones
+        :meth:`observe` kept for this layer (``schedule: global``, handed over once), else computed."""
+        held = ctx.state.pop((_SCORED, id(self), ctx.layer_idx), None)
+        if held is not None:
+            return held
+        scores = {
+            role: scorer.score(ctx) for role, scorer in [*self.importance.items(), *self.diversity.items()]
+        }
+        return scores, self.mixer.mix(scores, ctx).float()
+
     def compress(self, ctx: LayerContext, record_scores: bool = False) -> tuple[Selection, LayerReport]:
-        """Choose what layer ``ctx.layer_idx`` keeps. See the module docstring for the steps."""
+        """Choose what layer ``ctx.layer_idx`` keeps. See the module docstring for the steps
+        (``schedule: global``: after :meth:`observe` saw every layer)."""
         if ctx.sliding_window is not None:
             ctx = within_window(ctx)
             if self.sliding_layers == "window":
@@ -412,10 +542,7 @@ class Pipeline:
         layer_budget = torch.clamp(torch.as_tensor(layer_budget, device=lengths.device), min=protected_counts)
 
         protected = self._protect(ctx)  # [B, T]
-        scores = {
-            role: scorer.score(ctx) for role, scorer in [*self.importance.items(), *self.diversity.items()]
-        }
-        mixed = self.mixer.mix(scores, ctx).float()  # [B, Hkv, T]
+        scores, mixed = self._score(ctx)  # by role, and mixed [B, Hkv, T]
 
         candidates = (valid & ~protected)[:, None, :]
         candidate_scores = mixed.masked_fill(~candidates, float("-inf"))
@@ -485,7 +612,17 @@ class Pipeline:
                         f"{where}.branches.{name}.{key}: '{key}' applies to the whole pipeline; set it on "
                         f"{WHERE}.{key} instead of inside a branch."
                     )
+            if rule.per_head:
+                _check_shared_budget(branch, f"{where}.branches.{name}")
             branches[name] = cls.from_config(merge(parent, branch))
+            allocator = branches[name].layer_allocator
+            if getattr(allocator, "needs_all_layers", False):
+                raise ConfigError(
+                    f"{where}: the layer allocator '{allocator.registry_name}' compares every layer's "
+                    "scores, but in a routed pipeline each branch scores only the layers (or heads) routed "
+                    f"to it. Use it without `route`, or give {WHERE}.allocate.layer an allocator that needs "
+                    "only its own layer (e.g. prefix_calibrated, uniform)."
+                )
         for name in rule.branch_names:
             if name not in branches:
                 raise ConfigError(
@@ -500,10 +637,15 @@ class Pipeline:
         return pipeline
 
     def _select_routed(self, ctx: LayerContext, record_scores: bool) -> tuple[Selection, LayerReport]:
-        """Run the branch each sample is routed to; combine the selections row by row."""
+        """Run the branch each sample (each KV head, for a per-head rule) is routed to; combine the
+        selections row by row."""
         if self.budget is not None:  # the rule's metric observes the parent budget's window
             self._protect(ctx)
-        decision = self.route_rule.decide(ctx)
+        decision = ctx.state.pop((_DECIDED, id(self), ctx.layer_idx), None)  # schedule: global
+        if decision is None:
+            decision = self.route_rule.decide(ctx)
+        if decision.heads is not None:
+            return self._select_per_head(ctx, decision, record_scores)
         names = sorted(set(decision.branches))
         runs = [self.branches[name]._select(ctx, record_scores) for name in names]
         if len(runs) == 1:
@@ -519,6 +661,36 @@ class Pipeline:
                 selection,
                 scores=pick_rows([r.scores for r in reports], choice),
                 overshoot=pick_rows([r.overshoot for r in reports], choice),
+            )
+        report.route = decision
+        return selection, report
+
+    def _select_per_head(
+        self, ctx: LayerContext, decision: RouteDecision, record_scores: bool
+    ) -> tuple[Selection, LayerReport]:
+        """Run every branch some KV head is routed to (each over the whole layer) and take each
+        (sample, head) row from its own branch. The branches share the layer budget (checked when
+        built), so the per-sample fields of the report come from any of them."""
+        heads = decision.heads.to(ctx.keys.device)
+        used = sorted(set(heads.flatten().tolist()))
+        runs = []
+        for i in used:
+            ctx.state[ROUTED_HEADS] = heads == i
+            try:
+                runs.append(self.branches[decision.head_names[i]]._select(ctx, record_scores))
+            finally:
+                ctx.state.pop(ROUTED_HEADS, None)
+        selection, report = runs[0]
+        if len(runs) > 1:
+            choice = torch.searchsorted(torch.tensor(used, device=heads.device), heads)  # index into runs
+            selection = combine_selections([s for s, _ in runs], choice, ctx)
+            report = LayerReport(
+                ctx.layer_idx,
+                selection.counts,
+                report.budget,
+                selection,
+                scores=pick_rows([r.scores for _, r in runs], choice),
+                overshoot=report.overshoot,
             )
         report.route = decision
         return selection, report

@@ -29,6 +29,7 @@ from kvlab.compression.context import LayerContext
 from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
 from kvlab.compression.selectors import Selection
+from kvlab.config.errors import ConfigError
 from kvlab.config.registry import Registry
 
 # ---------------------------------------------------------------------------------------------
@@ -64,8 +65,9 @@ class NCARMetric(LayerMetric):
 
     The sum over j covers every key, window included; the 1/r of Eq. 6 is kept (Alg. 1 drops
     it, which would tie theta to r). theta = 1 when vision gets exactly its share of the
-    attention. NaN for a sample without vision tokens (text-only prompts). Shares the memoised
-    window attention with SnapKV-style scorers of the same window. The window is the budget's
+    attention. NaN for a sample without vision tokens (text-only prompts). Reads the memoised
+    window scores (``[B, H, T]``, never the ``[B, H, W, T]`` probabilities) that SnapKV-style
+    scorers of the same window share. The window is the budget's
     recent window (``budget.window``); ``window`` may restate it but not differ from it.
     """
 
@@ -84,9 +86,9 @@ class NCARMetric(LayerMetric):
     def _measure(self, ctx: LayerContext, window: int) -> torch.Tensor:
         """``[B]`` theta of every sample as if its window were ``window``."""
         window = min(window, ctx.seq_len)
-        probs = ctx.window_attention(window)  # [B, H, W, T]
+        received = ctx.window_attention_scores(window)  # [B, H, T]: sum_i A[b, h, i, j], no [B, H, W, T]
         vision = (modality_groups(ctx.modality) == VISION_GROUP).float()  # [B, T]
-        mass = torch.einsum("bhwt,bt->bh", probs, vision).mean(-1)  # [B]
+        mass = torch.einsum("bht,bt->bh", received, vision).mean(-1)  # [B]
         lengths = ctx.lengths.float()
         rows = torch.clamp(lengths, max=window)
         n_vision = vision.sum(-1)
@@ -97,6 +99,10 @@ class NCARMetric(LayerMetric):
 # ---------------------------------------------------------------------------------------------
 # rules
 
+#: ``ctx.state`` key while a per-head route runs one of its branches: ``[B, Hkv]`` bool, the heads
+#: routed to that branch (the rows of its selection that will be kept; a selector may skip the others)
+ROUTED_HEADS = "routed_heads"
+
 
 @dataclass
 class RouteDecision:
@@ -106,19 +112,30 @@ class RouteDecision:
         branches: branch name per sample (``[B]`` strings).
         switched: ``[B]`` bool, True once the rule has switched to its ``after`` branch.
         metric: ``[B]`` the rule's metric at this layer (NaN where not evaluated), or None.
+        heads: per-head rules (``per_head``): ``[B, Hkv]`` long, the branch of every (sample, KV
+            head) as an index into ``head_names``; the pipeline then combines the branches'
+            selections head by head (``branches`` only summarises each sample). None otherwise.
+        head_names: the branch names ``heads`` indexes.
     """
 
     branches: list[str]
     switched: torch.Tensor
     metric: torch.Tensor | None = None
+    heads: torch.Tensor | None = None
+    head_names: tuple[str, ...] = ()
 
 
 class RouteRule:
-    """Base class: override :meth:`decide`; ``branch_names`` lists the branches a rule refers to."""
+    """Base class: override :meth:`decide`; ``branch_names`` lists the branches a rule refers to.
+
+    ``per_head``: the rule routes each KV head (its decisions carry ``heads``), not each sample;
+    its branches then share the layer budget (they may not change ``budget`` or ``allocate.layer``).
+    """
 
     registry_name: str = ""
     before: str = ""
     after: str = ""
+    per_head: ClassVar[bool] = False
 
     @property
     def branch_names(self) -> tuple[str, ...]:
@@ -212,18 +229,29 @@ class MetricLatchRule(RouteRule):
 
 
 def pick_rows(tensors: list[torch.Tensor | None], choice: torch.Tensor) -> torch.Tensor | None:
-    """Row b of ``tensors[choice[b]]`` for every b (tensors share shapes; None if any is None)."""
+    """Row b of ``tensors[choice[b]]`` for every b (tensors share shapes; None if any is None).
+
+    A ``[B, Hkv]`` choice (per-head routes) picks row ``(b, h)`` of tensors shaped ``[B, Hkv, ...]``.
+    """
     if any(t is None for t in tensors):
         return None
     stacked = torch.stack(tensors)  # [branches, B, ...]
-    return stacked[choice.to(stacked.device), torch.arange(stacked.shape[1], device=stacked.device)]
+    rows = torch.arange(stacked.shape[1], device=stacked.device)
+    choice = choice.to(stacked.device)
+    if choice.dim() == 2:
+        heads = torch.arange(stacked.shape[2], device=stacked.device)
+        return stacked[choice, rows[:, None], heads[None, :]]
+    return stacked[choice, rows]
 
 
 def combine_selections(selections: list[Selection], choice: torch.Tensor, ctx: LayerContext) -> Selection:
-    """One :class:`Selection` whose sample b comes from ``selections[choice[b]]``.
+    """One :class:`Selection` whose sample b (head ``(b, h)`` for a ``[B, Hkv]`` choice) comes from
+    ``selections[choice[b]]``.
 
     Index lists are padded to the longest; when some branch merges (carries keys/values) the
-    others' kept entries are gathered from the prefill K/V so every row has replacements.
+    others' kept entries are gathered from the prefill K/V so every row has replacements. A
+    branch's offloaded store (a retrieve selector) is kept for that branch's rows only
+    (:func:`restrict_store`).
     """
     K = max(s.indices.shape[-1] for s in selections)
     merged = any(s.keys is not None for s in selections)
@@ -244,7 +272,32 @@ def combine_selections(selections: list[Selection], choice: torch.Tensor, ctx: L
         counts=pick_rows([s.counts for s in selections], choice),
         keys=pick_rows(keys, choice) if merged else None,
         values=pick_rows(values, choice) if merged else None,
+        offloaded=restrict_store(selections, choice, ctx.num_kv_heads),
     )
+
+
+def restrict_store(selections: list[Selection], choice: torch.Tensor, num_kv_heads: int) -> Any:
+    """The offloaded store of the combined selection: the one branch's store, for its rows only.
+
+    ``choice`` is ``[B]`` or ``[B, Hkv]`` (see :func:`combine_selections`). A store must offer
+    ``restrict(keep [B, Hkv]) -> store | None`` (:class:`kvlab.compression.retrieval.ChunkStore`).
+
+    Raises:
+        ConfigError: more than one branch offloads K/V in the same layer.
+    """
+    stores = [(i, s.offloaded) for i, s in enumerate(selections) if s.offloaded is not None]
+    if not stores:
+        return None
+    if len(stores) > 1:
+        raise ConfigError(
+            "model.compression.route: two branches offload K/V (retrieve selectors) in the same layer, "
+            "which one layer's cache cannot hold; route the retrieving heads to one branch."
+        )
+    branch, store = stores[0]
+    keep = choice == branch
+    if keep.dim() == 1:
+        keep = keep[:, None].expand(-1, num_kv_heads)
+    return store.restrict(keep)
 
 
 def switch_layers(reports: list[Any]) -> list[int | None] | None:
@@ -252,8 +305,8 @@ def switch_layers(reports: list[Any]) -> list[int | None] | None:
 
     ``reports`` are the per-layer reports (``layer_idx`` and ``route``: a :class:`RouteDecision` or None).
     """
-    routed = [r for r in reports if getattr(r, "route", None) is not None]
-    if not routed:
+    routed = [r for r in reports if getattr(r, "route", None) is not None and r.route.heads is None]
+    if not routed:  # per-head routes (HybridKV) do not switch (kvlab.compression.retrieval.retrieval_record)
         return None
     out: list[int | None] = [None] * len(routed[0].route.branches)
     for report in routed:

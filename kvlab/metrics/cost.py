@@ -12,6 +12,11 @@ From the per-sample records (batch timings are split evenly over the batch's sam
   not fit their asked budget (a short prompt under a ratio budget) and so kept more than asked,
   and the largest excess in tokens per head (``budget.max_window_share`` shrinks the window
   instead; see ``docs/architecture.md``);
+- ``kv_bytes_device`` / ``kv_bytes_offloaded`` / ``kv_ratio_device`` / ``retrieval_bytes_per_step``
+  (only for pipelines that retrieve, e.g. ``hybridkv``, ``retrieval``): totals over samples of the
+  accelerator-resident prompt KV (kept entries + chunk index + one step's fetch buffer) and of
+  the K/V held in host memory, device over full bytes, and the mean K/V bytes fetched from the
+  host per decode step (``kvlab.compression.retrieval.retrieval_record``);
 - ``kv_bytes_allocated_peak``: the most bytes one batch's ``CompressedCache`` allocated (kept
   prompt K/V, reserved decode region, offsets);
 - ``peak_memory_bytes``: the most memory over the run's batches, of the kind
@@ -48,6 +53,8 @@ SUM_FIELDS = (
 )
 MAX_FIELDS = ("kv_bytes_allocated", "peak_memory_bytes")
 OVERSHOOT = "budget_overshoot"  # per record: tokens per head kept beyond the asked budget
+#: per record, only for pipelines that retrieve (summed over the records that have them)
+OFFLOAD_FIELDS = ("kv_bytes_device", "kv_bytes_offloaded", "retrieval_bytes_per_step")
 MEAN_FIELDS = SUM_FIELDS[3:] + SUM_FIELDS[:1]
 #: ``peak_memory_kind`` of a record: CUDA allocator peak, or the process's resident-set high-water mark
 PEAK_KINDS = ("cuda_allocated", "process_rss_high_water")
@@ -101,6 +108,8 @@ class CostMetrics(Metric):
         for name in MAX_FIELDS:  # -1: never reported
             self.add_state(name, torch.tensor(-1.0, dtype=torch.float64), dist_reduce_fx="max")
         self.add_state("overshoot_samples", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        for name in (*OFFLOAD_FIELDS, "offload_full", "offload_samples"):
+            self.add_state(name, torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("overshoot_max", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="max")
         for kind in PEAK_KINDS:  # records whose peak figure is of that kind
             self.add_state(f"peak_{kind}", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
@@ -114,6 +123,13 @@ class CostMetrics(Metric):
             overshoot = overshoot.to(torch.float64).nan_to_num(0.0)
             self.overshoot_samples += (overshoot > 0).sum()
             self.overshoot_max = torch.maximum(self.overshoot_max, overshoot.max())
+        device = values.get(OFFLOAD_FIELDS[0])
+        if device is not None:
+            present = ~torch.isnan(device.to(torch.float64))
+            for name in OFFLOAD_FIELDS:
+                setattr(self, name, getattr(self, name) + values[name].to(torch.float64)[present].nansum())
+            self.offload_full += values["kv_bytes_full"].to(torch.float64)[present].nansum()
+            self.offload_samples += present.sum()
         for kind in PEAK_KINDS:
             count = values.get(f"peak_{kind}")
             if count is not None:
@@ -150,12 +166,18 @@ class CostMetrics(Metric):
             out["peak_memory_kind"] = "mixed" if len(kinds) > 1 else (kinds or ["cuda_allocated"])[0]
         out["budget_overshoot_samples"] = int(self.overshoot_samples)
         out["budget_overshoot_max"] = int(self.overshoot_max)
+        if float(self.offload_samples) > 0:
+            out["kv_bytes_device"] = int(self.kv_bytes_device)
+            out["kv_bytes_offloaded"] = int(self.kv_bytes_offloaded)
+            out["kv_ratio_device"] = float(self.kv_bytes_device) / max(float(self.offload_full), 1.0)
+            samples = float(self.offload_samples)
+            out["retrieval_bytes_per_step"] = float(self.retrieval_bytes_per_step) / samples
         return out
 
     def update_records(self, records: list[dict[str, Any]]) -> None:
         """Update from prediction records."""
         if records:
-            values = record_values(records, (*SUM_FIELDS, *MAX_FIELDS, OVERSHOOT))
+            values = record_values(records, (*SUM_FIELDS, *MAX_FIELDS, OVERSHOOT, *OFFLOAD_FIELDS))
             for kind in PEAK_KINDS:
                 values[f"peak_{kind}"] = torch.tensor(
                     [float(r.get("peak_memory_kind") == kind) for r in records], dtype=torch.float64

@@ -1,0 +1,371 @@
+"""Chunk retrieval: the ``retrieve`` selector and the store it leaves beside the compressed cache.
+
+A retrieving (sample, KV head) keeps its prompt K/V off the accelerator and fetches, at every
+decode step, the chunks its current query points at (HybridKV's dynamic heads, Zeng et al. 2026,
+"HybridKV: Hybrid KV Cache Compression for Efficient Multimodal Large Language Model
+Inference", Sec. 3.3 and Appendix A; the chunk-wise retrieval of Quest and ShadowKV):
+
+- at prefill the head's tokens are split into contiguous ``chunk``-token chunks (in the
+  sample's own order; the last chunk may be partial), the mean key of each chunk
+  ``kbar_c = mean_{j in c} k_j`` (post-RoPE keys, a partial chunk averaged over its tokens) goes
+  into an index kept on the layer's device, and the head's K/V go to host memory: pinned when
+  the layer sits on CUDA, ordinary memory on a CPU-only machine (the same code path);
+- at each decode step every retrieving head scores its chunks by ``qbar . kbar_c`` (``qbar`` the
+  mean of the GQA group's queries: one selection per KV head), takes the top ``budget // chunk``
+  chunks, fetches them from the host into a device buffer and attends over them together with
+  the head's local entries (what the compressed cache holds for it: the tokens generated so
+  far, and the protected prompt tokens with ``local: protected``), in one softmax.
+
+Kernels: :mod:`kvlab.kernels.retrieval` (scoring + exact top-k, gather; Triton on CUDA). The
+store implements :class:`~kvlab.compression.selectors.OffloadedStore`: the layer hands it every
+decode call, and it answers for all heads of the layer (a head that does not retrieve attends
+to its local entries only). Budget semantics, accounting and choices: ``docs/methods/hybridkv.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kvlab.compression.context import LayerContext
+from kvlab.compression.routing import ROUTED_HEADS
+from kvlab.compression.selectors import SELECTORS, Selection, Selector, topk_indices
+from kvlab.config.errors import ConfigError
+from kvlab.kernels.retrieval import chunk_topk, gather_chunks
+
+NEG_INF = float("-inf")
+
+
+@SELECTORS.register("retrieve")
+@dataclass
+class RetrieveSelector(Selector):
+    """Retrieve: K/V off the accelerator, the top ``count // chunk`` chunks fetched per decode step.
+
+    Per (sample, KV head) with ``count`` tokens of budget (protected included) and ``n`` prompt
+    tokens: ``count >= n`` keeps the head whole in the cache (nothing to retrieve, HybridKV's
+    "b_dyn >= C"). Otherwise the head holds locally its protected tokens (``local: protected``:
+    the +inf entries of the scores, i.e. ``budget.window`` and sinks) or nothing (``local: none``,
+    HybridKV's dynamic heads: only the index is resident), and retrieves ``(count - local) //
+    chunk`` whole chunks of the remaining tokens at every step (the rest of a budget that is not a
+    multiple of ``chunk`` is not used; HybridKV's power-of-two budgets are multiples of 8). Scores
+    are not read otherwise: retrieval ranks chunks by the decode query, not by prefill scores.
+    Under a per-head route only the heads routed to this branch are offloaded
+    (``ROUTED_HEADS``); the other rows of this selection are discarded by the route.
+    """
+
+    chunk: int = 8
+    local: Literal["none", "protected"] = "none"
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1 token, got {self.chunk}")
+
+    def select(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> Selection:
+        valid = ctx.valid[:, None, :].expand_as(scores)  # [B, Hkv, T]
+        lengths = ctx.lengths
+        retrieve = counts < lengths[:, None]  # [B, Hkv]: the budget does not cover the prompt
+        routed = ctx.state.get(ROUTED_HEADS)  # a per-head route keeps only its heads' rows of this selection
+        if routed is not None:
+            retrieve = retrieve & routed.to(retrieve.device)
+        if ctx.sliding_window is not None and bool(retrieve.any()):
+            raise ConfigError(
+                "model.compression.select 'retrieve' cannot serve a sliding-window layer (its decode "
+                "attention would need the window over retrieved positions): keep "
+                "model.compression.sliding_layers: window (the default): those layers keep their window."
+            )
+        held = valid & (scores == float("inf")) if self.local == "protected" else torch.zeros_like(valid)
+        keep_whole = counts >= lengths[:, None]
+        local = torch.where(retrieve[..., None] | ~keep_whole[..., None], held, valid)
+        local_counts = local.sum(-1)
+        indices = topk_indices(torch.where(local, 0.0, NEG_INF), local_counts)
+        rows = retrieve.nonzero()  # [R, 2]
+        if rows.shape[0] == 0:
+            return Selection(indices=indices, counts=local_counts)
+        fetch = ((counts - local_counts)[rows[:, 0], rows[:, 1]] // self.chunk).clamp(min=0)
+        region = (valid & ~local)[rows[:, 0], rows[:, 1]]  # [R, T]
+        store = ChunkStore.build(ctx.keys, ctx.values, rows, region, fetch, self.chunk)
+        return Selection(indices=indices, counts=local_counts, offloaded=store)
+
+
+@dataclass
+class ChunkStore:
+    """Host K/V and device chunk index of the retrieving (sample, KV head) rows of one layer.
+
+    Shapes: R retrieving rows, NC chunks, M = NC * chunk token slots, D head dim.
+
+    Attributes:
+        rows: ``[R, 2]`` long, (sample, KV head) of each row (device).
+        index: ``[R, NC, D]`` mean key of each chunk, in the keys' dtype (device).
+        chunk_valid: ``[R, NC]`` bool, chunks holding at least one token (device).
+        token_valid: ``[R, M]`` bool, real token slots (device).
+        n_sel: ``[R]`` long, chunks fetched per step (device).
+        host_keys / host_values: ``[R, M, D]`` the rows' tokens in chunk order (host memory;
+            pinned when the layer is on CUDA). Slot ``j`` of row ``r`` is its ``j``-th token.
+        chunk: tokens per chunk.
+        batch_size / num_kv_heads: the layer's B and Hkv.
+        moved: ``[B]`` long, bytes fetched so far per sample (device, no sync per step).
+        steps: decode calls served.
+    """
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    chunk_valid: torch.Tensor
+    token_valid: torch.Tensor
+    n_sel: torch.Tensor
+    host_keys: torch.Tensor
+    host_values: torch.Tensor
+    chunk: int
+    batch_size: int
+    num_kv_heads: int
+    moved: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.moved is None:
+            self.moved = torch.zeros(self.batch_size, dtype=torch.long, device=self.rows.device)
+        self._rows = [tuple(r) for r in self.rows.tolist()]
+        self._fetch = self.n_sel.tolist()
+        NC = self.index.shape[1]
+        self.width = min(max(self._fetch, default=0), NC)
+
+    @classmethod
+    def build(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor,
+        region: torch.Tensor,
+        n_sel: torch.Tensor,
+        chunk: int,
+    ) -> ChunkStore:
+        """Chunk the ``region [R, T]`` tokens of each row of ``keys/values [B, Hkv, T, D]`` in order."""
+        B, Hkv, T, D = keys.shape
+        R = rows.shape[0]
+        counts = region.sum(-1)  # [R]
+        M = -(-max(int(counts.max()), 1) // chunk) * chunk
+        positions = topk_indices(torch.where(region, 0.0, NEG_INF)[:, None], counts[:, None])[:, 0]
+        positions = torch.nn.functional.pad(positions, (0, M - positions.shape[-1]))  # [R, M]
+        token_valid = torch.arange(M, device=keys.device) < counts[:, None]
+        gather = positions[..., None].expand(-1, -1, D)
+        host = {}
+        for name, source in (("keys", keys), ("values", values)):
+            rows_kv = source[rows[:, 0], rows[:, 1]].gather(1, gather)  # [R, M, D]
+            host[name] = rows_kv.masked_fill(~token_valid[..., None], 0)
+        per_chunk = token_valid.view(R, M // chunk, chunk)
+        filled = per_chunk.sum(-1)  # [R, NC]
+        index = host["keys"].float().view(R, M // chunk, chunk, D).sum(2) / filled.clamp(min=1)[..., None]
+        pinned = keys.is_cuda
+        return cls(
+            rows=rows,
+            index=index.to(keys.dtype),
+            chunk_valid=filled > 0,
+            token_valid=token_valid,
+            n_sel=n_sel.to(torch.long),
+            host_keys=_to_host(host["keys"], pinned),
+            host_values=_to_host(host["values"], pinned),
+            chunk=chunk,
+            batch_size=B,
+            num_kv_heads=Hkv,
+        )
+
+    # --- decode ----------------------------------------------------------------------------
+    def decode_attention(self, layer: Any, query: torch.Tensor, scaling: float, options: Any) -> torch.Tensor:
+        """Attention of ``query [B, H, q, D]`` over the layer's local entries, plus the fetched chunks
+        of the retrieving heads -> ``[B, H, q, D]`` (see the module docstring)."""
+        if options is not None and not options.plain:
+            raise ConfigError(
+                f"retrieval (model.compression.select 'retrieve') on a layer with {options.describe()}: "
+                "soft-capping, sinks and sliding windows are not implemented for retrieved chunks. Use "
+                "an eviction selector (e.g. topk) for this model."
+            )
+        out = _local_attention(layer, query, scaling, options).contiguous()
+        B, H, q, D = query.shape
+        Hkv = self.num_kv_heads
+        G = H // Hkv
+        ids = chunk_topk(query, self.index, self.rows, self.chunk_valid, self.n_sel, Hkv, self.width)
+        keys, values = gather_chunks(self.host_keys, self.host_values, ids, self.chunk, query.device)
+        R, S = ids.shape[0], ids.shape[-1]
+        tokens = ids.clamp(min=0)[..., None] * self.chunk + torch.arange(self.chunk, device=ids.device)
+        fetched = self.token_valid.gather(1, tokens.reshape(R, -1)).view(R, q, S * self.chunk)
+        fetched = fetched & (ids >= 0).repeat_interleave(self.chunk, -1)
+        per_token = D * 2 * self.host_keys.element_size()
+        self.moved.index_add_(0, self.rows[:, 0], fetched.sum((1, 2)) * per_token)
+        self.steps += 1
+        attended = self._attend(layer, query, scaling, keys, values, fetched)  # [R, G, q, D]
+        out.view(B, Hkv, G, q, D)[self.rows[:, 0], self.rows[:, 1]] = attended.to(out.dtype)
+        return out
+
+    def _attend(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        scaling: float,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        fetched: torch.Tensor,
+    ) -> torch.Tensor:
+        """One softmax per retrieving row over its local and fetched entries, ``[R, G, q, D]`` fp32.
+
+        Local entries: the row's kept prompt entries and its decode region (query ``i`` of ``q``
+        sees decode slots up to its own, padding entries of a padded block hidden), read through
+        the layer's ``slot_rows``, ``prompt_*``, ``decode_*`` and ``decode_valid``.
+        """
+        B, H, q, D = query.shape
+        Hkv = self.num_kv_heads
+        b, h = self.rows[:, 0], self.rows[:, 1]
+        qr = query.float().view(B, Hkv, H // Hkv, q, D)[b, h]  # [R, G, q, D]
+        slots, slot_ok = layer.slot_rows()  # [B, Hkv, K]
+        width = self._local_width(layer)  # the retrieving rows' longest local prompt (often 0)
+        slots, slot_ok = slots[b, h, :width], slot_ok[b, h, :width]
+        prompt_k = layer.prompt_keys[slots].float()  # [R, K, D]
+        prompt_v = layer.prompt_values[slots].float()
+        dl = layer.decode_length
+        decode_k = layer.decode_keys[b, h, :dl].float()  # [R, dl, D]
+        decode_v = layer.decode_values[b, h, :dl].float()
+        slot = torch.arange(dl, device=query.device)
+        own = dl - q + torch.arange(q, device=query.device)  # [q]
+        seen = (slot[None, :] <= own[:, None])[None]  # [1, q, dl]
+        if layer.decode_valid is not None:
+            seen = seen & (layer.decode_valid[b, None, :dl] | (slot[None, :] == own[:, None])[None])
+        logits = [
+            torch.einsum("rgqd,rkd->rgqk", qr, prompt_k).masked_fill(~slot_ok[:, None, None, :], NEG_INF),
+            torch.einsum("rgqd,rtd->rgqt", qr, decode_k).masked_fill(~seen[:, None], NEG_INF),
+            torch.einsum("rgqd,rqtd->rgqt", qr, keys.float()).masked_fill(~fetched[:, None], NEG_INF),
+        ]
+        K = prompt_k.shape[1]
+        probs = torch.softmax(torch.cat(logits, -1) * scaling, -1)
+        return (
+            probs[..., :K] @ prompt_v[:, None]
+            + probs[..., K : K + dl] @ decode_v[:, None]
+            + torch.einsum("rgqt,rqtd->rgqd", probs[..., K + dl :], values.float())
+        )
+
+    def _local_width(self, layer: Any) -> int:
+        """The longest local prompt segment among the retrieving rows (one host sync per layer
+        buffer: recomputed only when the layer replaces its ``lengths``)."""
+        if getattr(self, "_width_of", None) is not layer.lengths:
+            lengths = layer.lengths[self.rows[:, 0], self.rows[:, 1]]
+            self._width = int(lengths.max()) if lengths.numel() else 0
+            self._width_of = layer.lengths
+        return self._width
+
+    # --- routing and accounting -------------------------------------------------------------
+    def restrict(self, keep: torch.Tensor) -> ChunkStore | None:
+        """The store of the rows whose (sample, head) ``keep [B, Hkv]`` marks (None when none is left).
+
+        A route combining branches row by row keeps each branch's store for its own rows only.
+        """
+        mask = keep.to(self.rows.device)[self.rows[:, 0], self.rows[:, 1]]
+        if bool(mask.all()):
+            return self
+        if not bool(mask.any()):
+            return None
+        return ChunkStore(
+            rows=self.rows[mask],
+            index=self.index[mask],
+            chunk_valid=self.chunk_valid[mask],
+            token_valid=self.token_valid[mask],
+            n_sel=self.n_sel[mask],
+            host_keys=_to_host(self.host_keys[mask.cpu()], self.host_keys.is_pinned()),
+            host_values=_to_host(self.host_values[mask.cpu()], self.host_values.is_pinned()),
+            chunk=self.chunk,
+            batch_size=self.batch_size,
+            num_kv_heads=self.num_kv_heads,
+        )
+
+    def retrieval_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per (sample, KV head), ``[B, Hkv]`` long each (0 for heads that do not retrieve):
+
+        - ``fetched``: token slots fetched per decode step, ``min(n_sel, chunks) * chunk`` (the
+          step's device buffer; a partial last chunk counts whole). With the head's resident
+          entries this is its on-device budget;
+        - ``stored``: prompt tokens in the host store (with the resident ones: the whole prompt).
+        """
+        B, Hkv = self.batch_size, self.num_kv_heads
+        chunks = self.chunk_valid.sum(-1)  # [R]
+        fetched = torch.minimum(self.n_sel.to(chunks.device), chunks) * self.chunk
+        out = []
+        for per_row in (fetched, self.token_valid.sum(-1)):
+            grid = torch.zeros(B, Hkv, dtype=torch.long, device=self.rows.device)
+            grid[self.rows[:, 0], self.rows[:, 1]] = per_row.to(torch.long)
+            out.append(grid)
+        return out[0], out[1]
+
+    def _device_row_bytes(self) -> list[int]:
+        """Device bytes per row: its index, masks and fetch count, and the buffer one step fills."""
+        NC, M, D = self.index.shape[1], self.token_valid.shape[1], self.index.shape[2]
+        fixed = NC * D * self.index.element_size() + NC + M + 8 + 16
+        per_token = D * 2 * self.host_keys.element_size()
+        return [fixed + min(n, NC) * self.chunk * per_token for n in self._fetch]
+
+    def device_bytes(self) -> int:
+        """Bytes on the layer's device: chunk index, masks, and the buffer of one step's fetched chunks."""
+        return sum(self._device_row_bytes())
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of the host store (keys and values of every retrieving row)."""
+        return sum(t.numel() * t.element_size() for t in (self.host_keys, self.host_values))
+
+    def sample_figures(self, b: int) -> dict[str, float]:
+        """Sample ``b``'s retrieving heads, device bytes, host bytes and bytes fetched per decode step."""
+        mine = [i for i, (s, _) in enumerate(self._rows) if s == b]
+        device = self._device_row_bytes()
+        host_row = self.offloaded_bytes() // max(len(self._rows), 1)
+        moved = float(self.moved[b]) / self.steps if self.steps else 0.0
+        return {
+            "heads": len(mine),
+            "device_bytes": sum(device[i] for i in mine),
+            "offloaded_bytes": host_row * len(mine),
+            "moved_per_step": moved,
+        }
+
+
+def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """A host copy of ``tensor`` (page-locked when ``pinned``, so the device can read it directly)."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+    out.copy_(tensor)
+    return out
+
+
+def _local_attention(layer: Any, query: torch.Tensor, scaling: float, options: Any) -> torch.Tensor:
+    """The layer's own decode attention over its local entries (its store set aside for the call)."""
+    store, layer.offloaded = layer.offloaded, None
+    try:
+        return layer.decode_attention(query, scaling, options)
+    finally:
+        layer.offloaded = store
+
+
+def retrieval_record(reports: list[Any], b: int, kept_bytes: int) -> dict[str, Any]:
+    """Prediction fields of sample ``b`` for pipelines that retrieve or route per head ({} otherwise).
+
+    - ``route_heads_per_layer``: ``{branch: [KV heads routed there, per layer]}`` (per-head routes,
+      e.g. HybridKV's ``static`` / ``dynamic``);
+    - ``retrieval_heads_per_layer``: heads that retrieve at decode, per layer;
+    - ``retrieval_bytes_per_step_per_layer`` / ``retrieval_bytes_per_step``: K/V bytes fetched
+      from the host per decode step (mean over the steps), per layer and summed;
+    - ``kv_bytes_device``: accelerator-resident prompt KV: ``kept_bytes`` (the kept prompt entries)
+      plus every store's chunk index and one step's fetch buffer;
+    - ``kv_bytes_offloaded``: K/V held in host memory.
+    """
+    stores = [getattr(r.selection, "offloaded", None) if r.selection is not None else None for r in reports]
+    routes = [r.route for r in reports if r.route is not None and getattr(r.route, "heads", None) is not None]
+    if not routes and all(s is None for s in stores):
+        return {}
+    out: dict[str, Any] = {}
+    if routes:
+        names = routes[0].head_names
+        out["route_heads_per_layer"] = {
+            name: [int((route.heads[b] == i).sum()) for route in routes] for i, name in enumerate(names)
+        }
+    figures = [s.sample_figures(b) if s is not None else None for s in stores]
+    empty = {"heads": 0, "device_bytes": 0, "offloaded_bytes": 0, "moved_per_step": 0.0}
+    figures = [f or empty for f in figures]
+    out["retrieval_heads_per_layer"] = [f["heads"] for f in figures]
+    out["retrieval_bytes_per_step_per_layer"] = [f["moved_per_step"] for f in figures]
+    out["retrieval_bytes_per_step"] = sum(f["moved_per_step"] for f in figures)
+    out["kv_bytes_device"] = kept_bytes + sum(f["device_bytes"] for f in figures)
+    out["kv_bytes_offloaded"] = sum(f["offloaded_bytes"] for f in figures)
+    return out
