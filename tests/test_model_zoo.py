@@ -24,16 +24,16 @@ import torch
 from PIL import Image
 
 import kvlab
+from kvlab.compression.context import LayerContext
 from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
-from kvlab.engine.attention import enable_kvlab_attention
+from kvlab.engine.attention import AttentionOptions, CompressionSession, image_block_ids, prefill_attention
 from kvlab.engine.generation import generate
 from kvlab.engine.verify import _native, verify_engine
 from kvlab.models.base import IMAGE, TEXT, LoadedModel
 from kvlab.models.common import seeded, text_config
 from kvlab.models.info import model_info
-from kvlab.models.processors import ChatProcessor, FamilyImages
 from kvlab.models.scaffolding.tiny import TINY_TOKEN_IDS, text_dims
 from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
 
@@ -335,6 +335,7 @@ FAMILIES: dict[str, Family] = {
     "llava-next": Family(save_llava_next, vision=True),
     "idefics3": Family(lambda path: _save_idefics(path, "idefics3"), vision=True),
     "smolvlm": Family(lambda path: _save_idefics(path, "smolvlm"), vision=True),
+    "gemma3-vision": Family(save_gemma3_vision, vision=True),  # bidirectional image blocks
 }
 VLM_FAMILIES = [name for name, family in FAMILIES.items() if family.vision]
 #: families whose transformers processor needs packages kvlab does not install: family -> modules
@@ -443,7 +444,7 @@ def test_image_tokens_are_found(zoo):
     assert per_sample[0] > 0 and per_sample[1] > 0 and per_sample[2] == 0
 
 
-@pytest.mark.parametrize("zoo", ["llava-next", "idefics3"], indirect=True)
+@pytest.mark.parametrize("zoo", ["llava-next", "idefics3", "gemma3-vision"], indirect=True)
 def test_prompt_equals_the_family_processors_own(zoo):
     """For a family fed through its transformers processor, kvlab's prompt ids and pixel inputs are
     what that processor's own ``__call__`` makes of the same templated text and images."""
@@ -535,16 +536,9 @@ def test_kvlab_predict_takes_the_directory_as_model_model(zoo, tmp_path):
         assert {count for layer in record["kept_per_layer_head"] for count in layer} == {BUDGET}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="kvlab/engine/verify.py runs transformers' side in sdpa unless the model soft-caps or has "
-    "sinks, and transformers has no sdpa path for Gemma 2: verify_engine raises ValueError (it should "
-    "take eager for a model class without _supports_sdpa)",
-)
 def test_gemma2_without_soft_capping_is_verified(tmp_path):
-    """Gemma 2 with soft-capping off: kvlab runs it (eager load), but the engine check asks
-    transformers for sdpa attention, which Gemma 2 lacks."""
+    """Gemma 2 with soft-capping off: kvlab runs it (eager load), and the engine check runs
+    transformers' side in eager too, since Gemma 2 has no sdpa path."""
     save = _save_text(
         "Gemma2Config",
         sliding_window=WINDOW,
@@ -556,40 +550,195 @@ def test_gemma2_without_soft_capping_is_verified(tmp_path):
     assert_full_cache_matches_transformers(kvlab.load_model(str(tmp_path)), text_samples()[0])
 
 
-# ---- refused families ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def gemma3_vision(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("gemma3-vision")
-    save_gemma3_vision(path)
-    return path
+# ---- Gemma 3's bidirectional image blocks -------------------------------------------------------
+def naive_block_attention(query, key, value, valid, blocks, scaling, window=None, softcap=None, sinks=None):
+    """Dense reference of Gemma 3's prefill attention: one ``[B, H, k, k]`` softmax with the mask
+    transformers builds (``create_masks_for_vision_model``): ``causal | same image block`` on full
+    layers, ``(causal | same image block) & (key > query - window)`` on sliding ones, padding keys
+    masked. Rows of padding queries are left out of the comparison (their output is never used)."""
+    B, H, k, _ = query.shape
+    groups = H // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    pos = torch.arange(k)
+    mask = (pos[None, :] <= pos[:, None])[None] | (
+        (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    )
+    if window is not None:
+        mask = mask & (pos[None, :] > pos[:, None] - window)[None]
+    mask = mask & valid[:, None, :]
+    logits = query @ key.transpose(-1, -2) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    logits = logits.masked_fill(~valid[:, None, :, None], 0.0)  # padding rows: anything finite
+    if sinks is not None:  # one extra logit per head in the denominator, no value
+        logits = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)], -1)
+    return torch.softmax(logits, -1)[..., :k] @ value
 
 
-def test_gemma3_with_images_is_refused_at_load(gemma3_vision):
-    """Gemma 3 attends bidirectionally within each image; kvlab's prefill is causal: refused, never
-    run wrongly (its text-only Gemma3ForCausalLM is the gemma3-text family above)."""
-    with pytest.raises(ConfigError, match="in both directions.*causal"):
-        kvlab.load_model(str(gemma3_vision))
+def _block_batch(seed: int = 0):
+    """A left-padded batch of 3 (lengths 40, 33, 28) with image runs of 6 to 9 tokens, two of them
+    adjacent to the prompt's end (so the last queries sit inside an image block), ``modality [B, T]``."""
+    g = torch.Generator().manual_seed(seed)
+    T = 40
+    modality = torch.zeros(3, T, dtype=torch.long)
+    modality[1, :7] = -1
+    modality[2, :12] = -1
+    for b, runs in enumerate([[(3, 9), (20, 26), (31, 38)], [(9, 15), (16, 22), (34, 40)], [(14, 20)]]):
+        for a, e in runs:
+            modality[b, a:e] = IMAGE
+    q = torch.randn(3, 4, T, 8, generator=g)
+    k = torch.randn(3, 2, T, 8, generator=g)
+    v = torch.randn(3, 2, T, 8, generator=g)
+    return q, k, v, modality
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvlab's prefill attention is causal only; Gemma 3 lets the tokens of one image attend to each "
-    "other in both directions (token_type_ids), so kvlab's logits differ from transformers' until "
-    "kvlab/engine/attention.py takes a per-token block mask (see docs/models.md)",
+def test_image_block_ids_are_transformers_own():
+    """Block ids from kvlab's modality ids equal Gemma 3's ``get_block_sequence_ids_for_mask`` on the
+    ``token_type_ids`` its processor writes (1 at image tokens): each run of image tokens one block."""
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    g = torch.Generator().manual_seed(3)
+    modality = torch.randint(-1, 2, (6, 50), generator=g)  # padding, text and image everywhere
+    expected = get_block_sequence_ids_for_mask((modality == IMAGE).long())
+    assert torch.equal(image_block_ids(modality), expected)
+    assert image_block_ids(torch.tensor([[0, 1, 1, 0, 1, 0, 0, 1, 1, 1]])).tolist() == [
+        [-1, 0, 0, -1, 1, -1, -1, 2, 2, 2]
+    ]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        AttentionOptions(),
+        AttentionOptions(sliding_window=5),
+        AttentionOptions(sliding_window=5, softcap=3.0),
+        AttentionOptions(sinks=torch.linspace(-1.0, 1.0, 4)),
+    ],
+    ids=["full", "sliding", "sliding-softcap", "sinks"],
 )
-def test_gemma3_with_images_full_cache_matches_transformers(gemma3_vision):
-    """What the refusal protects from: run through the family's own processor anyway, kvlab's
-    causal prefill gives other logits than transformers' bidirectional image blocks."""
-    from transformers import AutoModelForImageTextToText, Gemma3Processor
+@pytest.mark.parametrize("block_elements", [None, 4 * 2 * 3 * 12], ids=["one-block", "row-blocks"])
+def test_prefill_attention_with_image_blocks_equals_the_dense_mask(options, block_elements):
+    """kvlab's prefill with image blocks equals the dense masked softmax (transformers' mask), on
+    full and sliding layers, with soft-capping and sinks, whether an image's rows are recomputed in
+    one chunk or a few rows at a time; without the blocks the image rows differ."""
+    q, k, v, modality = _block_batch()
+    valid, blocks = modality >= 0, image_block_ids(modality)
+    ours = prefill_attention(q, k, v, valid, 0.3, options, block_elements=block_elements, blocks=blocks)
+    want = naive_block_attention(
+        q, k, v, valid, blocks, 0.3, options.sliding_window, options.softcap, options.sinks
+    )
+    rows = valid[:, None, :, None].expand_as(want)
+    torch.testing.assert_close(ours[rows], want[rows], atol=1e-5, rtol=1e-5)
+    causal = prefill_attention(q, k, v, valid, 0.3, options, block_elements=block_elements)
+    assert not torch.allclose(causal[rows], ours[rows], atol=1e-3)  # the blocks change the attention
 
-    model = AutoModelForImageTextToText.from_pretrained(gemma3_vision, attn_implementation="sdpa").eval()
-    processor = Gemma3Processor.from_pretrained(gemma3_vision)
-    info = model_info(model.config, "gemma3-vision")
-    images = FamilyImages(processor, info.image_token_ids, type_ids="token_type_ids")
-    chat = ChatProcessor(processor.tokenizer, info.image_token_ids, info.video_token_ids, images)
-    enable_kvlab_attention(model, vision_language=True)
-    loaded = LoadedModel(model=model, processor=chat, info=info)
-    assert_full_cache_matches_transformers(loaded, vlm_samples()[0])
+
+def _block_context(blocks: bool) -> LayerContext:
+    q, k, v, modality = _block_batch(seed=1)
+    valid = modality >= 0
+    return LayerContext(
+        layer_idx=0,
+        num_layers=1,
+        queries=q,
+        keys=k,
+        values=v,
+        valid=valid,
+        modality=modality,
+        scaling=0.3,
+        image_blocks=image_block_ids(modality) if blocks else None,
+    )
+
+
+def test_scorers_read_the_attention_with_image_blocks():
+    """The attention every scorer reads (``attention_probs``: H2O's and LOOK-M's accumulated
+    attention, SnapKV's window sums, HybridKV's text rows) is the model's own, image blocks
+    included: each equals the dense masked softmax's rows / column sums."""
+    ctx = _block_context(blocks=True)
+    valid, blocks = ctx.valid, ctx.image_blocks
+    probs = naive_block_attention(
+        ctx.queries, ctx.keys, torch.eye(ctx.seq_len).expand(3, 2, -1, -1), valid, blocks, 0.3
+    )  # values = identity: the output rows are the probabilities
+    probs = probs * valid[:, None, :, None]
+    torch.testing.assert_close(ctx.cumulative_attention(chunk=7), probs.sum(-2), atol=1e-5, rtol=1e-5)
+    for window in (4, 10):
+        torch.testing.assert_close(
+            ctx.window_attention_scores(window), probs[:, :, -window:].sum(-2), atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(ctx.window_attention(window), probs[:, :, -window:], atol=1e-5, rtol=1e-5)
+    causal = _block_context(blocks=False)
+    assert not torch.allclose(causal.window_attention_scores(4), ctx.window_attention_scores(4), atol=1e-3)
+
+
+def test_window_scores_take_the_kernel_when_no_block_looks_ahead():
+    """A window whose queries see no later key of their image block (text after the last image)
+    gives the kernel's causal sums: the block mask changes nothing there."""
+    ctx = _block_context(blocks=True)
+    ctx.image_blocks[:, -6:] = -1  # the window's queries: no image
+    assert not ctx._blocks_look_ahead(ctx.seq_len - 6)
+    plain = _block_context(blocks=False)
+    assert torch.equal(ctx.window_attention_scores(6), plain.window_attention_scores(6))
+
+
+def test_causal_models_keep_the_plain_paths():
+    """Only a family with image blocks takes the image-row path: the flag comes from the family
+    (Gemma 3 with images; not its text-only model, not a causal VLM), and a session without it, or a
+    Gemma 3 batch without images, has no blocks, so prefill attention stays on its sdpa paths."""
+    from transformers import Gemma3Config, Gemma3TextConfig, LlavaConfig, Qwen2VLConfig
+
+    assert model_info(Gemma3Config(), "g").bidirectional_image_blocks
+    for config in (Gemma3TextConfig(), LlavaConfig(), Qwen2VLConfig()):
+        assert not model_info(config, "c").bidirectional_image_blocks
+    _, _, _, modality = _block_batch()
+    valid = modality >= 0
+    plain = CompressionSession(None, None, valid, modality)
+    assert plain.image_blocks_on(valid.device) is None
+    text_only = CompressionSession(None, None, valid, modality.clamp(max=0), bidirectional_image_blocks=True)
+    assert text_only.image_blocks_on(valid.device) is None
+    gemma = CompressionSession(None, None, valid, modality, bidirectional_image_blocks=True)
+    assert torch.equal(gemma.image_blocks_on(valid.device), image_block_ids(modality))
+
+
+@pytest.mark.parametrize("zoo", ["gemma3-vision"], indirect=True)
+def test_gemma3_with_images_has_image_blocks(zoo):
+    """Gemma 3 with images, loaded from its directory, has ``bidirectional_image_blocks``, and the
+    zoo's prompts put one block per image in the batch (the model's own ``token_type_ids`` mark the
+    same tokens), so the zoo's exactness checks run the image blocks."""
+    name, loaded = zoo
+    assert loaded.info.bidirectional_image_blocks
+    batch = loaded.processor.collate(vlm_samples())
+    blocks = image_block_ids(batch["modality"])
+    assert blocks.amax(-1).tolist() == [1, 0, -1]  # two images, one image, text only
+    assert torch.equal(batch["model_inputs"]["token_type_ids"].bool(), blocks >= 0)
+
+
+# ---- refused families ----------------------------------------------------------------------------
+def test_paligemma_is_refused_at_load(tmp_path):
+    """PaliGemma attends bidirectionally over the image and the text prefix (a prefix-LM mask), which
+    kvlab does not implement: refused when it loads, before any weight, never run wrongly."""
+    from transformers import PaliGemmaConfig
+
+    tokenizer = _vlm_tokenizer("<image>", image_token="<image>")
+    config = PaliGemmaConfig(
+        text_config=_dims(
+            drop=("rope_parameters",), vocab_size=len(tokenizer), model_type="gemma", query_pre_attn_scalar=16
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            projection_dim=64,
+        ),
+        image_token_index=_token_id(tokenizer, "<image>"),
+    )
+    _save_model(config, "AutoModelForImageTextToText", tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="type 'paligemma' are refused: PaliGemma.*prefix-LM"):
+        kvlab.load_model(str(tmp_path))
 
 
 @pytest.mark.skipif(

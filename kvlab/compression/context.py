@@ -10,6 +10,11 @@ after a chunked prefill (``model.prefill_chunk``) only those of the prompt's las
 largest recent window a component observes, and the last chunk). The helpers say which they
 need: the window helpers the last ``W`` queries, :meth:`LayerContext.cumulative_attention` all of
 them (refused otherwise, see ``docs/scaling.md``).
+
+Image blocks (Gemma 3, :attr:`LayerContext.image_blocks`): the model lets the tokens of one image
+attend to each other in both directions, and every attention helper here applies the same mask as
+the model's prefill attention (``causal | same image block``), so scorers read the attention the
+model computed.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ class LayerContext:
         sliding_window: the layer's sliding window ``W`` (its queries see the ``W`` newest
             positions), None for a full-attention layer; the pipeline then keeps only tokens the
             next query can see (``model.compression.sliding_layers``).
+        image_blocks: ``[B, T]`` long image block of each token (-1 outside images;
+            :func:`kvlab.engine.attention.image_block_ids`) when the model lets the tokens of one
+            image attend to each other in both directions (Gemma 3), else None (causal). The
+            attention helpers then OR "same image block" into their causal mask.
     """
 
     layer_idx: int
@@ -65,6 +74,7 @@ class LayerContext:
     window: torch.Tensor | None = None
     query_start: int = 0
     sliding_window: int | None = None
+    image_blocks: torch.Tensor | None = None
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -184,21 +194,53 @@ class LayerContext:
         Equals ``window_attention(window).sum(-2)`` but goes through
         :func:`kvlab.kernels.window_scores.window_attention_scores`, which never materialises the
         ``[B, H, W, T]`` probabilities (the Triton kernel on CUDA; blocks of heads and window rows
-        in the torch reference); memoised per window size.
+        in the torch reference); memoised per window size. When a window query sits inside an image
+        block that continues after it (:attr:`image_blocks`), it sees later keys too, which the
+        kernel's causal mask does not: the sums then come from :func:`attention_probs` with the
+        block mask, a bounded block of window rows at a time.
         """
         key = ("window_attention_scores", window)
         if key not in self._memo:
-            self._memo[key] = window_attention_scores(
-                self.last_queries(window, "window_attention_scores"), self.keys, self.valid, self.scaling
-            )
+            queries = self.last_queries(window, "window_attention_scores")
+            if self._blocks_look_ahead(self.seq_len - window):
+                self._memo[key] = self._summed_attention(queries, self.seq_len - window)
+            else:
+                self._memo[key] = window_attention_scores(queries, self.keys, self.valid, self.scaling)
         return self._memo[key]
+
+    def _blocks_look_ahead(self, first_query: int) -> bool:
+        """Whether a query at position ``>= first_query`` sees a later key of its image block."""
+        if self.image_blocks is None:
+            return False
+        blocks = self.image_blocks[:, first_query:]
+        return bool(((blocks[:, :-1] >= 0) & (blocks[:, :-1] == blocks[:, 1:])).any())
+
+    def _summed_attention(
+        self, queries: torch.Tensor, first_query: int, chunk: int | None = None
+    ) -> torch.Tensor:
+        """``sum_i`` of :func:`attention_probs` rows of ``queries [B, H, q, D]`` (positions
+        ``first_query + i``), ``[B, H, T]`` fp32, ``chunk`` rows at a time (default: 256, fewer when
+        ``B x H x chunk x T`` would pass :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`)."""
+        T = self.seq_len
+        if chunk is None:
+            block = window_scores.REFERENCE_BLOCK_ELEMENTS
+            chunk = max(1, min(256, block // (self.batch_size * self.num_heads * T)))
+        total = torch.zeros(self.batch_size, self.num_heads, T, dtype=torch.float32, device=self.keys.device)
+        for start in range(0, queries.shape[2], chunk):
+            probs = attention_probs(
+                queries[:, :, start : start + chunk], self, first_query=first_query + start
+            )
+            total += probs.sum(-2)
+        return total
 
     def cumulative_attention(self, chunk: int | None = None) -> torch.Tensor:
         """Column sums of the full causal prompt attention (H2O's accumulated attention), ``[B, H, T]`` fp32.
 
         Sums over every valid query, ``chunk`` queries at a time (default: 256, fewer when
         ``B x H x chunk x T`` would pass :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`),
-        so neither the ``T x T`` matrix nor an unbounded block of it is materialised.
+        so neither the ``T x T`` matrix nor an unbounded block of it is materialised. With
+        :attr:`image_blocks` the rows are the model's (``causal | same image block``): an image
+        token's column also receives the attention of the earlier tokens of its image.
 
         Raises:
             ConfigError: the context does not hold every prompt query (a chunked prefill);
@@ -207,26 +249,19 @@ class LayerContext:
         """
         key = ("cumulative_attention",)
         if key not in self._memo:
-            T = self.seq_len
-            queries = self.last_queries(T, "cumulative_attention (accumulated attention over every query)")
-            if chunk is None:
-                block = window_scores.REFERENCE_BLOCK_ELEMENTS
-                chunk = max(1, min(256, block // (self.batch_size * self.num_heads * T)))
-            total = torch.zeros(
-                self.batch_size, self.num_heads, T, dtype=torch.float32, device=self.keys.device
+            queries = self.last_queries(
+                self.seq_len, "cumulative_attention (accumulated attention over every query)"
             )
-            for start in range(0, T, chunk):
-                probs = attention_probs(queries[:, :, start : start + chunk], self, first_query=start)
-                total += probs.sum(-2)
-            self._memo[key] = total
+            self._memo[key] = self._summed_attention(queries, 0, chunk)
         return self._memo[key]
 
 
 def attention_probs(queries: torch.Tensor, ctx: LayerContext, first_query: int) -> torch.Tensor:
     """Softmax attention of ``queries`` ``[B, H, q, D]`` (prompt positions ``first_query + i``) over all keys.
 
-    Returns ``[B, H, q, T]`` fp32 with the causal mask, padding keys masked, and zero rows for
-    padding queries.
+    Returns ``[B, H, q, T]`` fp32 with the causal mask (OR-ed with "same image block" when
+    ``ctx.image_blocks`` is set, as the model's prefill attention), padding keys masked, and zero
+    rows for padding queries.
     """
     B, H, q, D = queries.shape
     keys = ctx.keys_fp32()  # [B, Hkv, T, D]
@@ -236,7 +271,12 @@ def attention_probs(queries: torch.Tensor, ctx: LayerContext, first_query: int) 
     logits = (torch.matmul(grouped, keys.transpose(-1, -2)) * ctx.scaling).view(B, H, q, T)
     query_pos = torch.arange(first_query, first_query + q, device=keys.device)
     causal = torch.arange(T, device=keys.device)[None, :] <= query_pos[:, None]  # [q, T]
-    allowed = causal[None, None] & ctx.valid[:, None, None, :]
+    if ctx.image_blocks is not None:  # a query inside an image block sees all of its block
+        own = ctx.image_blocks[:, first_query : first_query + q, None]  # [B, q, 1]
+        causal = causal[None] | ((own == ctx.image_blocks[:, None, :]) & (own >= 0))  # [B, q, T]
+        allowed = causal[:, None] & ctx.valid[:, None, None, :]
+    else:
+        allowed = causal[None, None] & ctx.valid[:, None, None, :]
     logits = logits.masked_fill(~allowed, float("-inf"))
     query_valid = ctx.valid[:, first_query : first_query + q]  # [B, q]
     logits = logits.masked_fill(~query_valid[:, None, :, None], 0.0)

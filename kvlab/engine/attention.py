@@ -8,10 +8,18 @@ through a :class:`CompressionSession` held in a context variable while kvlab run
 - Prefill (the layer is not compressed yet): exact causal attention over the full prompt with
   kvlab's own padding mask (transformers builds no mask for a custom attention name), then
   the layer's pipeline chooses what to keep and the cache is compacted at once ("layerwise").
-  No ``T x T`` tensor is built for any batch (:func:`prefill_attention`). With
+  No ``T x T`` tensor is built for any batch (:func:`prefill_attention`). For a model whose
+  image tokens attend to each other in both directions (Gemma 3,
+  :attr:`CompressionSession.bidirectional_image_blocks`) the rows of each image block see its
+  whole block, as in transformers (:func:`image_block_ids`). With
   ``model.prefill_chunk`` the prompt comes in several forwards: a chunk before the last only
   attends (its queries over the dense K/V so far) and the layer is compressed in the last one,
   with the recent window's queries held over from the earlier chunks (:func:`check_prefill_chunk`).
+  Under ``model.compression.schedule: global`` a layer is only observed after its prefill
+  attention (:meth:`~kvlab.compression.pipeline.Pipeline.observe`: scores, route decision,
+  the allocator's view of the layer; its dense K/V stay in the cache) and every layer is
+  compressed, in order, right after the last layer's attention (:func:`finish_global`): peak
+  memory is the full cache plus each layer's scores.
 - Decode: attention over the layer's ragged kept tokens plus the decoded tokens. When the
   decode policy asked for them (``session.decode_attention`` is a dict), the step's attention
   probabilities over the layer's entries are stored there for the policy.
@@ -74,6 +82,15 @@ class CompressionSession:
         held_queries: with chunks, the queries of the last ``held_queries`` positions a layer
             keeps from the chunks before the last (the largest window a scorer observes), so the
             compressing :class:`LayerContext` holds them (:func:`observed_window`).
+        global_queries: ``schedule: global`` only: the queries of the prompt's last
+            ``global_queries`` positions an observed layer's context keeps until it is compressed
+            (None: all of them, for a component that reads every query after scoring, see
+            :func:`global_query_window`).
+        pending: ``schedule: global``: the observed layers waiting for the last one, by layer
+            index, each ``(LayerContext, seconds spent observing it)``.
+        bidirectional_image_blocks: the model lets the tokens of one image attend to each other
+            in both directions (``ModelInfo.bidirectional_image_blocks``, Gemma 3): prefill
+            attention and the scorers then apply :meth:`image_blocks_on`'s blocks.
     """
 
     cache: CompressedCache
@@ -86,6 +103,10 @@ class CompressionSession:
     decode_attention: dict[int, torch.Tensor] | None = None
     prefill_chunk: int | None = None
     held_queries: int = 0
+    global_queries: int | None = None
+    pending: dict[int, tuple[LayerContext, float]] = field(default_factory=dict, repr=False)
+    bidirectional_image_blocks: bool = False
+    _blocks: dict[torch.device, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -115,6 +136,16 @@ class CompressionSession:
         if device not in self._placed:
             self._placed[device] = (self.valid.to(device), self.modality.to(device))
         return self._placed[device]
+
+    def image_blocks_on(self, device: torch.device) -> torch.Tensor | None:
+        """The prompt's image blocks, ``[B, T]`` long (:func:`image_block_ids`), on ``device``; None
+        when the model is causal over images or the batch has no image token (plain causal paths)."""
+        if not self.bidirectional_image_blocks:
+            return None
+        if device not in self._blocks:
+            blocks = image_block_ids(self.masks_on(device)[1])
+            self._blocks[device] = blocks if bool((blocks >= 0).any()) else None
+        return self._blocks[device]
 
     @property
     def compression_seconds(self) -> float:
@@ -273,6 +304,23 @@ def attention_options(module: torch.nn.Module, kwargs: dict[str, Any]) -> Attent
 PREFILL_BLOCK_ELEMENTS = 1 << 24
 
 
+def image_block_ids(modality: torch.Tensor) -> torch.Tensor:
+    """The image block of each prompt token, ``[B, T]`` long: -1 outside images, else the index of
+    its run of consecutive image tokens in the row (0, 1, ...).
+
+    ``modality [B, T]``: 1 at image tokens (``kvlab.models.base.IMAGE``). As transformers'
+    ``get_block_sequence_ids_for_mask`` for Gemma 3 (``token_type_ids == 1``): a block starts at an
+    image token whose predecessor is not one, so each image's soft tokens form one block (Gemma 3
+    writes ``<start_of_image>`` / ``<end_of_image>``, text, around them); padding is -1.
+    """
+    from kvlab.models.base import IMAGE
+
+    is_image = modality == IMAGE
+    previous = F.pad(is_image, (1, 0), value=False)[:, :-1]
+    starts = (is_image & ~previous).long().cumsum(-1) - 1
+    return torch.where(is_image, starts, torch.full_like(starts, -1))
+
+
 def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -281,6 +329,7 @@ def prefill_attention(
     scaling: float,
     options: AttentionOptions | None = None,
     block_elements: int | None = None,
+    blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last ``q`` prompt positions over the first ``k``; no ``T x T`` tensor.
 
@@ -300,9 +349,19 @@ def prefill_attention(
     - anything else (variants, chunks, other padding): blocks of query rows against the keys
       they can see, ``B x H x rows x keys <= block_elements`` (default
       :data:`PREFILL_BLOCK_ELEMENTS`; :func:`_blocked_attention`).
+
+    ``blocks [B, k]`` (None: causal): image blocks (:func:`image_block_ids`, Gemma 3). A query
+    inside a block also sees every key of its block, later ones included, as transformers'
+    ``blockwise_overlay``: ``causal | same block`` on full-attention layers, ``(causal | same
+    block) & window`` on sliding ones, padding keys masked. The causal rows come from the paths
+    above; the rows of each image block are then recomputed (:func:`_image_block_rows`).
     """
     options = options or AttentionOptions()
     block_elements = block_elements or PREFILL_BLOCK_ELEMENTS
+    if blocks is not None:
+        out = prefill_attention(query, key, value, valid, scaling, options, block_elements)  # causal rows
+        _image_block_rows(out, query, key, value, valid, scaling, options, block_elements, blocks)
+        return out
     q, k = query.shape[2], key.shape[2]
     if options.plain and q == k:
         if bool(valid.all()):
@@ -312,6 +371,88 @@ def prefill_attention(
         if _left_padded(valid):
             return _per_sample_attention(query, key, value, valid, scaling)
     return _blocked_attention(query, key, value, valid, scaling, options, block_elements)
+
+
+def _image_spans(blocks: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(sample, first, end)`` of each image block of ``blocks [B, k]`` (:func:`image_block_ids`)
+    with more than one token, positions ``[first, end)``: the rows the blocks change."""
+    previous = F.pad(blocks, (1, 0), value=-1)[:, :-1]
+    following = F.pad(blocks, (0, 1), value=-1)[:, 1:]
+    starts = ((blocks >= 0) & (previous != blocks)).nonzero().tolist()  # row-major: block order
+    lasts = ((blocks >= 0) & (following != blocks)).nonzero().tolist()
+    return [(b, a, e + 1) for (b, a), (_, e) in zip(starts, lasts, strict=True) if e > a]
+
+
+def _image_block_rows(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    options: AttentionOptions,
+    elements: int,
+    blocks: torch.Tensor,
+) -> None:
+    """Overwrite the rows of ``out [B, H, q, Dv]`` whose queries lie in an image block with their
+    attention under the block mask (shapes as :func:`prefill_attention`).
+
+    A query at position ``p`` of the block ``[a, e)`` sees ``causal | same block``: every key
+    before ``e`` on a full-attention layer, the keys in ``(p - window, e)`` on a sliding one,
+    padding keys masked. Per block, chunks of its rows against those keys, ``H x rows x keys <=
+    elements``: at most one block of rows beyond the causal pass, never a ``T x T`` tensor.
+    """
+    H, q, k = query.shape[1], query.shape[2], key.shape[2]
+    offset = k - q  # position of the first query
+    window = options.sliding_window
+    positions = torch.arange(k, device=query.device)
+    for b, a, e in _image_spans(blocks):
+        first = max(a, offset)
+        lo = max(0, first - window + 1) if window is not None else 0
+        step = max(1, elements // (H * (e - lo)))
+        for r0 in range(first, e, step):
+            r1 = min(e, r0 + step)  # query positions [r0, r1), keys [lo, e)
+            lo = max(0, r0 - window + 1) if window is not None else 0
+            mask = None  # [rows, keys], None: every key [lo, e) is seen
+            if window is not None:
+                mask = valid[b, None, lo:e] & (positions[None, lo:e] > positions[r0:r1, None] - window)
+            elif not bool(valid[b, lo:e].all()):
+                mask = valid[b, None, lo:e].expand(r1 - r0, e - lo)
+            rows = slice(r0 - offset, r1 - offset)
+            out[b, :, rows] = _masked_rows(
+                query[b : b + 1, :, rows], key[b : b + 1, :, lo:e], value[b : b + 1, :, lo:e], mask, scaling,
+                options,
+            )[0]  # fmt: skip
+
+
+def _masked_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    options: AttentionOptions,
+) -> torch.Tensor:
+    """Attention of ``query [1, H, r, D]`` over ``key / value [1, Hkv, n, D]`` with ``mask [r, n]``
+    (True: seen; every row sees a key; None: every key), ``[1, H, r, Dv]``: sdpa, or with
+    soft-capping or sinks transformers' eager attention, as in :func:`_blocked_attention`."""
+    if options.softcap is None and options.sinks is None:
+        attn_mask = None if mask is None else mask[None, None]
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, scale=scaling, enable_gqa=True
+        )
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    logits = torch.matmul(query, key.transpose(-1, -2)) * scaling  # [1, H, r, n]
+    if options.softcap is not None:
+        logits = torch.tanh(logits / options.softcap) * options.softcap
+    if mask is not None:
+        logits = logits.masked_fill(~mask[None, None], float("-inf"))
+    if options.sinks is not None:
+        sinks = options.sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        logits = torch.cat([logits, sinks], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., : key.shape[2]]
+    return torch.matmul(probs.to(value.dtype), value)
 
 
 def _left_padded(valid: torch.Tensor) -> bool:
@@ -461,6 +602,14 @@ def check_prefill_chunk(pipeline: Pipeline, prefill_chunk: int | None) -> None:
             f"{CHUNK_FIELD} must be null (the prompt in one forward) or a number of tokens >= 1 per "
             f"prefill chunk, got {prefill_chunk!r}."
         )
+    if pipeline.schedule == "global":
+        raise ConfigError(
+            f"model.compression.schedule = global cannot run with {CHUNK_FIELD} = {prefill_chunk}: a chunked "
+            "prefill exists to bound the prefill's memory, while the global schedule keeps every layer's "
+            "full K/V until the last layer's prefill ends. Set "
+            f"{CHUNK_FIELD} to null (the prompt in one forward), or model.compression.schedule: layerwise "
+            "(with a layer allocator that needs only its own layer, e.g. PrefixKV's prefix_calibrated)."
+        )
     from kvlab.compression.diversity import DiversityScorer
     from kvlab.compression.importance import ImportanceScorer
 
@@ -502,6 +651,26 @@ def observed_window(pipeline: Pipeline, lengths: torch.Tensor) -> int:
     budgets = [pipeline.budget, *(branch.budget for branch in pipeline.branches.values())]
     windows = [int(b.window_counts(lengths).max()) for b in budgets if b is not None and lengths.numel()]
     return max([1, *windows])
+
+
+def global_query_window(pipeline: Pipeline, lengths: torch.Tensor) -> int | None:
+    """``schedule: global``: how many of a layer's last queries to keep between its observation and
+    its compression (:attr:`CompressionSession.global_queries`).
+
+    The scorers and the route rule have run by then; what compression still reads is the recent
+    window the pipeline observes (:func:`observed_window`), unless another component declares
+    ``chunked_prefill = False`` (it reads every prompt query, e.g. the ``h2o`` decode policy's
+    seed): then all of them (None).
+    """
+    from kvlab.compression.diversity import DiversityScorer
+    from kvlab.compression.importance import ImportanceScorer
+
+    for where, component in _fields(pipeline):
+        if isinstance(component, ImportanceScorer | DiversityScorer) or ".route.rule" in where:
+            continue
+        if getattr(component, "chunked_prefill", True) is False:
+            return None
+    return observed_window(pipeline, lengths)
 
 
 def kvlab_attention(
@@ -551,26 +720,34 @@ def kvlab_attention(
             f"it when model.prefill_chunk is set (got {q} queries, {k} keys, prompt of {T}, "
             f"prefill_chunk {session.prefill_chunk})"
         )
-    out = prefill_attention(query, key, value, session.masks_on(query.device)[0][:, :k], scaling, options)
+    blocks = session.image_blocks_on(query.device)  # None unless the model has image blocks (Gemma 3)
+    valid = session.masks_on(query.device)[0][:, :k]
+    out = prefill_attention(
+        query, key, value, valid, scaling, options, blocks=blocks[:, :k] if blocks is not None else None
+    )
     if k < T:  # a chunk before the last: the layer's dense K/V grow in the cache, nothing is compressed
         session.hold_queries(layer_idx, query)
         return out.transpose(1, 2).contiguous(), None
     layer.sliding_window = options.sliding_window  # the cache then keeps kept entries' positions
-    _compress_layer(session, layer_idx, session.observed_queries(layer_idx, query), key, value, scaling)
+    query = session.observed_queries(layer_idx, query)
+    if session.pipeline.schedule == "global":
+        _observe_layer(session, layer_idx, query, key, value, scaling)
+    else:
+        _compress_layer(session, layer_idx, query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _compress_layer(
+def _layer_context(
     session: CompressionSession,
     layer_idx: int,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     scaling: float,
-) -> None:
-    start = time.perf_counter()
+) -> LayerContext:
+    """The :class:`LayerContext` of layer ``layer_idx`` after its prefill attention (shapes there)."""
     valid, modality = session.masks_on(key.device)  # the layer's device (device_map)
-    ctx = LayerContext(
+    return LayerContext(
         layer_idx=layer_idx,
         num_layers=len(session.cache.layers),
         queries=query,
@@ -582,14 +759,92 @@ def _compress_layer(
         scaling=scaling,
         state=session.state,
         sliding_window=session.cache.layers[layer_idx].sliding_window,
+        image_blocks=session.image_blocks_on(key.device),
     )
+
+
+def _compress_layer(
+    session: CompressionSession,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+) -> None:
+    """``schedule: layerwise``: compress layer ``layer_idx`` right after its prefill attention."""
+    _compress_context(session, _layer_context(session, layer_idx, query, key, value, scaling))
+
+
+def _compress_context(session: CompressionSession, ctx: LayerContext, seconds: float = 0.0) -> None:
+    """Compress layer ``ctx.layer_idx`` (its dense K/V -> the kept entries) and append its report;
+    ``seconds`` already spent on it (observing it, under ``schedule: global``) count in the report."""
+    start = time.perf_counter()
     with torch.no_grad():
         selection, report = session.pipeline.compress(ctx, record_scores=session.record_scores)
-        session.cache.layers[layer_idx].compress(selection)
-    report.seconds = time.perf_counter() - start
-    if key.device != session.valid.device:  # reports live on the batch's device, whatever the layer's
+        session.cache.layers[ctx.layer_idx].compress(selection)
+    report.seconds = seconds + time.perf_counter() - start
+    if ctx.keys.device != session.valid.device:  # reports live on the batch's device, whatever the layer's
         report = _report_to(report, session.valid.device)
     session.reports.append(report)
+
+
+def _observe_layer(
+    session: CompressionSession,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+) -> None:
+    """``schedule: global``: observe layer ``layer_idx`` (scores, route decision, allocator hook) and
+    keep its context, dense K/V included, until the last layer has been observed; then compress all."""
+    start = time.perf_counter()
+    ctx = _layer_context(session, layer_idx, query, key, value, scaling)
+    with torch.no_grad():
+        session.pipeline.observe(ctx)
+    _release_queries(ctx, session.global_queries)
+    session.pending[layer_idx] = (ctx, time.perf_counter() - start)
+    if len(session.pending) == len(session.cache.layers):
+        finish_global(session)
+
+
+def _release_queries(ctx: LayerContext, keep: int | None) -> None:
+    """Free what an observed layer's context no longer needs while it waits for the last layer.
+
+    Keeps the last ``keep`` queries (a copy, so the prefill's query tensor can be freed; None:
+    all) and, of the memoised attention helpers, only per-token statistics (at most one value per
+    sample, query head and token, e.g. ``cumulative_attention``); larger intermediates (the fp32
+    copy of the keys, window attention probabilities) are recomputed if asked for again.
+    """
+    if keep is not None and keep < ctx.queries.shape[2]:
+        ctx.queries = ctx.queries[:, :, ctx.queries.shape[2] - keep :].clone()
+        ctx.query_start = ctx.seq_len - keep
+    per_token = ctx.batch_size * ctx.num_heads * ctx.seq_len
+    for name in [
+        name for name, value in ctx._memo.items() if torch.is_tensor(value) and value.numel() > per_token
+    ]:
+        del ctx._memo[name]
+
+
+def finish_global(session: CompressionSession) -> None:
+    """``schedule: global``, after the last layer's attention: compress every observed layer in order."""
+    for layer_idx in sorted(session.pending):
+        ctx, seconds = session.pending.pop(layer_idx)
+        _compress_context(session, ctx, seconds)
+
+
+def check_prefill_done(session: CompressionSession) -> None:
+    """After the prefill forward: every layer is compressed (none left waiting by ``schedule: global``).
+
+    Raises:
+        RuntimeError: some layers were observed but the model never ran attention on the others.
+    """
+    if session.pending:
+        raise RuntimeError(
+            f"model.compression.schedule: global observed layers {sorted(session.pending)} but the prefill "
+            f"ended before all {len(session.cache.layers)} layers ran their attention; the model's decoder "
+            "layers must all run kvlab attention."
+        )
 
 
 def _report_to(value: Any, device: torch.device) -> Any:

@@ -24,6 +24,10 @@ class ModelInfo:
         video_token_ids: token ids marking video positions (modality 2).
         vision_language: whether the model takes images.
         max_position_embeddings: context limit of the language model.
+        bidirectional_image_blocks: the language model lets the tokens of one image (a run of
+            consecutive image tokens) attend to each other in both directions (Gemma 3; from the
+            family, :data:`kvlab.models.vlm.BIDIRECTIONAL_IMAGE_FAMILIES`); kvlab's prefill
+            attention then applies those blocks.
     """
 
     name: str
@@ -35,6 +39,7 @@ class ModelInfo:
     video_token_ids: tuple[int, ...] = ()
     vision_language: bool = False
     max_position_embeddings: int = 8192
+    bidirectional_image_blocks: bool = False
 
     @property
     def group_size(self) -> int:

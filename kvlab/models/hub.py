@@ -5,7 +5,7 @@ Text models load with ``AutoModelForCausalLM``; configs with a ``vision_config``
 ``AutoTokenizer`` plus, for VLMs, the family's ``*ImageProcessorPil`` (Qwen2-VL, Qwen2.5-VL,
 LLaVA: the stock ``AutoProcessor`` of Qwen2-VL needs torchvision, which kvlab avoids) or the
 family's own transformers processor (:data:`~kvlab.models.vlm.FAMILY_PROCESSORS`: LLaVA-NeXT,
-Idefics3, SmolVLM), whose tokenizer is then the one kvlab uses. Set ``HF_HUB_OFFLINE=1`` to make
+Idefics3, SmolVLM, Gemma 3), whose tokenizer is then the one kvlab uses. Set ``HF_HUB_OFFLINE=1`` to make
 accidental downloads fail fast.
 """
 

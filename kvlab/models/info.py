@@ -6,6 +6,7 @@ from typing import Any
 
 from kvlab.models.base import ModelInfo
 from kvlab.models.common import text_config
+from kvlab.models.vlm import BIDIRECTIONAL_IMAGE_FAMILIES
 
 
 def _token_ids(config: Any, *names: str) -> tuple[int, ...]:
@@ -27,6 +28,8 @@ def model_info(config: Any, name: str) -> ModelInfo:
     Reads ``text_config`` for vision-language models; head_dim falls back to hidden / heads and
     KV heads to the query heads (MHA). Image tokens come from ``image_token_id`` /
     ``image_token_index``, video tokens from ``video_token_id`` / ``video_token_index``.
+    ``bidirectional_image_blocks`` is set for a vision-language family in
+    :data:`~kvlab.models.vlm.BIDIRECTIONAL_IMAGE_FAMILIES` (``model_type``).
     """
     text = text_config(config)
     num_heads = int(text.num_attention_heads)
@@ -44,4 +47,6 @@ def model_info(config: Any, name: str) -> ModelInfo:
         video_token_ids=video_ids,
         vision_language=getattr(config, "vision_config", None) is not None,
         max_position_embeddings=int(getattr(text, "max_position_embeddings", None) or 8192),
+        bidirectional_image_blocks=getattr(config, "vision_config", None) is not None
+        and getattr(config, "model_type", "") in BIDIRECTIONAL_IMAGE_FAMILIES,
     )

@@ -3,10 +3,13 @@
 :func:`image_adapter` picks the adapter of a config's family (``model_type``): Qwen2-VL and
 Qwen2.5-VL (:class:`~kvlab.models.processors.Qwen2VLImages`), LLaVA
 (:class:`~kvlab.models.processors.LlavaImages`), and the families in :data:`FAMILY_PROCESSORS`
-(LLaVA-NeXT, Idefics3, SmolVLM), fed through their own transformers processor
-(:class:`~kvlab.models.processors.FamilyImages`). Families in :data:`NON_CAUSAL_FAMILIES` are
-refused: their language model does not attend causally over an image prompt, and kvlab's
-prefill attention is causal. ``docs/models.md`` lists the families and how to add one.
+(LLaVA-NeXT, Idefics3, SmolVLM, Gemma 3), fed through their own transformers processor
+(:class:`~kvlab.models.processors.FamilyImages`). Families in
+:data:`BIDIRECTIONAL_IMAGE_FAMILIES` (Gemma 3) let the tokens of one image attend to each other
+in both directions; kvlab's prefill attention and its attention-reading scorers apply those
+image blocks for them (``ModelInfo.bidirectional_image_blocks``). Families in
+:data:`NON_CAUSAL_FAMILIES` are refused: their language model attends non-causally over an image
+prompt in a way kvlab does not implement. ``docs/models.md`` lists the families and how to add one.
 
 Both Qwen2-VL built-ins (``tiny-qwen2-vl``, ``smollm2-qwen2-vl``) and both LLaVA built-ins
 (``tiny-llava``, ``smollm2-llava``) are built by the same two functions here from a *text* config
@@ -35,16 +38,20 @@ FAMILY_PROCESSORS: dict[str, tuple[str, str | None]] = {
     "smolvlm": ("SmolVLMProcessor", None),
     "gemma3": ("Gemma3Processor", "token_type_ids"),
 }
-#: families whose language model attends non-causally over an image prompt: model_type -> why
+#: families whose language model lets the tokens of one image attend to each other in both
+#: directions (transformers: ``token_type_ids`` -> ``block_sequence_ids``, OR-ed into the causal mask of
+#: sliding and global layers): model_type -> description. kvlab applies the same image blocks in
+#: prefill attention and in the scorers that read prompt attention
+#: (:func:`kvlab.engine.attention.image_block_ids`); decode stays causal (new tokens are text).
+BIDIRECTIONAL_IMAGE_FAMILIES: dict[str, str] = {
+    "gemma3": "bidirectional attention within each image (a run of consecutive image tokens)",
+}
+#: families whose language model attends non-causally over an image prompt in a way kvlab does not
+#: implement: model_type -> why
 NON_CAUSAL_FAMILIES: dict[str, str] = {
-    "gemma3": (
-        "Gemma 3's language model lets the tokens of one image attend to each other in both directions "
-        "(transformers builds that mask from token_type_ids), while kvlab's prefill attention is causal, "
-        "so image prompts would run through a different model than Gemma 3"
-    ),
     "paligemma": (
-        "PaliGemma's language model attends bidirectionally over the image and prefix (a prefix-LM mask from "
-        "token_type_ids), while kvlab's prefill attention is causal"
+        "PaliGemma's language model attends bidirectionally over the image and the text prefix (a prefix-LM "
+        "mask from token_type_ids), while kvlab's prefill attention is causal apart from image blocks"
     ),
 }
 #: the vision-language families image_adapter feeds (model_type), for messages
@@ -179,8 +186,8 @@ def image_adapter(
     if model_type in NON_CAUSAL_FAMILIES:
         raise ConfigError(
             f"vision-language models of type '{model_type}' are refused: {NON_CAUSAL_FAMILIES[model_type]}. "
-            "Use the family's text-only model (for Gemma 3: Gemma3ForCausalLM, e.g. the built-in "
-            f"gemma3-270m) or a supported vision-language family ({supported})."
+            "Use a text-only model or a supported vision-language family "
+            f"({supported}); docs/models.md lists them."
         )
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
         if image_processor is None and image_size is None:
