@@ -30,8 +30,10 @@ from kvlab.config.errors import ConfigError
 from kvlab.engine.attention import (
     CompressionSession,
     check_prefill_chunk,
+    check_prefill_done,
     chunked_vlm_message,
     compression_session,
+    global_query_window,
     observed_window,
 )
 from kvlab.engine.cache import CompressedCache
@@ -156,7 +158,7 @@ class DecodeResult:
     seconds: float
 
 
-def _stop_tokens(loaded: LoadedModel, device: torch.device) -> torch.Tensor:
+def stop_tokens(loaded: LoadedModel, device: torch.device) -> torch.Tensor:
     """``[E]`` long: the processor's end-of-sequence ids, sorted and unique."""
     return torch.tensor(sorted(set(loaded.processor.eos_token_ids)), device=device)
 
@@ -183,7 +185,9 @@ def prefill(
         prefill_chunk: None: one forward. N: forwards of N prompt tokens each (``model.prefill_chunk``);
             a chunk attends to the dense K/V of the chunks before it, and each layer is compressed
             by the last chunk, with the queries of the recent window held from the earlier ones
-            (``docs/scaling.md``).
+            (``docs/scaling.md``). Refused with ``model.compression.schedule: global``, under which
+            every layer is scored during the forward and all are compressed after the last
+            layer's attention (the full cache is held until then).
 
     Returns:
         the :class:`PrefillState` to hand to :func:`decode`.
@@ -211,9 +215,13 @@ def prefill(
         pipeline=pipeline,
         valid=valid,
         modality=batch["modality"].to(device),
+        bidirectional_image_blocks=info.bidirectional_image_blocks,
         record_scores=record_scores,
         prefill_chunk=chunk,
         held_queries=observed_window(pipeline, valid.sum(-1)) if chunk is not None else 0,
+        global_queries=global_query_window(pipeline, valid.sum(-1))
+        if pipeline.schedule == "global"
+        else None,
     )
     positions = sample_positions(valid).clamp(min=0)  # [B, T]; padding gets 0, as in transformers
     with compression_session(session):
@@ -241,6 +249,7 @@ def prefill(
                     position_ids=position_ids[..., first:last],
                 )
         seconds = time.perf_counter() - start
+    check_prefill_done(session)
     return PrefillState(
         loaded=loaded,
         pipeline=pipeline,
@@ -279,7 +288,7 @@ def decode(
     loaded, session = state.loaded, state.session
     model, device = loaded.model, state.logits.device
     policy = state.pipeline.decode_policy
-    eos = _stop_tokens(loaded, device)
+    eos = stop_tokens(loaded, device)
     B = state.logits.shape[0]
     with compression_session(session):
         policy.start(session)
@@ -389,19 +398,19 @@ def generate(
         prefill_chunk=prefill_chunk,
     )
     decoded = decode(state, max_new_tokens, return_logits=return_logits, teacher_tokens=teacher_tokens)
-    return _result(state, decoded)
+    return generation_result(state, decoded)
 
 
-def _result(state: PrefillState, decoded: DecodeResult) -> GenerationResult:
+def generation_result(state: PrefillState, decoded: DecodeResult) -> GenerationResult:
     """The :class:`GenerationResult` of a prefill and its decode (counts and bytes on the CPU)."""
     info, cache, session = state.loaded.info, state.cache, state.session
     kept = cache.kept_tokens()  # [L, B, Hkv]
     lengths = session.valid.sum(-1)
     bytes_per_token = info.head_dim * 2 * cache.layers[0].prompt_keys.element_size()
     full = lengths * info.num_kv_heads * info.num_layers * bytes_per_token
-    stops = set(_stop_tokens(state.loaded, lengths.device).tolist())
+    stops = set(stop_tokens(state.loaded, lengths.device).tolist())
     return GenerationResult(
-        tokens=[_trim(row, stops) for row in decoded.tokens.tolist()],
+        tokens=[trim_at_stop(row, stops) for row in decoded.tokens.tolist()],
         kept=kept.cpu(),
         prompt_lengths=lengths.cpu(),
         kv_bytes_full=full.cpu(),
@@ -415,7 +424,7 @@ def _result(state: PrefillState, decoded: DecodeResult) -> GenerationResult:
     )
 
 
-def _trim(row: list[int], stops: set[int]) -> list[int]:
+def trim_at_stop(row: list[int], stops: set[int]) -> list[int]:
     """``row`` up to (excluding) its first stop token."""
     for i, token in enumerate(row):
         if token in stops:

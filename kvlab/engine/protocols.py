@@ -47,12 +47,12 @@ from kvlab.engine.generation import (
     DecodeResult,
     GenerationResult,
     PrefillState,
-    _result,
-    _stop_tokens,
-    _trim,
     decode,
     extend,
+    generation_result,
     prefill,
+    stop_tokens,
+    trim_at_stop,
 )
 from kvlab.models.base import PAD, TEXT, LoadedModel
 
@@ -163,7 +163,7 @@ class QueryAware(Protocol):
         )
         uniform = bool((limits == steps).all())
         decoded = decode(state, steps, return_logits, teacher_tokens, limits=None if uniform else limits)
-        result = _result(state, decoded)
+        result = generation_result(state, decoded)
         result.tokens = _finish(result.tokens, limits, teacher_tokens)
         return ProtocolResult(result, [{} for _ in result.tokens])
 
@@ -386,7 +386,7 @@ def _context_run(
                 tokens[m] = decoded.tokens[c].tolist()
                 if decoded.step_logits is not None:
                     logits[m] = decoded.step_logits[c].cpu()
-    stops = set(_stop_tokens(loaded, kept.device).tolist())
+    stops = set(stop_tokens(loaded, kept.device).tolist())
     result = _sample_result(loaded, state, split, kept, tokens, logits, stops, seconds)
     result.tokens = _finish(result.tokens, limits, teacher_tokens)
     sizes = [len(members) for members in split.groups]
@@ -424,7 +424,7 @@ def _sample_result(
             step_logits[b, : t.shape[0]] = t
     reports = [_report_rows(report, rows, split.shift, split.width) for report in session.reports]
     return GenerationResult(
-        tokens=[_trim(row, stops) for row in tokens],
+        tokens=[trim_at_stop(row, stops) for row in tokens],
         kept=sample_kept,
         prompt_lengths=split.lengths.cpu(),
         kv_bytes_full=(split.lengths.cpu() * whole),
@@ -577,6 +577,16 @@ class DecodeTime(Protocol):
                 f"{where}: routed pipelines (model.compression.route) are not supported at decode time; use "
                 "one without `route`, or `model.protocol: query_aware`."
             )
+        needs_all_layers = pipeline.all_layer_components()  # (field, component) comparing layers
+        if needs_all_layers:
+            field_name, component = needs_all_layers[0]
+            raise ConfigError(
+                f"{where}: {field_name} ({getattr(component, 'registry_name', type(component).__name__)}) "
+                "compares every layer and needs model.compression.schedule: global, but decode-time "
+                "compression compresses one layer at a time. Use a component that needs only its own layer "
+                "(for PrefixKV: prefix_calibrated with model.compression.schedule: layerwise), or "
+                "`model.protocol: query_aware`."
+            )
         refused = {
             "allocate.head": (pipeline.head_allocator, "uniform", "per-head budgets make heads hold "
                               "different numbers of entries, which decode-time scoring does not support"),
@@ -680,9 +690,9 @@ class DecodeTime(Protocol):
 def _decode_time_result(
     state: PrefillState, decoded: DecodeResult, prefill_kept: torch.Tensor
 ) -> GenerationResult:
-    """:func:`_result` with the prefill's kept counts (the cache's prompt region now also holds
+    """:func:`generation_result` with the prefill's kept counts (the cache's prompt region now also holds
     generated entries kept by decode-time compression)."""
-    result = _result(state, decoded)
+    result = generation_result(state, decoded)
     per_token = state.loaded.info.head_dim * 2 * state.cache.layers[0].prompt_keys.element_size()
     result.kept = prefill_kept.cpu()
     result.kv_bytes_kept = result.kept.sum(dim=(0, 2)) * per_token
