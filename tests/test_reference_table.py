@@ -97,3 +97,127 @@ def test_cli_errors(tmp_path: Path) -> None:
             main(["reference-table", "--dir", str(tmp_path), *bad])
         assert info.value.code == 2
     assert not any(tmp_path.iterdir())
+
+
+# ---- --suite ruler ----------------------------------------------------------------------------
+SNAP = {"budget": {"ratio": 0.1, "window": 32}, "importance": {"attention": {"name": "window_attention"}}}
+
+
+def _suite_run(root: Path, protocol: str, method: str, ratio: float | None, scores: dict) -> None:
+    """A fabricated run of the suite: ``scores[(task, length)]`` -> per-sample string_match_all."""
+    path = root / reference.suite_experiment(protocol) / reference.run_name(method, ratio)
+    path.mkdir(parents=True)
+    compression = {} if ratio is None else {**SNAP, "budget": {"ratio": ratio, "window": 32}}
+    fields = {
+        "model": {"model": "m", "compression": compression, "protocol": {"name": protocol}},
+        "data": {"dataset": {"name": "ruler", "metrics": ["string_match_all"]}},
+    }
+    (path / "run.json").write_text(json.dumps({"fingerprint": "f", "fields": fields}))
+    lines = [
+        json.dumps({"id": f"{task}-{length}-{i}", "string_match_all": value, "kv_ratio": ratio or 1.0,
+                    "meta": {"suite": "ruler", "task": task, "length": length}})
+        for (task, length), values in scores.items() for i, value in enumerate(values)
+    ]  # fmt: skip
+    (path / "predictions.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_suite_config_sets_protocol_and_checks_the_engine_once() -> None:
+    snap = reference.suite_config("snapkv", 0.25, "query_agnostic", TASK, RUN, "tiny-llama")
+    assert snap["model"]["protocol"] == "query_agnostic" and snap["model"]["verify"] == "off"
+    assert snap["model"]["compression"]["budget"] == {"window": 32, "ratio": 0.25}
+    full = reference.suite_config("full", None, "query_aware", TASK, RUN)
+    assert full["model"]["protocol"] == "query_aware" and full["model"]["verify"] == "first_batch"
+    assert reference.suite_experiment("query_aware") == "ruler-query_aware"
+
+
+def test_suite_table_against_hand_computed_means(tmp_path: Path) -> None:
+    # two tasks x two lengths; snapkv at 0.1 and 0.5 under two protocols, full once per protocol
+    full = {("a", 1024): [1.0], ("a", 2048): [1.0], ("b", 1024): [1.0], ("b", 2048): [0.0]}
+    low = {("a", 1024): [1.0], ("a", 2048): [0.0], ("b", 1024): [0.5], ("b", 2048): [0.0]}
+    high = {("a", 1024): [1.0], ("a", 2048): [1.0], ("b", 1024): [1.0], ("b", 2048): [0.25]}
+    for protocol in ("query_aware", "query_agnostic"):
+        _suite_run(tmp_path, protocol, "full", None, full)
+        _suite_run(tmp_path, protocol, "snapkv", 0.1, low if protocol == "query_aware" else high)
+        _suite_run(tmp_path, protocol, "snapkv", 0.5, high)
+    text = reference.suite_table(
+        tmp_path, ("query_aware", "query_agnostic"), ("full", "snapkv", "keydiff"), (0.1, 0.5)
+    )
+    lines = text.splitlines()
+    # overall = mean over tasks of the task means: full (1 + 0.5) / 2; snapkv@0.1 aware (0.5 + 0.25) / 2;
+    # snapkv@0.5 (1 + 0.625) / 2
+    start = lines.index(
+        "| method | query_aware @ 10% | query_aware @ 50% | query_agnostic @ 10% | query_agnostic @ 50% |"
+    )
+    assert lines[start + 2 : start + 5] == [
+        "| full | 75.0 | 75.0 | 75.0 | 75.0 |",
+        "| snapkv | 37.5 | 81.2 | 81.2 | 81.2 |",
+        "| keydiff | - | - | - | - |",  # not run
+    ]
+    # by task, mean over the budgets: snapkv aware a = (1 + 0 + 1 + 1) / 4, b = (0.5 + 0 + 1 + 0.25) / 4
+    start = lines.index(
+        "| method | query_aware: a | query_aware: b | query_agnostic: a | query_agnostic: b |"
+    )
+    assert lines[start + 2 : start + 4] == [
+        "| full | 100.0 | 50.0 | 100.0 | 50.0 |",
+        "| snapkv | 75.0 | 43.8 | 100.0 | 62.5 |",
+    ]
+    # by length (numeric order): snapkv aware 1024 = (1 + 0.5 + 1 + 1) / 4, 2048 = (0 + 0 + 1 + 0.25) / 4
+    start = lines.index(
+        "| method | query_aware: 1024 | query_aware: 2048 | query_agnostic: 1024 | query_agnostic: 2048 |"
+    )
+    assert lines[start + 2 : start + 4] == [
+        "| full | 100.0 | 50.0 | 100.0 | 50.0 |",
+        "| snapkv | 87.5 | 31.2 | 100.0 | 62.5 |",
+    ]
+    boards = reference.suite_boards(tmp_path, ("query_aware", "query_agnostic"), plots=False)
+    figure = reference.plot_suite(boards, ("full", "snapkv"), tmp_path / "suite.png", "t")
+    assert figure is not None and figure.stat().st_size > 10_000
+
+
+def test_suite_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = tmp_path / "evaluation.md"
+    marks = f"{reference.MARK_START}\nkept\n{reference.MARK_END}"
+    doc.write_text(f"x\n{marks}\n{reference.SUITE_START}\n{reference.SUITE_END}\n")
+    main(["reference-table", "--suite", "ruler", "--model", "tiny-llama", "--methods", "full,snapkv",
+          "--budgets", "0.5", "--tasks", "niah_single_1", "--lengths", "512", "--dir", str(tmp_path / "runs"),
+          "--docs", str(doc), "--figure", str(tmp_path / "fig" / "suite.png")])  # fmt: skip
+    for protocol in ("query_aware", "query_agnostic"):
+        root = tmp_path / "runs" / f"ruler-{protocol}"
+        assert sorted(p.name for p in root.iterdir() if (p / "predictions.jsonl").is_file()) == [
+            "full",
+            "snapkv@budget=0.5",
+        ]
+        for run in ("full", "snapkv@budget=0.5"):
+            [record] = [json.loads(line) for line in (root / run / "predictions.jsonl").open()]
+            assert record["protocol"] == protocol and record["meta"]["task"] == "niah_single_1"
+            assert record["prompt_tokens"] + 128 <= 512 and "string_match_all" in record
+            if run == "full":
+                assert record["kv_ratio"] == 1.0
+            else:  # the budget counts the context under query_agnostic; the question part is added
+                assert 0.4 < record["kv_ratio"] < 0.75
+        assert (root / "score_vs_ratio.png").is_file() and (root / "leaderboard.csv").is_file()
+    text = (tmp_path / "runs" / "reference_suite.md").read_text()
+    assert "niah_single_1 at 512 tokens, 1 sample(s) per task and length: **1 samples per cell**" in text
+    assert text in doc.read_text() and text in capsys.readouterr().out
+    assert marks in doc.read_text()  # the other table is kept
+    assert (tmp_path / "fig" / "suite.png").is_file()
+    assert "| full | " in text and "| snapkv | " in text
+
+
+def test_suite_cli_errors(tmp_path: Path) -> None:
+    for bad in (
+        ["--protocols", "query_aware,bogus"],
+        ["--tasks", "qa_1"],
+        ["--tasks", "retrieval-1k"],
+        ["--lengths", "128"],
+        ["--lengths", "1k"],
+        ["--methods", "snapkvv"],
+        ["--batch-size", "0"],
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(["reference-table", "--suite", "ruler", "--dir", str(tmp_path), *bad])
+        assert info.value.code == 2
+    for suite_only in (["--protocols", "query_aware"], ["--lengths", "1024"], ["--no-plots"]):
+        with pytest.raises(ConfigError, match="apply to --suite ruler only"):
+            reference.main(["--dir", str(tmp_path), *suite_only])
+    assert not any(tmp_path.iterdir())

@@ -9,6 +9,15 @@ score of each run as one Markdown table per metric: rows are methods, columns ar
 
     kvlab reference-table --docs docs/evaluation.md
 
+``--suite ruler`` runs the RULER-style suite instead (:mod:`kvlab.data.benchmarks.ruler`): every
+method at every budget under every protocol (``docs/protocols.md``), one experiment per protocol
+under ``<dir>/ruler-<protocol>/<method>@budget=<ratio>/`` (``full`` once per protocol), then
+tabulates the score by protocol and budget, by task and by length, and plots score against
+budget (one panel per protocol) with the leaderboard code of ``kvlab compare``; ``--docs``
+replaces the block between the ``<!-- reference-suite -->`` markers::
+
+    kvlab reference-table --suite ruler --docs docs/evaluation.md --figure docs/figures/reference_ruler.png
+
 Each task directory is an ordinary experiment (``kvlab compare <dir>/<task>`` works on it).
 Runs are fresh unless ``--resume`` (stale predictions of other task parameters would mix in).
 """
@@ -18,8 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvlab.runner.leaderboard import Leaderboard
 
 from kvlab.config.errors import ConfigError
 
@@ -35,6 +48,8 @@ METHODS = (
     "adakv",
     "mixkv_snapkv",
     "mixkv_adakv",
+    "retrieval",
+    "hybridkv",
 )
 BUDGETS = (0.1, 0.25)
 #: the reference tasks: name -> dataset node (num_samples is set by --samples)
@@ -44,6 +59,24 @@ TASKS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_TASKS = ("retrieval-1k",)
 MARK_START, MARK_END = "<!-- reference-table:start -->", "<!-- reference-table:end -->"
+
+#: ``--suite ruler``: the methods, budgets, protocols, RULER tasks and lengths run by default
+SUITE_METHODS = (
+    "full",
+    "streamingllm",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+    "keydiff",
+    "mixkv_snapkv",
+    "mixkv_adakv",
+)
+SUITE_BUDGETS = (0.1, 0.25, 0.5)
+SUITE_PROTOCOLS = ("query_aware", "query_agnostic")
+SUITE_TASKS = ("niah_single_2", "niah_multikey_1")
+SUITE_LENGTHS = (1024, 2048, 4096)
+SUITE_METRIC = "string_match_all"
+SUITE_START, SUITE_END = "<!-- reference-suite:start -->", "<!-- reference-suite:end -->"
 
 
 def run_config(
@@ -105,17 +138,240 @@ def table(
     return "\n".join(lines) + "\n"
 
 
-def replace_section(doc: Path, text: str) -> None:
-    """Replace what lies between the reference-table markers of ``doc`` with ``text``."""
+def replace_section(doc: Path, text: str, start: str = MARK_START, end: str = MARK_END) -> None:
+    """Replace what lies between the markers ``start`` and ``end`` of ``doc`` with ``text``."""
     content = doc.read_text()
-    if MARK_START not in content or MARK_END not in content:
+    if start not in content or end not in content:
         raise ConfigError(
-            f"--docs {doc}: the file lacks the markers {MARK_START} and {MARK_END} around the table; "
+            f"--docs {doc}: the file lacks the markers {start} and {end} around the table; "
             f"add them where the table goes."
         )
-    head, rest = content.split(MARK_START, 1)
-    _, tail = rest.split(MARK_END, 1)
-    doc.write_text(f"{head}{MARK_START}\n{text}{MARK_END}{tail}")
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{start}\n{text}{end}{tail}")
+
+
+# ---- --suite ruler ------------------------------------------------------------------------------
+def suite_config(
+    method: str,
+    ratio: float | None,
+    protocol: str,
+    dataset: dict[str, Any],
+    run: dict[str, str],
+    model_name: str = MODEL,
+) -> dict[str, Any]:
+    """The resolved ``kvlab predict`` config of one suite cell: :func:`run_config` under
+    ``model.protocol: protocol``. The engine check against transformers (``model.verify``) runs in
+    the ``full`` run only: it compares the full cache, the same for every method."""
+    cfg = run_config(method, ratio, dataset, run, model_name)
+    cfg["model"].update(protocol=protocol, verify="first_batch" if method == "full" else "off")
+    return cfg
+
+
+def suite_experiment(protocol: str) -> str:
+    """The experiment directory of one protocol's runs: ``ruler-query_aware``."""
+    return f"ruler-{protocol}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _overall(board: Leaderboard | None, method: str, label: str) -> float | None:
+    """The board's score (%) of ``method`` at budget ``label``: its ``overall`` (mean over the task
+    families), or its only family's score."""
+    if board is None:
+        return None
+    from kvlab.runner.leaderboard import OVERALL
+
+    family = OVERALL if OVERALL in board.scores else next(iter(board.scores), None)
+    return board.scores.get(family, {}).get(method, {}).get(label) if family else None
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    from kvlab.runner.writer import PREDICTIONS, read_predictions
+
+    return read_predictions(run_dir) if (run_dir / PREDICTIONS).is_file() else []
+
+
+def grouped_mean(records: list[dict[str, Any]], metric: str, key: str) -> dict[str, float]:
+    """Mean ``metric`` (%) of the records per value of ``meta[key]`` (records without it skipped)."""
+    groups: dict[str, list[float]] = {}
+    for record in records:
+        value, group = record.get(metric), (record.get("meta") or {}).get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and group is not None:
+            groups.setdefault(str(group), []).append(100.0 * float(value))
+    return {group: sum(v) / len(v) for group, v in groups.items()}
+
+
+def suite_boards(root: Path, protocols: tuple[str, ...], plots: bool = True) -> dict[str, Leaderboard | None]:
+    """Per protocol, the leaderboard of its experiment (:func:`kvlab.runner.leaderboard.leaderboard`
+    over every run there); with ``plots``, ``kvlab compare`` is run on it too (its tables, per-task
+    ``score_vs_ratio.png`` and TensorBoard views land in the experiment directory)."""
+    from kvlab.runner.compare import compare_experiment, load_runs
+    from kvlab.runner.leaderboard import leaderboard
+
+    boards: dict[str, Leaderboard | None] = {}
+    for protocol in protocols:
+        experiment = root / suite_experiment(protocol)
+        if not experiment.is_dir():
+            boards[protocol] = None
+            continue
+        if plots:
+            compare_experiment(experiment)
+        boards[protocol] = leaderboard(load_runs(experiment))
+    return boards
+
+
+def suite_table(
+    root: Path,
+    protocols: tuple[str, ...],
+    methods: tuple[str, ...],
+    budgets: tuple[float, ...],
+    metric: str = SUITE_METRIC,
+    boards: dict[str, Leaderboard | None] | None = None,
+) -> str:
+    """The suite's Markdown: the score (%) of each method (rows) by protocol and budget (the mean
+    over the tasks, from the leaderboard of ``kvlab compare``), then by task and by length, each
+    averaged over the budgets (every budget's run scores the same samples)."""
+    from kvlab.runner.leaderboard import markdown
+
+    boards = suite_boards(root, protocols, plots=False) if boards is None else boards
+    header = ["method"] + [f"{p} @ {r:.0%}" for p in protocols for r in budgets]
+    rows = [
+        [method]
+        + [_percent(_overall(boards[p], method, f"ratio={r:g}"))
+           for p in protocols for r in budgets]
+        for method in methods
+    ]  # fmt: skip
+    parts = [f"**Score (%) by protocol and budget** (`{metric}` x 100, mean over the tasks)\n\n"]
+    parts.append(markdown(header, rows))
+    for key, title in (("task", "task"), ("length", "length (tokens)")):
+        means: dict[tuple[str, str], dict[str, float]] = {}
+        groups: list[str] = []
+        for protocol in protocols:
+            for method in methods:
+                runs = [None] if method == "full" else list(budgets)
+                records = [
+                    r
+                    for ratio in runs
+                    for r in _records(root / suite_experiment(protocol) / run_name(method, ratio))
+                ]
+                means[protocol, method] = grouped_mean(records, metric, key)
+                groups += [g for g in means[protocol, method] if g not in groups]
+        groups.sort(key=lambda g: (0, int(g), "") if g.isdigit() else (1, 0, g))
+        header = ["method"] + [f"{p}: {g}" for p in protocols for g in groups]
+        rows = [
+            [method] + [_percent(means[p, method].get(g)) for p in protocols for g in groups]
+            for method in methods
+        ]
+        parts.append(f"\n**By {title}** (mean over the budgets)\n\n")
+        parts.append(markdown(header, rows))
+    return "".join(parts)
+
+
+def plot_suite(
+    boards: dict[str, Leaderboard | None], methods: tuple[str, ...], path: Path, title: str
+) -> Path | None:
+    """Score (%) against the budget ratio, one panel per protocol (each its leaderboard's overall
+    score), one line per method, the full cache dashed: :func:`~kvlab.runner.leaderboard.
+    plot_leaderboard` on a board whose families are the protocols. None when nothing was scored."""
+    from kvlab.runner.leaderboard import BudgetPoint, Leaderboard, plot_leaderboard
+
+    scores: dict[str, dict[str, dict[str, float]]] = {}
+    metrics: dict[str, list[str]] = {}
+    points: set[BudgetPoint] = set()
+    full: set[str] = set()
+    for protocol, board in boards.items():
+        if board is None:
+            continue
+        row = {}
+        for method in methods:
+            values = {
+                b.label: v for b in board.budgets if (v := _overall(board, method, b.label)) is not None
+            }
+            if values:
+                row[method] = values
+        if row:
+            scores[protocol] = row
+            metrics[protocol] = sorted({m for ms in board.metrics.values() for m in ms})
+            points |= {b for b in board.budgets if b.kind == "ratio"}
+            full |= board.full
+    if not scores or not points:
+        return None
+    merged = Leaderboard(scores, sorted(points, key=lambda b: b.value), metrics, full)
+    fig = plot_leaderboard(merged, "ratio", path, title)
+    from kvlab.runner.leaderboard import pyplot
+
+    pyplot().close(fig)
+    return path
+
+
+def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[float, ...]) -> None:
+    """``kvlab reference-table --suite ruler``: the runs, the tables, the figure, the docs block."""
+    from kvlab.config.cli import run_predict
+    from kvlab.data.benchmarks.ruler import RULER_TASKS
+    from kvlab.engine.protocols import PROTOCOLS
+
+    protocols = tuple(p for p in ns.protocols.split(",") if p)
+    tasks = tuple(t for t in (ns.tasks or ",".join(SUITE_TASKS)).split(",") if t)
+    lengths = _ints(ns.lengths)
+    samples = 1 if ns.samples is None else ns.samples
+    bad_protocols = [p for p in protocols if p not in PROTOCOLS]
+    bad_tasks = [t for t in tasks if t not in RULER_TASKS]
+    if bad_protocols or not protocols:
+        raise ConfigError(
+            f"--protocols must name protocols from {', '.join(PROTOCOLS.names())} (comma-separated), got "
+            f"{ns.protocols!r}."
+        )
+    if bad_tasks or not tasks:
+        raise ConfigError(
+            f"--tasks with --suite ruler takes RULER tasks ({', '.join(RULER_TASKS)}), "
+            f"got {bad_tasks or ns.tasks!r}."
+        )
+    root = Path(ns.dir)
+    dataset = {
+        "name": "ruler",
+        "tasks": list(tasks),
+        "lengths": list(lengths),
+        "samples_per_task": samples,
+        "seed": 0,
+    }
+    wall, cpu = time.perf_counter(), time.process_time()
+    count = 0
+    for method, ratio in cells(methods, budgets):  # both protocols of a cell one after the other
+        for protocol in protocols:
+            experiment = suite_experiment(protocol)
+            name = run_name(method, ratio)
+            if not ns.resume:
+                shutil.rmtree(root / experiment / name, ignore_errors=True)
+            run = {"dir": str(root), "experiment": experiment, "method": name}
+            cfg = suite_config(method, ratio, protocol, dataset, run, ns.model)
+            cfg["data"]["batch_size"] = ns.batch_size
+            run_predict(cfg, ["--trainer.enable_progress_bar", "false"])
+            count += 1
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    boards = suite_boards(root, protocols, plots=not ns.no_plots)
+    per_cell = len(tasks) * len(lengths) * samples
+    caption = (
+        f"`{ns.model}`, RULER-style tasks {', '.join(tasks)} at {', '.join(map(str, lengths))} tokens, "
+        f"{samples} sample(s) per task and length: **{per_cell} samples per cell** (one sample moves a "
+        f"cell by {100 / per_cell:.1f} points); greedy, each task's RULER output length; {count} runs in "
+        f"{wall:.0f} s wall, {cpu:.0f} s CPU of this process.\n\n"
+    )
+    text = caption + suite_table(root, protocols, methods, budgets, ns.metric or SUITE_METRIC, boards)
+    (root / "reference_suite.md").write_text(text)
+    print(text, end="")
+    if not ns.no_plots:
+        figure = root / "reference_suite.png"
+        title = f"{ns.model}: RULER-style suite, {ns.metric or SUITE_METRIC} (%) vs KV budget"
+        if plot_suite(boards, methods, figure, title) is not None and ns.figure is not None:
+            ns.figure.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(figure, ns.figure)
+            print(f"kvlab: wrote the figure {ns.figure}")
+    if ns.docs is not None:
+        replace_section(ns.docs, text, SUITE_START, SUITE_END)
+        print(f"kvlab: updated the reference suite in {ns.docs}")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -130,6 +386,18 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--lengths must be comma-separated token counts such as 1024,2048,4096, got {text!r}."
+        ) from None
+    if not values or any(v < 256 for v in values):
+        raise ConfigError(f"--lengths must be token counts >= 256, got {text!r}.")
+    return values
+
+
 def main(args: list[str]) -> None:
     """``kvlab reference-table``."""
     from kvlab.config.cli import run_predict
@@ -137,31 +405,88 @@ def main(args: list[str]) -> None:
 
     parser = argparse.ArgumentParser(prog="kvlab reference-table", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="runs/reference", help="where the runs go (default: runs/reference)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated presets")
     parser.add_argument(
-        "--budgets", default=",".join(f"{b:g}" for b in BUDGETS), help="ratios, e.g. 0.1,0.25"
+        "--suite",
+        choices=("ruler",),
+        help="run the RULER-style suite under several protocols instead of the synthetic tasks",
     )
     parser.add_argument(
-        "--tasks", default=",".join(DEFAULT_TASKS), help=f"comma-separated, from: {', '.join(TASKS)}"
+        "--methods",
+        help=f"comma-separated presets (default: {','.join(METHODS)}; "
+        f"with --suite: {','.join(SUITE_METHODS)})",
     )
-    parser.add_argument("--samples", type=int, default=8, help="samples per task (default 8)")
-    parser.add_argument("--metric", default="contains_answer", help="the task metric tabulated")
+    parser.add_argument(
+        "--budgets",
+        help=f"ratios (default: {','.join(f'{b:g}' for b in BUDGETS)}; "
+        f"with --suite: {','.join(f'{b:g}' for b in SUITE_BUDGETS)})",
+    )
+    parser.add_argument(
+        "--tasks",
+        help=f"comma-separated, from: {', '.join(TASKS)} (default {','.join(DEFAULT_TASKS)}); "
+        f"with --suite ruler: RULER tasks (default {','.join(SUITE_TASKS)})",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        help="samples per task (default 8); with --suite: per task and length (default 1)",
+    )
+    parser.add_argument(
+        "--protocols",
+        help=f"--suite: comma-separated protocols (default {','.join(SUITE_PROTOCOLS)})",
+    )
+    parser.add_argument(
+        "--lengths",
+        help=f"--suite: prompt + output lengths in tokens (default {','.join(map(str, SUITE_LENGTHS))})",
+    )
+    parser.add_argument("--batch-size", type=int, help="--suite: data.batch_size (default 1)")
+    parser.add_argument(
+        "--metric", help=f"the task metric tabulated (default contains_answer; with --suite {SUITE_METRIC})"
+    )
     parser.add_argument("--model", default=MODEL, help=f"model (default {MODEL}; tests use a tiny one)")
     parser.add_argument("--resume", action="store_true", help="keep existing runs (skip finished samples)")
     parser.add_argument("--docs", type=Path, help="replace the table between the markers in this file")
+    parser.add_argument("--figure", type=Path, help="--suite: also copy the score-vs-budget PNG here")
+    parser.add_argument("--no-plots", action="store_true", help="--suite: tables only (no PNG, TensorBoard)")
     ns = parser.parse_args(args)
-    methods = tuple(m for m in ns.methods.split(",") if m)
-    budgets = _floats(ns.budgets)
-    tasks = [t for t in ns.tasks.split(",") if t]
-    unknown = [m for m in methods if m not in preset_names()] + [t for t in tasks if t not in TASKS]
-    if unknown or ns.samples < 1:
+    suite = ns.suite is not None
+    methods = tuple(m for m in (ns.methods or ",".join(SUITE_METHODS if suite else METHODS)).split(",") if m)
+    budgets = _floats(ns.budgets or ",".join(f"{b:g}" for b in (SUITE_BUDGETS if suite else BUDGETS)))
+    suite_only = {
+        "--protocols": ns.protocols,
+        "--lengths": ns.lengths,
+        "--batch-size": ns.batch_size,
+        "--figure": ns.figure,
+        "--no-plots": ns.no_plots or None,
+    }
+    if not suite and any(v is not None for v in suite_only.values()):
+        given = [k for k, v in suite_only.items() if v is not None]
         raise ConfigError(
-            f"kvlab reference-table: unknown method or task {unknown} (methods: {', '.join(preset_names())}; "
-            f"tasks: {', '.join(TASKS)}), or --samples < 1 ({ns.samples})."
+            f"kvlab reference-table: {', '.join(given)} apply to --suite ruler only; add --suite ruler "
+            "or drop them."
         )
+    ns.protocols = ns.protocols or ",".join(SUITE_PROTOCOLS)
+    ns.lengths = ns.lengths or ",".join(map(str, SUITE_LENGTHS))
+    ns.batch_size = 1 if ns.batch_size is None else ns.batch_size
+    unknown = [m for m in methods if m not in preset_names()]
+    if unknown or not methods or (ns.samples is not None and ns.samples < 1) or ns.batch_size < 1:
+        raise ConfigError(
+            f"kvlab reference-table: unknown method {unknown} (methods: {', '.join(preset_names())}), "
+            f"or --samples < 1 ({ns.samples}) or --batch-size < 1 ({ns.batch_size})."
+        )
+    if suite:
+        run_suite(ns, methods, budgets)
+        return
+    tasks = [t for t in (ns.tasks or ",".join(DEFAULT_TASKS)).split(",") if t]
+    if [t for t in tasks if t not in TASKS]:
+        raise ConfigError(
+            f"kvlab reference-table: unknown task {[t for t in tasks if t not in TASKS]} (tasks: "
+            f"{', '.join(TASKS)}; --suite ruler takes RULER tasks)."
+        )
+    samples = 8 if ns.samples is None else ns.samples
+    metric = ns.metric or "contains_answer"
     root = Path(ns.dir)
     for task in tasks:
-        node = {**TASKS[task], "num_samples": ns.samples}
+        node = {**TASKS[task], "num_samples": samples}
         for method, ratio in cells(methods, budgets):
             name = run_name(method, ratio)
             if not ns.resume:
@@ -170,7 +495,7 @@ def main(args: list[str]) -> None:
             run_predict(
                 run_config(method, ratio, node, run, ns.model), ["--trainer.enable_progress_bar", "false"]
             )
-    text = table(root, tasks, methods, budgets, ns.metric)
+    text = table(root, tasks, methods, budgets, metric)
     (root / "reference_table.md").write_text(text)
     print(text, end="")
     if ns.docs is not None:
