@@ -11,10 +11,12 @@ head) segments of equal length whose starts are evenly spaced are one strided
 ``[count, length, D]`` view (equal-length heads, as uniform allocators give, are one run: the
 whole buffer viewed as ``[B * Hkv, L, D]``; a ragged layer is one run per distinct-length head).
 On CPU each run is one call of torch's CPU flash attention (the kernel behind
-``scaled_dot_product_attention``: the cache's own dtype is read, logits and accumulation are
-fp32), the decode entries one more, and the parts are merged by their log-sum-exp (three small
-ops, see :func:`_flash_attention`). fp32 results therefore change only by summation order; the
-number of tensor ops per layer stays about what transformers' own sdpa path takes. Tensors on
+``scaled_dot_product_attention``: the cache's own dtype is read; logits, softmax and
+accumulation are fp32, and for a 16-bit cache the unnormalised probabilities are rounded to its
+dtype before the product with the values, as sdpa does), the decode entries one more, and the
+parts are merged by their log-sum-exp (three small ops, see :func:`_flash_attention`). fp32
+results therefore change only by summation order; the number of tensor ops per layer stays
+about what transformers' own sdpa path takes. Tensors on
 other devices without the kernel (``kernels: reference`` on CUDA) take
 :func:`padded_decode_attention`.
 
@@ -53,14 +55,14 @@ class SegmentRun:
     def segments(self) -> slice:
         return slice(self.first, self.first + self.count)
 
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """``[count, length, D]`` view of ``flat [N, D]`` (no copy)."""
+    def view(self, flat: torch.Tensor, heads: bool = False) -> torch.Tensor:
+        """``[count, length, D]`` view of ``flat [N, D]`` (no copy); ``[count, 1, length, D]`` with
+        ``heads`` (the layout the flash kernel reads: one head per segment), in one op either way."""
         rows, cols = flat.stride()
-        return flat.as_strided(
-            (self.count, self.length, flat.shape[1]),
-            (self.stride * rows, rows, cols),
-            flat.storage_offset() + self.row * rows,
-        )
+        offset, step, D = flat.storage_offset() + self.row * rows, self.stride * rows, flat.shape[1]
+        if heads:
+            return flat.as_strided((self.count, 1, self.length, D), (step, rows, rows, cols), offset)
+        return flat.as_strided((self.count, self.length, D), (step, rows, cols), offset)
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,9 @@ def grouped_logits(
 def _flash(query, keys, values, scaling, mask=None):
     """torch's CPU flash attention (what ``scaled_dot_product_attention`` runs on CPU), which also
     returns the log-sum-exp: ``[n, 1, r, D]`` in the inputs' dtype and ``[n, 1, r]`` (fp32, fp64
-    for fp64). 16-bit inputs are read as they are; logits and accumulation are fp32."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    for fp64). 16-bit inputs are read as they are; logits, softmax and accumulation are fp32 (the
+    probabilities are rounded to the inputs' dtype for the product with the values)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     return flash(query, keys, values, 0.0, False, attn_mask=mask, scale=scaling)
 
 
@@ -149,35 +152,50 @@ def _flash_attention(
     scaling: float,
     q: int,
 ) -> torch.Tensor:
-    """``[n, r, D]``: one flash call per run and one over the decode entries, merged by log-sum-exp.
+    """``[n, 1, r, D]``: one flash call per run and one over the decode entries, merged by log-sum-exp.
 
-    With ``lse_p`` / ``lse_d`` the log-sum-exps of the prompt and decode parts, the prompt part's
-    share of the softmax mass is ``sigmoid(lse_p - lse_d)``, so the result is
-    ``lerp(out_d, out_p, sigmoid(lse_p - lse_d))`` (in fp32 for 16-bit inputs): three small ops,
-    exact up to rounding. A head with no prompt entry has ``lse_p = -inf`` (share 0).
+    ``query [n, 1, r, D]`` (each segment one "batch" entry with one head), ``decode_keys /
+    decode_values [n, 1, t, D]``. With ``lse_p`` / ``lse_d`` the log-sum-exps of the prompt and
+    decode parts, the prompt part's share of the softmax mass is ``sigmoid(lse_p - lse_d)``, so the
+    result is ``lerp(out_d, out_p, sigmoid(lse_p - lse_d))`` (in fp32 for 16-bit inputs): three
+    small ops, exact up to rounding. A head with no prompt entry has ``lse_p = -inf`` (share 0).
+    Every op is counted: on a busy CPU each costs more than its arithmetic (docs/kernels.md).
     """
-    n, rows, D = query.shape
-    grouped = query[:, None]  # [n, 1, r, D]: each segment one "batch" entry with one head
-    outs, lses = [], []
-    for run in runs.runs:
-        if run.length:
-            keys, values = run.view(prompt_keys)[:, None], run.view(prompt_values)[:, None]
-            out, lse = _flash(grouped[run.segments], keys, values, scaling)
-        else:
-            out = query.new_zeros(run.count, 1, rows, D)
-            lse = query.new_full((run.count, 1, rows), float("-inf"), dtype=_lse_dtype(query))
-        outs.append(out)
-        lses.append(lse)
-    out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
-    t = decode_keys.shape[1]
+    n, _, rows, D = query.shape
+    if len(runs.runs) == 1 and runs.runs[0].length:  # equal-length heads: one call over the buffer
+        run = runs.runs[0]
+        out, lse = _flash(query, run.view(prompt_keys, True), run.view(prompt_values, True), scaling)
+    else:
+        outs, lses = [], []
+        for run in runs.runs:
+            if run.length:
+                keys, values = run.view(prompt_keys, True), run.view(prompt_values, True)
+                part, part_lse = _flash(query[run.segments], keys, values, scaling)
+            else:
+                part = query.new_zeros(run.count, 1, rows, D)
+                part_lse = query.new_full((run.count, 1, rows), float("-inf"), dtype=_lse_dtype(query))
+            outs.append(part)
+            lses.append(part_lse)
+        out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+    t = decode_keys.shape[2]
     if t == 0:
-        return out[:, 0]
+        return out
     mask = _decode_mask(q, rows, t, query) if q > 1 else None
-    decode, decode_lse = _flash(grouped, decode_keys[:, None], decode_values[:, None], scaling, mask)
-    share = torch.sigmoid(lse - decode_lse)[..., None]  # [n, 1, r, 1]
+    decode, decode_lse = _flash(query, decode_keys, decode_values, scaling, mask)
+    share = torch.sub(lse, decode_lse).sigmoid_().unsqueeze_(-1)  # [n, 1, r, 1]
     if query.dtype in FULL_PRECISION:
-        return torch.lerp(decode, out, share)[:, 0]
-    return torch.lerp(decode.float(), out.float(), share).to(query.dtype)[:, 0]
+        return decode.lerp_(out, share)  # decode is the kernel's fresh output
+    return torch.lerp(decode.float(), out.float(), share).to(query.dtype)
+
+
+def _segments_view(decode: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B * Hkv, 1, length, D]`` view of the first ``length`` entries of ``decode [B, Hkv, C, D]``
+    (one op when the (sample, head) dims merge, as in the cache's own buffers)."""
+    B, Hkv, _, D = decode.shape
+    s0, s1, s2, s3 = decode.stride()
+    if s0 == Hkv * s1 or B == 1:
+        return decode.as_strided((B * Hkv, 1, length, D), (s1, s1, s2, s3), decode.storage_offset())
+    return decode[:, :, :length].flatten(0, 1)[:, None]
 
 
 def _lse_dtype(query: torch.Tensor) -> torch.dtype:
@@ -310,8 +328,8 @@ def ragged_decode_attention_reference(
         ``decode_valid``, and tensors on other devices, take :func:`padded_decode_attention`
         (gathered, fp32 throughout).
     """
-    variants = (sliding_window, softcap, sinks, decode_valid)
-    if any(v is not None for v in variants) or not reads_in_place(query):
+    plain = sliding_window is None and softcap is None and sinks is None and decode_valid is None
+    if not plain or not reads_in_place(query):
         return padded_decode_attention(
             query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values,
             decode_length, scaling, max_prompt_length, sliding_window=sliding_window, softcap=softcap,
@@ -321,9 +339,9 @@ def ragged_decode_attention_reference(
     B, H, q, D = query.shape
     Hkv = starts.shape[1]
     runs = SegmentRuns.of(starts, lengths) if runs is None else runs
-    grouped = query.reshape(B * Hkv, (H // Hkv) * q, D)
-    dk = decode_keys[:, :, :decode_length].flatten(0, 1)  # [B * Hkv, t, D] views
-    dv = decode_values[:, :, :decode_length].flatten(0, 1)
+    grouped = query.reshape(B * Hkv, 1, (H // Hkv) * q, D)  # [n, 1, r, D]: one head per segment
+    dk = _segments_view(decode_keys, decode_length)  # [n, 1, t, D] views
+    dv = _segments_view(decode_values, decode_length)
     out = _flash_attention(grouped, prompt_keys, prompt_values, runs, dk, dv, scaling, q)
     return out.reshape(B, H, q, D)
 
@@ -356,10 +374,10 @@ def ragged_decode_attention(
     the cache keeps) is used by the torch path only.
     """
     args = (query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values)
-    features = (("sliding_window", sliding_window), ("softcap", softcap), ("sinks", sinks),
-                ("padded decode entries", decode_valid))  # fmt: skip
-    used = [name for name, value in features if value is not None]
-    if used:
+    if not (sliding_window is None and softcap is None and sinks is None and decode_valid is None):
+        features = (("sliding_window", sliding_window), ("softcap", softcap), ("sinks", sinks),
+                    ("padded decode entries", decode_valid))  # fmt: skip
+        used = [name for name, value in features if value is not None]
         if get_mode() == "triton":  # asked for the kernel, which implements none of them: refuse
             raise ConfigError(
                 f"model.kernels is 'triton', but this layer's attention uses {', '.join(used)}, which the "

@@ -206,7 +206,56 @@ def test_bench_decode_model_table(capsys):
 
     main(["bench", "decode", "--model", "tiny-llama", "--contexts", "128", "--steps", "2", "--repeat", "1",
           "--budgets", "0.5", "--methods", "adakv"])  # fmt: skip
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128 ")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 128 ")]
     assert [row.split(" | ")[1] for row in rows] == [
         "transformers DynamicCache + sdpa", "DynamicCache, last 50% kept", "kvlab full", "kvlab adakv 50%"
     ]  # fmt: skip
+    assert [row.split(" | ")[5] for row in rows][0] == "1.00"  # ratios to DynamicCache, the first row
+    assert "min of 1 interleaved rounds" in out and "- 128: kvlab full " in out  # fastest round; targets
+
+
+def test_target_lines_check_the_issue_targets():
+    from kvlab.bench.decode import target_lines
+
+    seconds = {"transformers DynamicCache + sdpa": 1.0, "DynamicCache, last 10% kept": 0.5,
+               "kvlab full": 1.01, "kvlab snapkv 10%": 0.59, "kvlab adakv 50%": 1.02,
+               "kvlab adakv 10%": 0.7}  # fmt: skip
+    lines = target_lines("4k", seconds, 1.0, [0.5, 0.1], check_kept=True)
+    assert lines[0] == "4k: kvlab full 1.01x DynamicCache (<= 1.02x: met)"
+    assert "4k: kvlab snapkv 10% 0.59x DynamicCache (<= 0.6x: met)" in lines
+    assert "4k: kvlab adakv 10% 0.70x DynamicCache (<= 0.6x: NOT met)" in lines
+    assert "4k: kvlab adakv 10% 0.69x kvlab full (< 1: met)" in lines
+    assert not any("adakv 50%" in line for line in lines)  # the AdaKV target is below 50%
+    assert not any("0.6x" in line for line in target_lines("1k", seconds, 1.0, [0.1], check_kept=False))
+
+
+def test_plain_cpu_calls_read_in_place_and_variants_take_the_masked_path(monkeypatch):
+    """A plain call on CPU never gathers (no call of the padded path); soft-capping, sinks and padding
+    entries in the decode region always take it (the strided path implements none of them)."""
+    import kvlab.kernels.decode_attention as decode_attention
+    from kvlab.engine.attention import AttentionOptions
+
+    masked = []
+    padded = decode_attention.padded_decode_attention
+
+    def spy(*args, **kwargs):
+        masked.append(sorted(k for k, v in kwargs.items() if v is not None))
+        return padded(*args, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "padded_decode_attention", spy)
+    for counts in (EQUAL, RAGGED, PER_SAMPLE):
+        layer, model, gen = filled(counts)
+        assert_attention(layer, model, append(layer, model, 1, gen, torch.float32))
+        assert_attention(layer, model, append(layer, model, 2, gen, torch.float32))
+    assert masked == []
+    query = append(layer, model, 1, gen, torch.float32)
+    layer.decode_attention(query, D**-0.5, AttentionOptions(softcap=30.0))
+    layer.decode_attention(query, D**-0.5, AttentionOptions(sinks=torch.zeros(HKV * G)))
+    assert [("softcap" in m, "sinks" in m) for m in masked] == [(True, False), (False, True)]
+    cache = CompressedCache(num_layers=1)
+    cache.layers[0] = layer
+    with cache.appending_valid(torch.tensor([[False, True], [True, True]])):
+        query = append(layer, model, 2, gen, torch.float32, torch.tensor([[False, True], [True, True]]))
+    assert_attention(layer, model, query)
+    assert "decode_valid" in masked[-1]

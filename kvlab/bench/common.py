@@ -93,8 +93,12 @@ def parse_list(text: str, kind: type) -> list:
     return out
 
 
-def base_parser(prog: str, doc: str, contexts: str, repeat: int) -> argparse.ArgumentParser:
-    """Options every attention bench shares (shapes default to Llama-3-8B's attention)."""
+def base_parser(prog: str, doc: str, contexts: str | None, repeat: int | None) -> argparse.ArgumentParser:
+    """Options every attention bench shares (shapes default to Llama-3-8B's attention).
+
+    A bench with several scenarios passes None for ``contexts`` / ``repeat`` and fills in each
+    scenario's default after parsing.
+    """
     p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     p.add_argument("--contexts", default=contexts, help="prompt lengths (comma separated, k = 1024)")
     p.add_argument("--batch", type=int, default=1)
@@ -125,10 +129,10 @@ def triton_note(has_triton: bool) -> None:
         print("\nThe Triton columns need a CUDA device (on CPU the kernels are only interpreter-checked).")
 
 
-def add_threads_option(parser: argparse.ArgumentParser) -> None:
+def add_threads_option(parser: argparse.ArgumentParser, default: int = 1) -> None:
     """``--threads`` (default 1): CPU intra-op threads; apply with ``torch.set_num_threads``.
 
     On a shared machine multi-threaded small ops stall on busy cores, so one thread gives the
     steadier figures.
     """
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    parser.add_argument("--threads", type=int, default=default, help=f"CPU threads (default {default})")
