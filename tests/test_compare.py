@@ -8,10 +8,10 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_cli import TINY, predict, write_jsonl
 
-import kvlab.metrics.evaluation
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.sweep import expand, parse_method, split_values
+from kvlab.metrics.evaluation import FidelityEvaluator
 
 SNAP = ["--model.compression.budget.window", "4"]  # snapkv's window attention observes budget.window
 
@@ -23,13 +23,13 @@ def swept(tmp_path_factory):
     rows = [{"id": f"s{i}", "prompt": "word " * (25 + 10 * i), "answers": ["word"]} for i in range(3)]
     data = write_jsonl(tmp / "d.jsonl", rows)
     calls = []
-    real = kvlab.metrics.evaluation.generate
+    real = FidelityEvaluator.run
 
-    def counting(loaded, pipeline, *args, **kwargs):
+    def counting(self, pipeline, *args, **kwargs):
         calls.append(pipeline.compresses)
-        return real(loaded, pipeline, *args, **kwargs)
+        return real(self, pipeline, *args, **kwargs)
 
-    kvlab.metrics.evaluation.generate = counting
+    FidelityEvaluator.run = counting
     try:
         dataset = ["--data.dataset", f"{{name: jsonl, path: {data}}}"]
         predict(tmp, "--config", "full", *TINY, *dataset)
@@ -38,7 +38,7 @@ def swept(tmp_path_factory):
             tmp, "--config", "snapkv", *TINY, *dataset, *SNAP, "--model.compression.budget.tokens", "12,24"
         )
     finally:
-        kvlab.metrics.evaluation.generate = real
+        FidelityEvaluator.run = real
     return tmp / "runs" / "exp", full_runs, calls.count(False) - full_runs
 
 

@@ -21,8 +21,8 @@ def wrong_scaling(monkeypatch):
     """kvlab's prefill attention with 1.5x the model's scaling: an engine that does not reproduce it."""
     exact = attention.prefill_attention
 
-    def scaled(query, key, value, valid, scaling, options=None):
-        return exact(query, key, value, valid, scaling * 1.5, options)
+    def scaled(query, key, value, valid, scaling, options=None, **kwargs):
+        return exact(query, key, value, valid, scaling * 1.5, options, **kwargs)
 
     monkeypatch.setattr(attention, "prefill_attention", scaled)
 
@@ -81,8 +81,8 @@ def test_a_missed_sliding_window_is_caught_by_the_probe(monkeypatch):
     """kvlab ignoring the window only shows past it: the probe finds it although the prompt is short."""
     exact = attention.prefill_attention
 
-    def windowless(query, key, value, valid, scaling, options=None):
-        return exact(query, key, value, valid, scaling, None)
+    def windowless(query, key, value, valid, scaling, options=None, **kwargs):
+        return exact(query, key, value, valid, scaling, None, **kwargs)
 
     loaded = kvlab.wrap_model(build("mistral-sliding"), tokenizer(), name="mistral-sliding")
     monkeypatch.setattr(attention, "prefill_attention", windowless)

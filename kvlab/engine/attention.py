@@ -186,6 +186,7 @@ IGNORED_KWARGS = {
     # Mixture-of-experts models (GPT-OSS, Mixtral) pass their router flag down every layer's kwargs.
     "output_router_logits": "a mixture-of-experts output flag, nothing for attention",
 }
+KNOWN_KWARGS = HANDLED_KWARGS | frozenset(IGNORED_KWARGS)  # checked at every call: precomputed
 
 # Attention layer types (``config.layer_types``) kvlab implements.
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
@@ -274,7 +275,7 @@ def attention_options(module: torch.nn.Module, kwargs: dict[str, Any]) -> Attent
         ConfigError: a keyword kvlab neither implements nor may ignore, a non-zero ``dropout``
             or ``is_causal=False`` (naming the model and the argument).
     """
-    unknown = sorted(set(kwargs) - HANDLED_KWARGS - set(IGNORED_KWARGS))
+    unknown = sorted(key for key in kwargs if key not in KNOWN_KWARGS)
     name = getattr(getattr(module, "config", None), "name_or_path", "")
     owner = f"model {name!r} ({type(module).__name__})" if name else type(module).__name__
     if unknown:
