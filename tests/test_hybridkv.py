@@ -289,3 +289,33 @@ def test_global_scope_pools_the_heads_of_every_layer():
         want = naive_hybridkv_floor_budgets(score[b].flatten().tolist(), static.tolist(), 16, lengths[b],
                                             WINDOW, 0.75, 0.1)  # fmt: skip
         assert got[b].flatten().tolist() == want
+
+
+def test_pool_keeps_its_total_when_a_static_head_is_raised_to_its_protected_tokens():
+    """A low-S static head is raised to the window: the other static heads give the difference back."""
+    from kvlab.compression.hybridkv import allocate_pool
+
+    static = torch.tensor([True, True, True, False])
+    out = allocate_pool(torch.tensor([1.0, 0.05, 0.05, 0.3]), static, 40, 1000, 32)
+    assert int(out.sum()) == 4 * 40 and bool((out >= 32).all())
+    out = allocate_pool(torch.tensor([1.0, 0.05, 0.05, 0.3]), static, 40, 1000, 32, min_dynamic=100)
+    assert int(out.sum()) == 4 * 40 and out.tolist() == [32, 32, 32, 64]  # min_dynamic only where it fits
+
+
+def test_global_pool_on_a_model_with_sliding_window_layers():
+    """Sliding layers keep their window and are not pooled; the full-attention layers share the pool."""
+    from test_attention_variants import build, prompts, tokenizer
+
+    import kvlab
+    from kvlab.api import _collate_ids
+    from kvlab.engine.generation import generate
+
+    loaded = kvlab.wrap_model(build("gemma3-text"), tokenizer(), name="gemma3-text")
+    batch = _collate_ids(loaded, prompts())
+    node = kvlab.compression_config("hybridkv", budget={"ratio": 0.5, "window": 1, "sinks": 0})
+    result = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=2)
+    kinds = loaded.model.config.layer_types
+    full = [layer for layer, kind in enumerate(kinds) if kind == "full_attention"]
+    assert full and len(full) < len(kinds)
+    pooled = torch.stack([result.reports[layer].budget for layer in full])  # [L_full, B]
+    assert bool((pooled < result.prompt_lengths).all())

@@ -33,6 +33,7 @@ import torch
 
 from kvlab.compression.allocators import HEAD_ALLOCATORS, HeadAllocator, round_to_total
 from kvlab.compression.context import LayerContext, attention_probs
+from kvlab.compression.prefixkv import fit_to_total
 from kvlab.compression.routing import ROUTE_RULES, RouteDecision, RouteRule
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.window_scores import REFERENCE_BLOCK_ELEMENTS
@@ -214,14 +215,20 @@ def allocate_pool(
     Head-type level: ``b_dyn = pow2(r Bbar)``, stepped down one power at a time while
     ``b_dyn N_dyn + protected N_stat > B_total`` (the paper's constraint
     ``r <= B_total / (Bbar N_dyn)``, with room for every static head's window), then raised to
-    ``max(min_dynamic, protected)`` and capped at ``C``; ``B_stat = B_total - b_dyn N_dyn`` (the
+    ``min_dynamic`` where that still leaves the static heads their window, to ``protected`` in
+    any case (a budget below the protected tokens is the pipeline's recorded overshoot), and
+    capped at ``C``; ``B_stat = B_total - b_dyn N_dyn`` (the
     total preserved after rounding and raising). Head level::
 
         b_h = alpha B_stat / N_stat + (1 - alpha) B_stat S_h / sum_{static} S
 
-    rounded to integers summing to ``B_stat`` (``exact_total``) or with each term floored
-    (``floor``, Eq. 5 as printed), then clamped to ``[protected, C]`` with the excess above ``C``
-    handed to the other static heads in proportion to their ``S``. Dynamic heads get ``b_dyn``.
+    fitted to integers within ``[protected, C]`` summing to ``B_stat`` (``exact_total``: the
+    real values shifted by one common amount where a bound binds, then rounded by largest
+    remainder), or with each term floored (``floor``, Eq. 5 as printed) and then clamped to
+    ``[protected, C]`` with the excess above ``C`` handed to the other static heads in proportion
+    to their ``S`` (the release's rule; its total may differ from ``B_stat``). Dynamic heads get
+    ``b_dyn``.
+
     """
     N = score.numel()
     dynamic = ~static
@@ -237,7 +244,8 @@ def allocate_pool(
         # kvlab's pipeline counts the protected tokens in every head's budget (a retrieving head with
         # nothing resident retrieves that many at least), so b_dyn is raised to them here, where
         # B_stat still accounts for it
-        b_dyn = min(max(b_dyn, min_dynamic, protected), length)
+        b_dyn = max(b_dyn, min(min_dynamic, max(limit, 1)))  # min_dynamic where it fits
+        b_dyn = min(max(b_dyn, protected), length)
         out[dynamic.cpu()] = b_dyn
     if not n_stat:
         return out
@@ -247,9 +255,10 @@ def allocate_pool(
     real = alpha * stat / n_stat + (1 - alpha) * stat * share
     if rounding == "floor":
         budgets = math.floor(alpha * stat / n_stat) + torch.floor((1 - alpha) * stat * share).long()
-    else:
-        budgets = round_to_total(real, stat)
-    out[static.cpu()] = _clamp_spread(budgets.clamp(min=protected), length, share)
+        out[static.cpu()] = _clamp_spread(budgets.clamp(min=protected), length, share)
+    else:  # within [protected, C], summing to B_stat (bounded by what the bounds allow)
+        low = min(protected, length)
+        out[static.cpu()] = fit_to_total(real, low, length, min(max(stat, low * n_stat), length * n_stat))
     return out
 
 
@@ -331,19 +340,25 @@ class HybridKVHeadAllocator(HeadAllocator):
 
     def _global(self, seen: dict[int, HeadClasses], per_head, protected, ctx: LayerContext) -> torch.Tensor:
         """This layer's rows of one pool over every layer (computed once per prompt)."""
+        from kvlab.compression.pipeline import WHOLE_LAYERS  # the pipeline imports this module's registry
+
         key = ("hybridkv_global", id(self))
         if key not in ctx.state:
-            if len(seen) != ctx.num_layers:
+            whole = ctx.state.get(WHOLE_LAYERS, set())  # sliding-window layers kept whole, never classified
+            if len(seen) + len(whole) != ctx.num_layers:
                 raise ConfigError(
                     "model.compression.allocate.head.scope 'global' pools every layer's heads, whose "
                     "classes exist only after the last layer's prefill: set model.compression.schedule: "
                     "global, or use scope: layer (one pool per layer)."
                 )
-            L, (B, Hkv) = ctx.num_layers, seen[0].score.shape
-            pools = torch.empty(B, L, Hkv, dtype=torch.long)
+            layers = sorted(seen)
+            B, Hkv = seen[layers[0]].score.shape
+            pools = torch.empty(B, len(layers), Hkv, dtype=torch.long)
             for b in range(B):
-                score = torch.stack([seen[layer].score[b] for layer in range(L)]).flatten()
-                static = torch.stack([seen[layer].static[b] for layer in range(L)]).flatten()
-                pools[b] = self._pool(score, static, per_head[b], ctx.lengths[b], protected[b]).view(L, Hkv)
-            ctx.state[key] = pools
-        return ctx.state[key][:, ctx.layer_idx]
+                score = torch.stack([seen[layer].score[b] for layer in layers]).flatten()
+                static = torch.stack([seen[layer].static[b] for layer in layers]).flatten()
+                pool = self._pool(score, static, per_head[b], ctx.lengths[b], protected[b])
+                pools[b] = pool.view(len(layers), Hkv)
+            ctx.state[key] = (layers, pools)
+        layers, pools = ctx.state[key]
+        return pools[:, layers.index(ctx.layer_idx)]

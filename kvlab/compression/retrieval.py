@@ -49,7 +49,12 @@ class RetrieveSelector(Selector):
     the +inf entries of the scores, i.e. ``budget.window`` and sinks) or nothing (``local: none``,
     HybridKV's dynamic heads: only the index is resident), and retrieves ``(count - local) //
     chunk`` whole chunks of the remaining tokens at every step (the rest of a budget that is not a
-    multiple of ``chunk`` is not used; HybridKV's power-of-two budgets are multiples of 8). Scores
+    multiple of ``chunk`` is not used; HybridKV's power-of-two budgets are multiples of 8). A budget
+    that leaves less than one chunk beyond the local tokens (short prompts at small ratios: the
+    ``retrieval`` preset's 20 local tokens and chunks of 8 below ~280 prompt tokens at 10%)
+    retrieves nothing: the head attends to its local tokens alone, as an evicting method with that
+    budget would; its ``retrieval_heads_per_layer`` entry still counts it and its fetched bytes are
+    0, so the predictions show it. Scores
     are not read otherwise: retrieval ranks chunks by the decode query, not by prefill scores.
     Under a per-head route only the heads routed to this branch are offloaded
     (``ROUTED_HEADS``); the other rows of this selection are discarded by the route.
