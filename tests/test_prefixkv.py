@@ -673,3 +673,11 @@ def test_prefixkv_preset_runs_through_the_cli(tmp_path):
         assert len(records) == 2 and all(0 < r["kv_ratio"] < 0.35 for r in records)
         metrics = json.loads((run / "metrics.json").read_text())
         assert metrics["samples"] == 2 and 0 < metrics["kv_ratio"] < 0.35
+
+
+def test_calibrated_ratios_are_refused_with_other_protected_tokens():
+    """The artefact's ratios were solved with one sink and one window token: another budget window
+    would make them the sizes of another problem."""
+    loaded = e2e.kvlab_model("tiny-qwen2")
+    with pytest.raises(ConfigError, match="calibrated with 2 protected tokens"):
+        e2e.run(loaded, prefixkv({"ratio": 0.2, "window": 8}), items(60, 35), 2)

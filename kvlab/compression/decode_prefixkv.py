@@ -66,6 +66,7 @@ def move_entries(
     b, h = rows.nonzero(as_tuple=True)
     if b.numel() == 0:
         return
+    layer._own_buffers()  # a checkpoint may share these buffers: copy before writing in place
     src, dst = source[b, h], target[b, h]
     pairs = [(layer.prompt_keys, layer.decode_keys), (layer.prompt_values, layer.decode_values)]
     if layer.prompt_positions is not None:

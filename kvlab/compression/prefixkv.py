@@ -366,11 +366,21 @@ class PrefixCalibratedAllocator(LayerAllocator, UsesArtefact):
             )
         artefact = self.artefact_for(ctx)
         budgets, ratios = artefact.tensors["budgets"].double(), artefact.tensors["ratios"].double()
+        calibrated = artefact.settings.get("calibration") or {}
         out = budget.clone()
         rows = zip(budget.tolist(), lengths.tolist(), protected.tolist(), strict=True)
         for b, (c, n, held) in enumerate(rows):
             if c >= n:
                 continue
+            want = min(int(calibrated.get("sinks", 1)) + int(calibrated.get("window", 1)), n)
+            if held != want:
+                raise ConfigError(
+                    f"{self._where()}: the ratios were calibrated with {want} protected tokens (sinks "
+                    f"{calibrated.get('sinks', 1)} + window {calibrated.get('window', 1)}), but this run's "
+                    f"budget protects {held}, so the calibrated sizes do not apply. Set "
+                    "model.compression.budget.sinks / window to the calibrated values, or calibrate with "
+                    "this budget's (`kvlab calibrate --config prefixkv_layer_ratios`, sinks/window)."
+                )
             fractions = self.fractions(budgets, ratios, c, n)  # [L]
             if self.rounding == "nearest":
                 sizes = (n - torch.round((1 - fractions) * n)).long().clamp(held, n)
