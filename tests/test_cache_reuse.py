@@ -172,3 +172,14 @@ def test_padding_entries_are_hidden_from_decode_attention():
             v = torch.cat([pv[s : s + n], dv[b, kv, :4][real]])
             probs = torch.softmax(query[b, h, 0] @ k.T * 0.3, -1)
             torch.testing.assert_close(out[b, h, 0], probs @ v)
+
+
+def test_a_block_without_padding_keeps_the_plain_decode_path():
+    """Questions of equal length (or one sample) leave no padding entry: no ``decode_valid``, so
+    decode keeps the in-place path (and the Triton kernel on a GPU); a padded block sets it."""
+    loaded = kvlab.wrap_model(build("llama"), tokenizer(), name="llama")
+    pipeline = Pipeline.from_config(SNAPKV)
+    state = extend(prefill(loaded, pipeline, _collate_ids(loaded, rows(CONTEXTS, 10))), rows((3, 3, 3), 11))
+    assert all(layer.decode_valid is None for layer in state.cache.layers)
+    state = extend(prefill(loaded, pipeline, _collate_ids(loaded, rows(CONTEXTS, 10))), rows(QUESTIONS, 11))
+    assert all(layer.decode_valid is not None for layer in state.cache.layers)

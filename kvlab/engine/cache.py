@@ -204,8 +204,8 @@ class CompressedLayer(CacheLayerMixin):
     def _mark_valid(self, q: int, needed: int) -> None:
         """Record which of the ``q`` tokens being appended are real (``pending_valid``)."""
         valid = self.pending_valid
-        if valid is None and self.decode_valid is None:
-            return
+        if self.decode_valid is None and (valid is None or bool(valid.all())):
+            return  # no padding entry yet: decode keeps its plain (in-place, kernel) path
         if self.decode_valid is None:  # first padded block: every earlier decode entry is real
             self.decode_valid = torch.ones(
                 self.decode_keys.shape[0],
