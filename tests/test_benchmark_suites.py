@@ -327,3 +327,13 @@ def test_shipped_benchmark_configs_validate(name: str) -> None:
         node.update({"tasks": ["niah_single_1"], "samples_per_task": 1} if node["name"] == "ruler" else {})
     dataset = DATASETS.build(node, "data.dataset", tokenizer="tiny-qwen2")
     assert dataset.samples() and dataset.metrics
+
+
+def test_longbench_tasks_prompted_raw_are_refused_with_a_chat_template() -> None:
+    """trec & co. are prompted without a chat template by LongBench: a run applying one is refused."""
+    from kvlab.data import KVLabDataModule
+
+    node = {"name": "longbench", "path": str(FIXTURES / "longbench"), "tasks": ["trec"]}
+    with pytest.raises(ConfigError, match="data.chat_template: none"):
+        KVLabDataModule(dataset=node, model="tiny-qwen2", chat_template="auto").setup()
+    KVLabDataModule(dataset=node, model="tiny-qwen2", chat_template="none").setup()

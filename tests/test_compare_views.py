@@ -157,3 +157,38 @@ def test_run_label():
     assert run_label("full", Pipeline.from_config({})) == "full · full cache"
     ratio = Pipeline.from_config({"budget": {"ratio": 0.2, "window": 8, "sinks": 4}, "importance": ATTENTION})
     assert run_label(None, ratio) == "ratio 0.2, window 8, 4 sinks"
+
+
+def test_runs_differing_in_window_or_protocol_are_never_pooled():
+    """Only the budget's size is a column: another window or protocol is another method (row)."""
+    from kvlab.runner.compare import Run
+
+    def run(name, point, budget, protocol="query_aware", score=1.0, metric="contains_answer"):
+        fields = {"model": {"compression": {"budget": budget, "importance": ATTENTION}, "protocol": protocol},
+                  "data": {"dataset": {"name": "bench", "metrics": [metric]}}}  # fmt: skip
+        records = [{"id": "s0", metric: score}]
+        return Run(name, "snapkv", point, {}, records=records, fields=fields)
+
+    runs = [
+        run("snapkv@budget.ratio=0.1,budget.window=8", {"budget.ratio": "0.1", "budget.window": "8"},
+            {"ratio": 0.1, "window": 8}, score=1.0),
+        run("snapkv@budget.ratio=0.1,budget.window=32", {"budget.ratio": "0.1", "budget.window": "32"},
+            {"ratio": 0.1, "window": 32}, score=0.0),
+        run("snapkv@budget.ratio=0.2", {"budget.ratio": "0.2"}, {"ratio": 0.2}, protocol="query_agnostic"),
+        run("snapkv@budget.ratio=0.3", {"budget.ratio": "0.3"}, {"ratio": 0.3}, protocol="query_aware"),
+    ]  # fmt: skip
+    board = leaderboard(runs)
+    rows = board.scores["bench"]
+    assert rows["snapkv@budget.window=8"]["ratio=0.1"] == 100.0
+    assert rows["snapkv@budget.window=32"]["ratio=0.1"] == 0.0
+    plain = [name for name in rows if not name.startswith("snapkv@budget.window")]
+    assert len(plain) == 2 and all(name.startswith("snapkv#") for name in plain)  # two protocols, two rows
+
+
+def test_a_run_without_its_datasets_metric_has_no_score():
+    from kvlab.runner.compare import Run
+    from kvlab.runner.leaderboard import primary_metric
+
+    fields = {"data": {"dataset": {"name": "bench", "metrics": ["rouge_l"]}}}
+    run = Run("snapkv", "snapkv", {}, {}, records=[{"id": "s0", "contains_answer": 1.0}], fields=fields)
+    assert primary_metric(run) is None  # never scored by another metric

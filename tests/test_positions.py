@@ -255,3 +255,20 @@ def _csv(path):
     import csv
 
     return list(csv.DictReader(path.open()))
+
+
+@pytest.mark.parametrize("protocol", ["query_agnostic", "multi_question"])
+def test_record_positions_is_refused_outside_query_aware(protocol, monkeypatch):
+    """The question part of these protocols is not in the prompt selections: refused, not recorded wrong."""
+    import kvlab
+    from kvlab.runner.module import KVLabModule
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the config error")
+
+    monkeypatch.setattr("kvlab.runner.module.load_model", refuse)
+    with pytest.raises(ConfigError, match="model.record_positions .* query_aware only"):
+        KVLabModule(
+            model="tiny-qwen2", compression=kvlab.compression_config("snapkv"), protocol=protocol,
+            record_positions=True,
+        )  # fmt: skip

@@ -261,8 +261,19 @@ class KVLabDataModule(L.LightningDataModule):
 
     def check_samples(self) -> None:
         """Refuse images for a text-only model; refuse or left-truncate prompts longer than the
-        model's context (``long_prompts``). Truncated samples replace the originals."""
+        model's context (``long_prompts``). Truncated samples replace the originals. Refuse a
+        sample whose benchmark prompts without a chat template (``meta["reference_chat_template"]``
+        ``none``: LongBench's few-shot and code tasks) in a run that applies one."""
         selected = self.selected_samples
+        raw = [s.id for s in selected if (s.meta or {}).get("reference_chat_template") == "none"]
+        if raw and self.chat_template != "none":
+            raise ConfigError(
+                f"sample '{raw[0]}' ({len(raw)} samples in all) comes from a task its benchmark prompts "
+                f"without a chat template (LongBench's pred.py: trec, triviaqa, samsum, lsht, lcc, "
+                f"repobench-p), but data.chat_template is {self.chat_template!r}, so its score would not be "
+                "comparable. Set data.chat_template: none (`--config benchmarks/longbench_fewshot` does), "
+                "or choose the other tasks."
+            )
         if getattr(self.processor, "images", True) is None:
             with_images = [s.id for s in selected if s.images]
             if with_images:

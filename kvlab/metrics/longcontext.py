@@ -36,7 +36,8 @@ bigai-nlco/LooGLE ``Evaluation/automatic_metrics.py``): ``loogle_bleu1``, ``loog
 (NLTK ``sentence_bleu`` without smoothing), ``loogle_rouge1``, ``loogle_rouge2``,
 ``loogle_rouge_l`` (the ``rouge`` package's *recall*, the reference's default ``metric="r"``)
 for the QA and summarisation tasks; ``loogle_cloze_exact`` and ``loogle_cloze_partial`` (share
-of masks filled exactly / with a shared word) for ``shortdep_cloze``. METEOR (needs WordNet) and
+of masks filled exactly / with a shared word, per sample and then averaged over samples; the
+reference pools the masks of every question) for ``shortdep_cloze``. METEOR (needs WordNet) and
 BERTScore (needs RoBERTa-large) are not implemented.
 
 Needle in a haystack (Kamradt 2023, gkamradt/LLMTest_NeedleInAHaystack, scored there by an LLM

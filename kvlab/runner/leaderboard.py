@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -75,21 +76,29 @@ def budget_point(fields: dict[str, Any]) -> BudgetPoint:
     return BudgetPoint("tokens" if isinstance(budget, int) else "ratio", float(budget))
 
 
+#: sweep keys that set the budget size (the leaderboard's columns); ``budget.window`` etc. stay in the name
+BUDGET_KEYS = ("budget", "budget.ratio", "budget.tokens")
+
+
 def method_label(run: Run) -> str:
-    """The run's name without its budget sweep keys (``snapkv@budget.ratio=0.1`` -> ``snapkv``)."""
-    rest = {k: v for k, v in run.point.items() if not k.startswith("budget")}
+    """The run's name without its budget-size sweep keys (``snapkv@budget.ratio=0.1`` -> ``snapkv``;
+    ``budget.window`` and the other budget fields stay: they make another method)."""
+    rest = {k: v for k, v in run.point.items() if k not in BUDGET_KEYS}
     return run.family + ("@" + ",".join(f"{k}={v}" for k, v in rest.items()) if rest else "")
 
 
 def method_key(run: Run) -> str:
     """What makes two runs the same method at different budgets: the family (the run's name before
-    ``@``) and the recorded ``model`` fields (model, compression, protocol, ...) without
-    ``compression.budget``; the data may differ (a benchmark's tasks run one by one). Without a
-    ``run.json``: :func:`method_label`."""
+    ``@``) and the recorded ``model`` fields (model, compression, protocol, ...) without the
+    budget's size (``compression.budget`` ``ratio`` / ``tokens``, or its shorthand); the data may
+    differ (a benchmark's tasks run one by one). Without a ``run.json``: :func:`method_label`."""
     model = (run.fields.get("model") or {}) if run.fields else {}
     if not model:
         return method_label(run)
-    compression = {k: v for k, v in (model.get("compression") or {}).items() if k != "budget"}
+    compression = dict(model.get("compression") or {})
+    budget = compression.pop("budget", None)
+    if isinstance(budget, dict):  # window, sinks, max_window_share stay part of the method
+        compression["budget"] = {k: v for k, v in budget.items() if k not in ("ratio", "tokens")}
     return json.dumps([run.family, {**model, "compression": compression}], sort_keys=True)
 
 
@@ -107,7 +116,8 @@ def primary_metric(run: Run) -> str | None:
                 {f.name: f.default for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
             )
             names = defaults.get("metrics")
-    names = [n for n in (names or []) if n in TASK_METRICS] + list(TASK_METRICS)
+    # the dataset's metric when it names one (None if its records lack it: never another metric)
+    names = [n for n in (names or []) if n in TASK_METRICS] or list(TASK_METRICS)
     return next((n for n in names if any(n in r for r in run.records)), None)
 
 
@@ -128,7 +138,15 @@ def _labels(runs: list[Run]) -> dict[str, str]:
     families_of: dict[str, set[str]] = {}
     for run in runs:
         families_of.setdefault(run.family, set()).add(method_key(run))
-    return {method_key(r): r.family if len(families_of[r.family]) == 1 else method_label(r) for r in runs}
+    labels = {method_key(r): r.family if len(families_of[r.family]) == 1 else method_label(r) for r in runs}
+    keys_of: dict[str, list[str]] = {}
+    for key, label in labels.items():
+        keys_of.setdefault(label, []).append(key)
+    for label, keys in keys_of.items():  # two methods, one name (e.g. another protocol): never merged
+        if len(keys) > 1:
+            for key in keys:
+                labels[key] = f"{label}#{hashlib.sha256(key.encode()).hexdigest()[:6]}"
+    return labels
 
 
 def leaderboard(runs: list[Run]) -> Leaderboard | None:

@@ -130,6 +130,13 @@ class KVLabModule(L.LightningModule):
         self.max_new_tokens = max_new_tokens
         self.dtype_name = dtype
         self.record_scores = record_scores
+        if record_positions and self.protocol.registry_name != "query_aware":
+            raise ConfigError(
+                f"model.record_positions is implemented for model.protocol: query_aware only (got "
+                f"{self.protocol.registry_name}: its question tokens or decode-time evictions are not in the "
+                "recorded prompt selections yet, so the positions would be wrong). Set "
+                "model.record_positions: false, or model.protocol: query_aware."
+            )
         self.record_positions = record_positions
         self.fidelity = fidelity
         self.inspect_samples = inspect_samples
