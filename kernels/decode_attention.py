@@ -274,6 +274,19 @@ def padded_decode_attention(
     return out.view(B, H, q, D).to(query.dtype)
 
 
+def variants(
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    decode_valid: torch.Tensor | None,
+) -> list[str]:
+    """The attention variants a call asks for (names), which only :func:`padded_decode_attention`
+    implements; empty for a plain call."""
+    asked = (("sliding_window", sliding_window), ("softcap", softcap), ("sinks", sinks),
+             ("padded decode entries", decode_valid))  # fmt: skip
+    return [name for name, value in asked if value is not None]
+
+
 def reads_in_place(query: torch.Tensor) -> bool:
     """Whether the torch path attends to a cache of ``query`` 's device without copying it (CPU:
     torch's CPU flash attention reads every float dtype as it is)."""
@@ -328,8 +341,7 @@ def ragged_decode_attention_reference(
         ``decode_valid``, and tensors on other devices, take :func:`padded_decode_attention`
         (gathered, fp32 throughout).
     """
-    plain = sliding_window is None and softcap is None and sinks is None and decode_valid is None
-    if not plain or not reads_in_place(query):
+    if variants(sliding_window, softcap, sinks, decode_valid) or not reads_in_place(query):
         return padded_decode_attention(
             query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values,
             decode_length, scaling, max_prompt_length, sliding_window=sliding_window, softcap=softcap,
@@ -374,10 +386,8 @@ def ragged_decode_attention(
     the cache keeps) is used by the torch path only.
     """
     args = (query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values)
-    if not (sliding_window is None and softcap is None and sinks is None and decode_valid is None):
-        features = (("sliding_window", sliding_window), ("softcap", softcap), ("sinks", sinks),
-                    ("padded decode entries", decode_valid))  # fmt: skip
-        used = [name for name, value in features if value is not None]
+    used = variants(sliding_window, softcap, sinks, decode_valid)
+    if used:
         if get_mode() == "triton":  # asked for the kernel, which implements none of them: refuse
             raise ConfigError(
                 f"model.kernels is 'triton', but this layer's attention uses {', '.join(used)}, which the "
@@ -385,21 +395,12 @@ def ragged_decode_attention(
                 "the torch reference) or `reference`."
             )
         CALLS[("ragged_decode_attention", "reference")] += 1
-        return padded_decode_attention(
-            *args,
-            decode_length,
-            scaling,
-            max_prompt_length,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            sinks=sinks,
-            prompt_positions=prompt_positions,
-            decode_positions=decode_positions,
-            query_positions=query_positions,
-            decode_valid=decode_valid,
-        )
-    if use_triton("ragged_decode_attention", query, prompt_keys, decode_keys):
+    elif use_triton("ragged_decode_attention", query, prompt_keys, decode_keys):
         from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton
 
         return ragged_decode_attention_triton(*args, decode_length, scaling, max_prompt_length)
-    return ragged_decode_attention_reference(*args, decode_length, scaling, max_prompt_length, runs=runs)
+    return ragged_decode_attention_reference(
+        *args, decode_length, scaling, max_prompt_length, sliding_window=sliding_window, softcap=softcap,
+        sinks=sinks, prompt_positions=prompt_positions, decode_positions=decode_positions,
+        query_positions=query_positions, decode_valid=decode_valid, runs=runs,
+    )  # fmt: skip

@@ -204,8 +204,8 @@ class CompressedLayer(CacheLayerMixin):
     def _mark_valid(self, q: int, needed: int) -> None:
         """Record which of the ``q`` tokens being appended are real (``pending_valid``)."""
         valid = self.pending_valid
-        if self.decode_valid is None and (valid is None or bool(valid.all())):
-            return  # no padding entry yet: decode keeps its plain (in-place, kernel) path
+        if valid is None and self.decode_valid is None:
+            return
         if self.decode_valid is None:  # first padded block: every earlier decode entry is real
             self.decode_valid = torch.ones(
                 self.decode_keys.shape[0],
@@ -524,8 +524,12 @@ class CompressedCache(Cache):
 
         For one forward of a left-padded block of new tokens over the compressed cache (a batch
         of questions of different lengths): padding entries are hidden from every later query
-        and take no position.
+        and take no position. A block without padding (every entry of ``valid`` True) is an
+        ordinary append: no layer gets a ``decode_valid`` mask, so decode keeps its plain
+        (in-place, kernel) path (one host sync here, not one per layer).
         """
+        if bool(valid.all()):
+            valid = None
         for layer in self.layers:
             layer.pending_valid = valid
         try:
