@@ -188,6 +188,10 @@ def test_longbench_truncation_keeps_head_and_question() -> None:
         assert counter.count_text(short.prompt) <= 170 < counter.count_text(long.prompt)
         assert short.meta["truncated_tokens"] > 0 and short.prompt.endswith(long.question)
         assert short.prompt.startswith("Answer the question based on the given passages.")
+    with pytest.raises(ConfigError, match="'hotpotqa' row 0 to 64 tokens cuts into its question"):
+        LongBenchDataset(
+            path=str(FIXTURES / "longbench"), tasks=["hotpotqa"], max_length=64, tokenizer="tiny-qwen2"
+        ).samples()
 
 
 def test_longbench_refusals_and_schema(tmp_path: Path) -> None:

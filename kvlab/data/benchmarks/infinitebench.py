@@ -25,7 +25,7 @@ from typing import Any
 
 from kvlab.config.errors import ConfigError
 from kvlab.data.benchmarks.common import check_count, check_tasks, fill, read_task_rows, split_at_context
-from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer, truncate_middle
+from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer, truncate_before_question
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
 
@@ -156,12 +156,10 @@ class InfiniteBenchDataset:
                 prompt = fill(before, **fields) + fields["context"] + question
                 meta: dict[str, Any] = {"suite": "infinitebench", "task": task, "source_id": row["id"]}
                 if counter is not None:
-                    prompt, dropped = truncate_middle(counter, prompt, self.max_length)  # type: ignore[arg-type]
-                    if not prompt.endswith(question):
-                        raise ConfigError(
-                            f"data.dataset.max_length: cutting InfiniteBench task '{task}' row {index} to "
-                            f"{self.max_length} tokens cuts into its question; raise max_length."
-                        )
+                    row_name = f"InfiniteBench task '{task}' row {index}"
+                    prompt, dropped = truncate_before_question(
+                        counter, prompt, question, self.max_length, row_name
+                    )
                     if dropped:
                         meta["truncated_tokens"] = dropped
                 out.append(

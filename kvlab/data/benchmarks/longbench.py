@@ -26,7 +26,7 @@ from typing import Any
 
 from kvlab.config.errors import ConfigError
 from kvlab.data.benchmarks.common import check_count, check_tasks, fill, read_task_rows, split_at_context
-from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer, truncate_middle
+from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer, truncate_before_question
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
 
@@ -145,13 +145,10 @@ class LongBenchDataset:
                 prompt = fill(before, input=row["input"]) + row["context"] + question
                 dropped = 0
                 if counter is not None:
-                    prompt, dropped = truncate_middle(counter, prompt, self.max_length)  # type: ignore[arg-type]
-                    if not prompt.endswith(question):
-                        raise ConfigError(
-                            f"data.dataset.max_length: cutting LongBench task '{task}' row {index} to "
-                            f"{self.max_length} tokens cuts into its question (the text after the context); "
-                            "raise max_length."
-                        )
+                    row_name = f"LongBench task '{task}' row {index}"
+                    prompt, dropped = truncate_before_question(
+                        counter, prompt, question, self.max_length, row_name
+                    )
                 meta = {
                     "suite": "longbench",
                     "task": task,

@@ -34,6 +34,7 @@ __all__ = [
     "require_tokenizer",
     "token_counter",
     "truncate_middle",
+    "truncate_before_question",
 ]
 
 
@@ -168,3 +169,20 @@ def truncate_middle(counter: TokenCounter, text: str, max_tokens: int) -> tuple[
         return text, 0
     half = max_tokens // 2
     return counter.decode(ids[:half]) + counter.decode(ids[-half:]), len(ids) - 2 * half
+
+
+def truncate_before_question(
+    counter: TokenCounter, prompt: str, question: str, max_tokens: int, row: str
+) -> tuple[str, int]:
+    """:func:`truncate_middle` of a prompt ending with ``question``, which the cut must leave whole.
+
+    Raises:
+        ConfigError: the cut reaches into the question (``row`` names the task and row).
+    """
+    prompt, dropped = truncate_middle(counter, prompt, max_tokens)
+    if not prompt.endswith(question):
+        raise ConfigError(
+            f"data.dataset.max_length: cutting {row} to {max_tokens} tokens cuts into its question (the "
+            "text after the context); raise max_length."
+        )
+    return prompt, dropped
