@@ -8,5 +8,13 @@
 - :mod:`kvlab.metrics.reference`: the cached full-cache reference per sample;
 - :mod:`kvlab.metrics.run`: :class:`RunMetrics`, all of them over a run's prediction records.
 
+The benchmark suites' metric modules register into :data:`kvlab.metrics.tasks.TASK_METRICS`
+when imported; this package imports them all, so every ``kvlab.metrics`` import sees every
+metric.
+
 Definitions: ``docs/evaluation.md``.
 """
+
+from kvlab.metrics import longcontext, vlm
+
+__all__ = ["longcontext", "vlm"]

@@ -2,7 +2,7 @@
 
 Each registered metric maps ``(output, Sample)`` to a score in [0, 1] (None when it does not
 apply: no answers, or a sample of a task scored otherwise) and is added to
-:data:`kvlab.metrics.tasks.TASK_METRICS` when this module is imported (``kvlab.metrics.tasks``
+:data:`kvlab.metrics.tasks.TASK_METRICS` when this module is imported (``kvlab.metrics``
 imports it). The scorers reproduce the reference code step by step, quirks included; where kvlab
 cannot (a dependency it does not ship), the difference is stated here and in
 ``docs/benchmark_suites.md``.
@@ -60,7 +60,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvlab.data.sample import Sample
-from kvlab.metrics.tasks import TASK_METRICS
+from kvlab.metrics.tasks import register_task_metrics
 from kvlab.metrics.text import normalize_answer
 
 __all__ = [
@@ -716,7 +716,7 @@ def _loogle_cloze(which: int) -> Callable[[str, Sample], float | None]:
     return metric
 
 
-TASK_METRICS.update(
+register_task_metrics(
     {
         "string_match_all": _ruler_metric(string_match_all),
         "string_match_part": _ruler_metric(string_match_part),

@@ -1,4 +1,8 @@
-"""Per-sample task scores: the task-metric registry.
+"""Per-sample task scores: the task-metric registry and the generic metrics.
+
+The benchmark suites' metrics register themselves here with :func:`register_task_metrics`
+when their modules are imported; importing the package (``import kvlab.metrics``, which any
+``kvlab.metrics.*`` import does first) imports every suite, so this module never imports them.
 
 A dataset names its metrics with a ``metrics`` attribute (YAML: ``data.dataset: {name: jsonl,
 path: x.jsonl, metrics: [exact_match, token_f1]}``); datasets without one get
@@ -29,6 +33,7 @@ __all__ = [
     "TASK_METRICS",
     "normalize_answer",
     "picked_choice",
+    "register_task_metrics",
     "score_output",
     "validate_task_metrics",
 ]
@@ -99,6 +104,18 @@ TASK_METRICS: dict[str, Callable[[str, Sample], float | None]] = {
 }
 
 
+def register_task_metrics(metrics: dict[str, Callable[[str, Sample], float | None]]) -> None:
+    """Add metrics to :data:`TASK_METRICS` (a benchmark suite's module calls it when imported).
+
+    Raises:
+        ValueError: a name is registered already (two suites must not share a metric name).
+    """
+    taken = sorted(set(metrics) & set(TASK_METRICS))
+    if taken:
+        raise ValueError(f"task metrics registered twice: {', '.join(taken)}")
+    TASK_METRICS.update(metrics)
+
+
 def validate_task_metrics(names: Iterable[str], where: str = "data.dataset.metrics") -> tuple[str, ...]:
     """Check metric names against :data:`TASK_METRICS`; returns them as a tuple."""
     if isinstance(names, str):
@@ -130,7 +147,3 @@ class TaskScores(SampleMeans):
 
     def __init__(self, **kwargs: Any):
         super().__init__(tuple(TASK_METRICS), **kwargs)
-
-
-from kvlab.metrics import longcontext as _longcontext  # noqa: E402, F401  (long-context benchmarks' metrics)
-from kvlab.metrics import vlm as _vlm  # noqa: E402, F401  (registers the VLM benchmarks' metrics)
