@@ -6,7 +6,10 @@
 - :mod:`kvlab.metrics.evaluation`: one batch's fidelity (full-cache reference, teacher forcing);
 - :mod:`kvlab.metrics.cost`: KV bytes, compression / prefill time, decode speed, peak memory;
 - :mod:`kvlab.metrics.reference`: the cached full-cache reference per sample;
-- :mod:`kvlab.metrics.run`: :class:`RunMetrics`, all of them over a run's prediction records.
+- :mod:`kvlab.metrics.run`: :class:`RunMetrics`, all of them over a run's prediction records;
+- :mod:`kvlab.metrics.suites`: the benchmark suites' task metrics (RULER, LongBench, ...), one
+  module per suite, over the text primitives :mod:`kvlab.metrics.text`,
+  :mod:`kvlab.metrics.rouge` and :mod:`kvlab.metrics.bleu`.
 
 The benchmark suites' metric modules register into :data:`kvlab.metrics.tasks.TASK_METRICS`
 when imported; this package imports them all, so every ``kvlab.metrics`` import sees every
@@ -15,6 +18,6 @@ metric.
 Definitions: ``docs/evaluation.md``.
 """
 
-from kvlab.metrics import longcontext, vlm
+from kvlab.metrics import suites, vlm
 
-__all__ = ["longcontext", "vlm"]
+__all__ = ["suites", "vlm"]

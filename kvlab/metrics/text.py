@@ -7,6 +7,9 @@
 - :func:`rouge_l`: ROUGE-L F1 = ``2 P R / (P + R)`` with ``P = LCS / len(pred)`` and
   ``R = LCS / len(ref)`` (Lin 2004, beta = 1); two empty sequences score 1.
 - :func:`token_f1`: SQuAD token F1 over the multiset of shared words; two empty answers score 1.
+- :func:`counter_f1`, :func:`qa_f1_score`: LongBench's and InfiniteBench's variant of the same
+  F1 (two empty sequences score 0); :func:`normalize_zh_answer`: their normalisation of Chinese
+  text (no Chinese or ASCII punctuation, no whitespace).
 
 All work on any sequence of hashables: words for task metrics, token ids for fidelity.
 """
@@ -19,6 +22,12 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 
 _PUNCTUATION = set(string.punctuation)
+
+_ZH_PUNCTUATION = (  # LongBench's and InfiniteBench's list, full-width characters included
+    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠"
+    "｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+)
+_ALL_PUNCTUATION = set(string.punctuation + _ZH_PUNCTUATION)
 
 
 def normalize_answer(text: str) -> str:
@@ -75,3 +84,24 @@ def position_match(pred: Sequence[Hashable], ref: Sequence[Hashable]) -> float:
     if longest == 0:
         return 1.0
     return sum(x == y for x, y in zip(pred, ref, strict=False)) / longest
+
+
+def counter_f1(prediction: Sequence[str], ground_truth: Sequence[str]) -> float:
+    """LongBench's ``f1_score``: F1 of the shared multiset of tokens, 0 when nothing is shared
+    (two empty sequences also score 0, unlike SQuAD's convention)."""
+    num_same = sum((Counter(prediction) & Counter(ground_truth)).values())
+    if num_same == 0:
+        return 0.0
+    precision = num_same / len(prediction)
+    recall = num_same / len(ground_truth)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_f1_score(prediction: str, ground_truth: str) -> float:
+    """LongBench/InfiniteBench ``qa_f1_score``: :func:`counter_f1` of the SQuAD-normalised words."""
+    return counter_f1(normalize_answer(prediction).split(), normalize_answer(ground_truth).split())
+
+
+def normalize_zh_answer(text: str) -> str:
+    """InfiniteBench ``normalize_zh_answer``: lower case, no (Chinese or ASCII) punctuation, no spaces."""
+    return "".join("".join(ch for ch in text.lower() if ch not in _ALL_PUNCTUATION).split())

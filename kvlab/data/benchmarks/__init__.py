@@ -2,7 +2,7 @@
 
 Importing this package registers the datasets ``ruler`` (generated offline), ``longbench``,
 ``infinitebench``, ``loogle`` (read from a download or the Hub) and ``needle_haystack``
-(generated offline); their metrics live in :mod:`kvlab.metrics.longcontext`.
+(generated offline); their metrics live in :mod:`kvlab.metrics.suites`.
 :func:`needle_heatmap` draws the needle grid's heatmap from a run's predictions, and
 :func:`task_scores` tabulates any suite's scores per task.
 """

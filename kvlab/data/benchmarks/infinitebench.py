@@ -10,7 +10,7 @@ Prompts are the open-model templates of ``src/prompt.py`` (``yarn_mistral_templa
 ``src/eval_yarn_mistral.py`` uses), filled as ``src/eval_utils.py``'s ``create_prompt`` fills them
 (code_run's function call and math_find's target read from ``input``); output lengths are
 ``DATA_NAME_TO_MAX_NEW_TOKENS``; scores are ``src/compute_scores.py``'s ``get_score_one_<task>``
-(:func:`kvlab.metrics.longcontext.infinitebench_score`), against ``get_answer``'s labels (the
+(:func:`kvlab.metrics.suites.infinitebench.infinitebench_score`), against ``get_answer``'s labels (the
 option text and its letter for the two multiple-choice tasks). The templates end with the start of
 the answer ("The pass key is"), inside the prompt as in the reference: no answer prefix.
 ``max_length`` reproduces ``truncate_input``'s middle truncation (128k - 1000 for GPT-4 there).

@@ -7,7 +7,7 @@ Understanding") ships 21 tasks (``THUDM/LongBench`` on the Hub, or ``data.zip`` 
 names of trec and lsht, else null) and ``_id``.
 
 Prompts are ``config/dataset2prompt.json``, output lengths ``config/dataset2maxlen.json``, metrics
-``eval.py``'s ``dataset2metric`` (:func:`kvlab.metrics.longcontext.longbench_score`). The prompt is
+``eval.py``'s ``dataset2metric`` (:func:`kvlab.metrics.suites.longbench.longbench_score`). The prompt is
 the template filled; ``Sample.question`` is the template's text after ``{context}`` (with the
 input), so a query-agnostic run compresses the context alone. LongBench uses no answer prefix.
 
