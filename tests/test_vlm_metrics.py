@@ -6,8 +6,7 @@ import random
 import pytest
 
 from kvlab.data.sample import Sample
-from kvlab.metrics.tasks import TASK_METRICS, score_output
-from kvlab.metrics.vlm import (
+from kvlab.metrics.suites.vlm import (
     anls_value,
     levenshtein,
     ocrbench_value,
@@ -18,6 +17,7 @@ from kvlab.metrics.vlm import (
     vqa_accuracy_value,
     vqa_normalize,
 )
+from kvlab.metrics.tasks import TASK_METRICS, score_output
 
 
 def sample(answers, **kwargs):

@@ -7,7 +7,7 @@
 - :mod:`kvlab.metrics.cost`: KV bytes, compression / prefill time, decode speed, peak memory;
 - :mod:`kvlab.metrics.reference`: the cached full-cache reference per sample;
 - :mod:`kvlab.metrics.run`: :class:`RunMetrics`, all of them over a run's prediction records;
-- :mod:`kvlab.metrics.suites`: the benchmark suites' task metrics (RULER, LongBench, ...), one
+- :mod:`kvlab.metrics.suites`: the benchmark suites' task metrics (RULER, LongBench, VLM tasks...), one
   module per suite, over the text primitives :mod:`kvlab.metrics.text`,
   :mod:`kvlab.metrics.rouge` and :mod:`kvlab.metrics.bleu`.
 
@@ -18,6 +18,6 @@ metric.
 Definitions: ``docs/evaluation.md``.
 """
 
-from kvlab.metrics import suites, vlm
+from kvlab.metrics import suites
 
-__all__ = ["suites", "vlm"]
+__all__ = ["suites"]
