@@ -15,13 +15,13 @@ from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
 from kvlab.engine.generation import generate
 from kvlab.metrics.cost import MAX_FIELDS, SUM_FIELDS, CostMetrics
-from kvlab.metrics.evaluation import FidelityEvaluator
 from kvlab.metrics.fidelity import Reference, fidelity_values, teacher_forced_sums, teacher_tokens
 from kvlab.metrics.means import record_values
 from kvlab.metrics.reference import ReferenceStore
 from kvlab.metrics.run import RunMetrics, summarize
 from kvlab.metrics.tasks import TASK_METRICS, picked_choice, score_output, validate_task_metrics
 from kvlab.metrics.text import lcs_length, position_match, rouge_l, token_f1
+from kvlab.runner.fidelity_run import FidelityEvaluator
 
 SNAP = {
     "budget": {"tokens": 24, "window": 4},

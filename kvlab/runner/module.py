@@ -19,10 +19,10 @@ from kvlab.engine.generation import GenerationResult
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
-from kvlab.metrics.evaluation import FidelityEvaluator
 from kvlab.metrics.reference import ReferenceStore
 from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, score_output, validate_task_metrics
 from kvlab.models.base import LoadedModel
+from kvlab.runner.fidelity_run import FidelityEvaluator
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.positions import RECORD_FIELD as POSITIONS_FIELD
 from kvlab.runner.positions import encode_row, kept_masks
