@@ -100,6 +100,8 @@ class KVLabCLI(LightningCLI):
         Every process of a data-parallel run gets here; only the launcher's first process clears
         results on ``--run.overwrite``. Nothing in the directory changes before the check passes.
         """
+        # the dataset's metric names (strings in the data layer) name registered metrics
+        validate_task_metrics(getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS)
         run_dir = self.run_dir()
         config = self.config["predict"]
         fields = fingerprint_fields(config, self.imports)
@@ -113,7 +115,6 @@ class KVLabCLI(LightningCLI):
         if self.imports:
             text += yaml.safe_dump({IMPORTS_KEY: self.imports}, sort_keys=False)
         atomic_write_text(run_dir / "config.yaml", text)
-        validate_task_metrics(getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS)
         self.model.reference_dir = str(run_dir.parent / REFERENCE_DIR)
         self.model.run_dir = str(run_dir)
         writer = PredictionWriter(run_dir, order=[s.id for s in self.datamodule.selected_samples])

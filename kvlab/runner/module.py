@@ -175,17 +175,18 @@ class KVLabModule(L.LightningModule):
         # device (strategy.model_to_device) would otherwise pull every layer onto that one device
 
     def setup(self, stage: str) -> None:
-        """Before the data loaders are built: a protocol that shares one compressed context among
+        """Before the data loaders are built and the model loads: the dataset's task metric names
+        are checked against the registry, and a protocol that shares one compressed context among
         samples (``multi_question``) has the data module batch each ``context_id`` together."""
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        source = getattr(datamodule, "source", None)
+        self.task_metrics = validate_task_metrics(getattr(source, "metrics", None) or DEFAULT_TASK_METRICS)
         if datamodule is not None and hasattr(datamodule, "group_by_context"):
             datamodule.group_by_context = self.protocol.groups_contexts
 
     def on_predict_start(self) -> None:
-        """Task metrics from the dataset (``metrics`` attribute), the TensorBoard inspector and, on
-        rank 0 of a run with a directory (:attr:`run_dir`, set by the CLI), ``reproduce.json``."""
-        source = getattr(getattr(self._trainer, "datamodule", None), "source", None)
-        self.task_metrics = validate_task_metrics(getattr(source, "metrics", None) or DEFAULT_TASK_METRICS)
+        """The TensorBoard inspector and, on rank 0 of a run with a directory (:attr:`run_dir`, set
+        by the CLI), ``reproduce.json``."""
         if self.logger is not None:
             method = Path(self.run_dir).name if getattr(self, "run_dir", None) else None
             label = run_label(method, self.pipeline)  # figure titles: method and budget
