@@ -31,7 +31,7 @@ def _sample(answers: list[str], **meta: object) -> Sample:
 
 
 # ---- RULER (scripts/eval/synthetic/constants.py, evaluate.py) ----------------------------------
-def test_ruler_string_match_all_and_part() -> None:
+def test_ruler_string_match_all_averages_and_part_takes_the_best() -> None:
     refs = ["123", "456", "ABC-def"]
     out = "The numbers are 123 and abc-DEF."  # 2 of 3 references, case-insensitive
     assert string_match_all(out, refs) == pytest.approx(2 / 3)
@@ -46,7 +46,7 @@ def test_ruler_string_match_all_and_part() -> None:
 
 
 # ---- LongBench (metrics.py, eval.py) ------------------------------------------------------------
-def test_longbench_qa_f1() -> None:
+def test_longbench_qa_f1_scores_normalised_words_and_keeps_the_best_answer() -> None:
     # normalised "eiffel tower in paris" vs "eiffel tower": 2 shared, P = 1/2, R = 1 -> F1 = 2/3
     assert qa_f1_score("The Eiffel Tower, in Paris!", "Eiffel Tower") == pytest.approx(2 / 3)
     assert qa_f1_score("", "") == 0.0  # LongBench's f1_score: nothing shared -> 0 (SQuAD says 1)
@@ -56,7 +56,7 @@ def test_longbench_qa_f1() -> None:
     assert longbench_score("It is in Paris France", sample) == pytest.approx(4 / 7)
 
 
-def test_longbench_rouge_package() -> None:
+def test_rouge_package_counts_word_sets_and_summary_level_lcs() -> None:
     scores = rouge_package_scores("the cat sat on the mat", "the cat was on the mat")
     # unique words: 5 each side, 4 shared -> P = R = 0.8; bigram sets: 5 each, 3 shared -> 0.6
     assert scores["rouge-1"]["p"] == pytest.approx(0.8) and scores["rouge-1"]["r"] == pytest.approx(0.8)
@@ -73,7 +73,7 @@ def test_longbench_rouge_package() -> None:
     assert longbench_score("the cat sat on the mat", gov) == pytest.approx(0.8, abs=1e-7)
 
 
-def test_longbench_classification_quirks() -> None:
+def test_longbench_classification_keeps_the_official_quirks() -> None:
     classes = ["Individual", "City", "Location", "Country"]
     assert classification_score("City or Location", "City", classes) == 0.5  # 1 / #found
     assert classification_score("nothing named", "City", classes) == 0.0  # no fuzzy fallback
@@ -87,7 +87,7 @@ def test_longbench_classification_quirks() -> None:
     assert longbench_score("City Location", trec) == 0.5
 
 
-def test_longbench_retrieval_count_code() -> None:
+def test_longbench_retrieval_count_and_code_sim_match_worked_examples() -> None:
     assert retrieval_score("Paragraph 12, maybe Paragraph 3", "Paragraph 12") == 0.5
     assert retrieval_score("答案是段落5", "段落5", zh=True) == 1.0
     assert count_score("There are 7 unique paragraphs; 7 in total", "7") == 1.0
@@ -137,11 +137,13 @@ def test_longbench_families_apply_only_to_their_tasks() -> None:
         ("math_calc", "[1, 4, 9, 2]", ["1", "4", "8"], 2 / 3),  # correct prefix length / 3
     ],
 )
-def test_infinitebench_scorers(task: str, output: str, answers: list[str], score: float) -> None:
+def test_infinitebench_scores_match_worked_examples(
+    task: str, output: str, answers: list[str], score: float
+) -> None:
     assert infinitebench_score(output, _sample(answers, task=task)) == pytest.approx(score)
 
 
-def test_rouge_score_lsum_and_rouge1() -> None:
+def test_rouge_score_lsum_and_rouge1_match_worked_examples() -> None:
     # ref "the cat was on the mat" (6 tokens); prediction lines "the cat sat" / "on the mat":
     # union of LCS positions {the, cat} + {on, the, mat} -> 5 hits; P = R = 5/6
     assert rouge_lsum("the cat sat\non the mat", "The cat was on the mat.") == pytest.approx(5 / 6)
@@ -157,7 +159,7 @@ def test_rouge_score_lsum_and_rouge1() -> None:
 
 
 # ---- LooGLE (Evaluation/automatic_metrics.py) ----------------------------------------------------
-def test_loogle_bleu() -> None:
+def test_loogle_bleu_is_nltk_bleu_without_smoothing() -> None:
     ref = ["the", "cat", "is", "on", "the", "mat"]
     # clipped unigrams 4/4; c = 4 < r = 6 -> BP = exp(1 - 6/4)
     assert bleu([ref], ["the", "cat", "the", "mat"], (1, 0, 0, 0)) == pytest.approx(math.exp(-0.5))
@@ -170,7 +172,7 @@ def test_loogle_bleu() -> None:
     assert TASK_METRICS["loogle_bleu1"]("", sample) == 0.0  # an empty output reads "None"
 
 
-def test_loogle_rouge_recall_and_cloze() -> None:
+def test_loogle_rouge_is_recall_and_cloze_scores_share_of_masks() -> None:
     sample = _sample(["the cat was on the mat"], task="longdep_qa")
     # rouge-1 recall over word sets: {the, cat} of {the, cat, was, on, mat}
     assert TASK_METRICS["loogle_rouge1"]("the cat", sample) == pytest.approx(0.4)

@@ -64,7 +64,7 @@ def test_lcs_rouge_and_f1_match_brute_force():
         assert position_match(a, b) == (1.0 if not (a or b) else matches / max(len(a), len(b)))
 
 
-def test_task_metrics_on_examples():
+def test_generic_task_metrics_score_worked_examples():
     qa = Sample("q", "?", answers=["The Eiffel Tower", "eiffel"])
     scores = score_output("the eiffel tower!", qa, TASK_METRICS)
     assert scores["exact_match"] == 1.0 and scores["contains_answer"] == 1.0
@@ -80,7 +80,7 @@ def test_task_metrics_on_examples():
     "output, picked",
     [("B", 1), ("(c) blue", 2), ("b. green", 1), ("I would say green, not red", 1), ("purple", None)],
 )
-def test_picked_choice(output, picked):
+def test_picked_choice_reads_a_letter_label_else_the_earliest_option(output, picked):
     assert picked_choice(output, ["red", "green", "blue"]) == picked
 
 
@@ -250,7 +250,7 @@ def test_top_k_reference_is_a_lower_bound_with_the_tail_bucket():
     assert kl_sum == pytest.approx(expected, rel=1e-4)
 
 
-def test_greedy_agreement_values():
+def test_greedy_agreement_of_a_diverging_output_matches_hand_values():
     ref = Reference([5, 6, 7], torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.long))
     values = fidelity_values(ref, [5, 9, 7, 8], None)
     assert values == {
@@ -260,7 +260,7 @@ def test_greedy_agreement_values():
     }
 
 
-def test_reference_store_round_trip(tmp_path):
+def test_reference_store_loads_what_it_saved_and_skips_unreadable_files(tmp_path):
     store = ReferenceStore(tmp_path)
     ref = Reference.from_logits([3, 4], torch.randn(3, 40), topk=8)
     store.save("k", ref)
