@@ -160,6 +160,13 @@ class JsonlDataset:
                 f"Fix the id, or set data.dataset.id_field to the field that holds the ids."
             )
         prompt = obj.get(self.text_field)
+        if prompt is None and {"context", "question"} <= set(obj):
+            raise ConfigError(
+                f"{where}: sample '{sample_id}' has no '{self.text_field}' field but 'context' and "
+                f"'question': the file is in kvpress' schema (context, question, answer_prefix, answer). "
+                f"Read it with `data.dataset: {{name: kvpress, path: {self.path}}}`, which joins the "
+                f"context and question and groups the questions of one context."
+            )
         if not isinstance(prompt, str):
             problem = "has no" if prompt is None else f"has a non-string ({type(prompt).__name__})"
             raise ConfigError(
