@@ -22,6 +22,7 @@ from kvlab.metrics.run import RunMetrics, summarize
 from kvlab.metrics.tasks import TASK_METRICS, picked_choice, score_output, validate_task_metrics
 from kvlab.metrics.text import lcs_length, position_match, rouge_l, token_f1
 from kvlab.runner.fidelity_run import FidelityEvaluator
+from kvlab.runner.progress import format_summary
 
 SNAP = {
     "budget": {"tokens": 24, "window": 4},
@@ -271,3 +272,16 @@ def test_reference_store_loads_what_it_saved_and_skips_unreadable_files(tmp_path
     (tmp_path / "bad.pt").write_bytes(b"garbage")
     assert store.load("bad") is None and store.load("missing") is None
     assert Counter(p.suffix for p in tmp_path.iterdir()) == {".pt": 2}  # no temporary file left
+
+
+def test_metrics_json_counts_the_samples_each_task_metric_scored_and_the_summary_warns():
+    records = [{"id": "a", "exact_match": 1.0, "token_f1": 0.5}, {"id": "b", "exact_match": 0.0}, {"id": "c"}]
+    metrics = summarize(records)
+    assert metrics["samples"] == 3 and metrics["task_samples"] == {"exact_match": 2, "token_f1": 1}
+    summary = format_summary(metrics, "runs/x")
+    assert "warning: exact_match scored 2 of 3 samples" in summary
+    assert "warning: token_f1 scored 1 of 3 samples" in summary
+    full = summarize([{"id": "a", "exact_match": 1.0, "longbench_score": 0.25}])
+    assert full["task_samples"] == {"exact_match": 1, "longbench_score": 1}
+    assert "warning" not in format_summary(full, "runs/x")
+    assert "longbench_score" in format_summary(full, "runs/x")  # a suite's metric is shown too

@@ -30,6 +30,7 @@ from kvlab.metrics.text import normalize_answer, rouge_l, token_f1, words
 
 __all__ = [
     "DEFAULT_TASK_METRICS",
+    "SCORED_SAMPLES",
     "TASK_METRICS",
     "normalize_answer",
     "picked_choice",
@@ -138,12 +139,25 @@ def score_output(
     return {name: value for name, value in scores.items() if value is not None}
 
 
+#: the ``metrics.json`` key of ``{task metric: number of samples it scored}``
+SCORED_SAMPLES = "task_samples"
+
+
 class TaskScores(SampleMeans):
     """Mean of every registered task metric (:data:`TASK_METRICS`) over the samples scored with it.
 
     A state per registered name (not per dataset) keeps every DDP rank's states identical;
-    names never scored are left out of :meth:`compute`.
+    names never scored are left out of :meth:`compute`, which also returns
+    ``{SCORED_SAMPLES: {name: samples scored}}`` so a mean over fewer samples than the run's
+    is visible.
     """
 
     def __init__(self, **kwargs: Any):
         super().__init__(tuple(TASK_METRICS), **kwargs)
+
+    def compute(self) -> dict[str, Any]:  # type: ignore[override]
+        out: dict[str, Any] = super().compute()
+        counts = {name: int(getattr(self, f"{name}_count")) for name in self.fields if name in out}
+        if counts:
+            out[SCORED_SAMPLES] = counts
+        return out
