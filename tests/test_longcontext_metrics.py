@@ -22,7 +22,13 @@ from kvlab.metrics.suites.longbench import (
     retrieval_score,
 )
 from kvlab.metrics.suites.ruler import ruler_postprocess, string_match_all, string_match_part
-from kvlab.metrics.tasks import TASK_METRICS, score_output, validate_task_metrics
+from kvlab.metrics.tasks import (
+    SAMPLE_CHECKS,
+    TASK_METRICS,
+    check_task_samples,
+    score_output,
+    validate_task_metrics,
+)
 from kvlab.metrics.text import qa_f1_score
 
 
@@ -189,12 +195,74 @@ def test_loogle_rouge_is_recall_and_cloze_scores_share_of_masks() -> None:
     assert score_output(out, cloze, ["loogle_cloze_exact", "loogle_rouge1"]) == {"loogle_cloze_exact": 0.5}
 
 
-def test_every_long_context_metric_scores_any_sample_or_returns_none() -> None:
+#: outputs no scorer can read: empty, control characters, a broken literal, prose, Chinese, long
+UNPARSEABLE = ["", "\x00\x07", "{'<mask-0>': [", "I do not know.", "我不知道。", "lorem ipsum " * 400]
+
+#: per metric, samples it must score (well-formed, as their datasets load them)
+SUITE_SAMPLES: dict[str, list[Sample]] = {
+    "string_match_all": [_sample(["123", "456"], task="niah_multivalue")],
+    "string_match_part": [_sample(["123", "456"], task="qa_1")],
+    "longbench_score": [
+        _sample(["Paris"], task="hotpotqa"),
+        _sample(["the cat was on the mat"], task="gov_report"),
+        _sample(["City"], task="trec", all_classes=["City", "Location"]),
+        _sample(["Paragraph 3"], task="passage_retrieval_en"),
+        _sample(["段落3"], task="passage_retrieval_zh"),
+        _sample(["7"], task="passage_count"),
+        _sample(["    return total"], task="lcc"),
+    ],
+    "longbench_qa_f1": [_sample(["Paris"], task="hotpotqa"), _sample(["Paris"])],
+    "longbench_rouge_l": [_sample(["the cat"], task="qmsum")],
+    "longbench_classification": [_sample(["City"], task="lsht", all_classes=["City", "Location"])],
+    "longbench_retrieval": [_sample(["Paragraph 3"])],
+    "longbench_retrieval_zh": [_sample(["段落3"])],
+    "longbench_count": [_sample(["7"])],
+    "longbench_code_sim": [_sample(["    return total"], task="repobench-p")],
+    "infinitebench_score": [
+        _sample(["71432"], task="passkey"),
+        _sample(["2200012222"], task="number_string"),
+        _sample(["beef-2"], task="kv_retrieval"),
+        _sample(["The cat was on the mat."], task="longbook_sum_eng"),
+        _sample(["Light housework", "C"], task="longbook_choice_eng"),
+        _sample(["fighting"], task="longbook_qa_eng"),
+        _sample(["北京"], task="longbook_qa_chn"),
+        _sample(["ACE", "ACE ROTHSTEIN"], task="longdialogue_qa_eng"),
+        _sample(["88"], task="math_find"),
+        _sample(["1", "3", "6"], task="math_calc"),
+        _sample(["-6"], task="code_run"),
+        _sample(["broken", "B"], task="code_debug"),
+    ],
+    "loogle_bleu1": [_sample(["the cat is on the mat"], task="shortdep_qa")],
+    "loogle_bleu4": [_sample(["the cat is on the mat"], task="longdep_qa")],
+    "loogle_rouge1": [_sample(["the cat is on the mat"], task="longdep_summarization")],
+    "loogle_rouge2": [_sample(["the cat is on the mat"], task="shortdep_qa")],
+    "loogle_rouge_l": [_sample(["the cat is on the mat"], task="shortdep_qa")],
+    "loogle_cloze_exact": [_sample(["{}"], task="shortdep_cloze", cloze_answer={"<mask-0>": "Paris"})],
+    "loogle_cloze_partial": [_sample(["{}"], task="shortdep_cloze", cloze_answer={"<mask-0>": "Paris"})],
+    "needle_rouge1": [_sample(["The best thing to do in San Francisco is eat a sandwich."])],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SUITE_SAMPLES))
+def test_an_unparseable_output_scores_a_number_and_never_leaves_the_mean(name: str) -> None:
+    """Every suite metric passes its own sample check on well-formed samples and gives every
+    unparseable output a score in [0, 1] (the official code's, normally 0), never None."""
+    check_task_samples([name], SUITE_SAMPLES[name])
+    for sample, output in itertools.product(SUITE_SAMPLES[name], UNPARSEABLE):
+        value = TASK_METRICS[name](output, sample)
+        assert value is not None and 0.0 <= value <= 1.0, (name, sample.meta, output[:20], value)
+        assert score_output(output, sample, [name]) == {name: value}
+
+
+def test_every_long_context_metric_refuses_or_scores_any_sample() -> None:
+    """On arbitrary samples, a metric either refuses the sample at load (its check), or returns
+    a score in [0, 1], or None (no answers; a task it does not score): it never raises."""
     names = [
         n
         for n in TASK_METRICS
         if n.startswith(("string_match", "longbench", "infinitebench", "loogle", "needle"))
     ]
+    assert set(SUITE_SAMPLES) <= set(names)
     tasks = [
         None,
         "hotpotqa",
@@ -211,5 +279,8 @@ def test_every_long_context_metric_scores_any_sample_or_returns_none() -> None:
     ):
         sample = Sample("s", "p", answers=refs, meta={} if task is None else {"task": task})
         for name in names:
+            check = SAMPLE_CHECKS.get(name)
+            if check is not None and check(sample) is not None:
+                continue  # refused when the dataset loads
             value = TASK_METRICS[name](output, sample)
             assert value is None or 0.0 <= value <= 1.0, (name, task, refs, output, value)

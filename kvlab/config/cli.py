@@ -40,7 +40,7 @@ from kvlab.config.loader import check_fields, preset_names, resolve, split_overr
 from kvlab.config.plugins import IMPORTS_KEY, import_plugins, load_entry_points
 from kvlab.config.registry import REGISTRIES, Registry
 from kvlab.metrics.reference import REFERENCE_DIR
-from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, validate_task_metrics
+from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, check_task_samples, validate_task_metrics
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.fingerprint import check_run, clear_results, fingerprint_fields, record_run
 from kvlab.runner.guards import RunGuard, guarded, make_run_dir
@@ -101,7 +101,10 @@ class KVLabCLI(LightningCLI):
         results on ``--run.overwrite``. Nothing in the directory changes before the check passes.
         """
         # the dataset's metric names (strings in the data layer) name registered metrics
-        validate_task_metrics(getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS)
+        names = validate_task_metrics(
+            getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS
+        )
+        check_task_samples(names, self.datamodule.selected_samples)
         run_dir = self.run_dir()
         config = self.config["predict"]
         fields = fingerprint_fields(config, self.imports)

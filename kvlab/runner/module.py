@@ -20,7 +20,12 @@ from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
 from kvlab.metrics.reference import ReferenceStore
-from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, score_output, validate_task_metrics
+from kvlab.metrics.tasks import (
+    DEFAULT_TASK_METRICS,
+    check_task_samples,
+    score_output,
+    validate_task_metrics,
+)
 from kvlab.models.base import LoadedModel
 from kvlab.runner.fidelity_run import FidelityEvaluator
 from kvlab.runner.files import atomic_write_text
@@ -181,6 +186,8 @@ class KVLabModule(L.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         source = getattr(datamodule, "source", None)
         self.task_metrics = validate_task_metrics(getattr(source, "metrics", None) or DEFAULT_TASK_METRICS)
+        if datamodule is not None and hasattr(datamodule, "selected_samples"):
+            check_task_samples(self.task_metrics, datamodule.selected_samples)
         if datamodule is not None and hasattr(datamodule, "group_by_context"):
             datamodule.group_by_context = self.protocol.groups_contexts
 

@@ -1,8 +1,13 @@
 """InfiniteBench's task metric (Zhang et al. 2024, "∞Bench: Extending Long Context Evaluation
 Beyond 100K Tokens"; OpenBMB/InfiniteBench ``src/compute_scores.py``).
 
-``infinitebench_score`` applies the task's ``get_score_one_<task>`` (the references are
-``get_answer``'s labels: for the multiple-choice tasks ``[option text, letter]``).
+``infinitebench_score`` applies the task's ``get_score_one_<task>`` (commit 88b3daa; the
+references are ``get_answer``'s labels, unwrapped as the getters do by the ``infinitebench``
+dataset: for the multiple-choice tasks ``[option text, letter]``). A label of the wrong shape for
+its task is refused before the model loads (:func:`infinitebench_label_problem`), so every
+sample gets a score. Kept on purpose (``docs/benchmark_suites.md``): kv_retrieval reads the
+first label (the official code compares a list label as a list, never matching it); math_calc
+scores every model alike (the official getter drops the first number for ``gpt4``).
 
 Registered in :data:`kvlab.metrics.tasks.TASK_METRICS` when imported (``kvlab.metrics`` imports it).
 """
@@ -18,8 +23,10 @@ from kvlab.metrics.tasks import register_task_metrics
 from kvlab.metrics.text import counter_f1, normalize_zh_answer, qa_f1_score
 
 __all__ = [
+    "CHOICE_TASKS",
     "INFINITEBENCH_SCORERS",
     "first_int_match",
+    "infinitebench_label_problem",
     "infinitebench_score",
 ]
 
@@ -171,24 +178,61 @@ INFINITEBENCH_SCORERS: dict[str, Callable[[str, list[str]], float | bool]] = {
 }
 
 
-def infinitebench_score(output: str, sample: Sample) -> float | None:
-    """The sample's InfiniteBench task scorer (``meta["task"]``); None for other tasks.
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
 
-    The labels are ``Sample.answers`` (strings: numbers are parsed back as the reference's
-    integers where it compares numbers). Where the reference takes ``label[0]`` of a list label
-    (passkey, number_string, code_run, math_find, longdialogue) so does kvlab; for kv_retrieval the
-    reference at that commit compares the list itself (always false for a list label), kvlab
-    takes ``label[0]`` as later versions do.
+
+def infinitebench_label_problem(task: str, label: Sequence[str]) -> str | None:
+    """Why ``label`` (a sample's answers) cannot be the official label of ``task``, or None.
+
+    The official getters compare numbers for math_find (an int or float label), math_calc (a
+    list of ints) and code_run (an int), and read ``[option text, letter]`` for the two
+    multiple-choice tasks; a label of another shape would crash or never match there.
+    """
+    if not label:
+        return None
+    if task in CHOICE_TASKS and (len(label) != 2 or label[1] not in "ABCD" or len(label[1]) != 1):
+        return f"an InfiniteBench {task} label is [option text, letter A-D], got {list(label)!r}"
+    if task == "math_find" and not _is_int(label[0]):
+        try:
+            float(label[0])
+        except ValueError:
+            return f"an InfiniteBench math_find label is a number, got {label[0]!r}"
+    if task == "math_calc" and not all(_is_int(v) for v in label):
+        return f"an InfiniteBench math_calc label is a list of integers, got {list(label)!r}"
+    if task == "code_run" and not _is_int(label[0]):
+        return f"an InfiniteBench code_run label is an integer, got {label[0]!r}"
+    return None
+
+
+CHOICE_TASKS = ("longbook_choice_eng", "code_debug")
+
+
+def infinitebench_score(output: str, sample: Sample) -> float | None:
+    """The sample's InfiniteBench task scorer (``meta["task"]``); None for other tasks or a
+    sample without answers.
+
+    The labels are ``Sample.answers`` as the ``infinitebench`` dataset unwraps them the way the
+    official code does (``docs/benchmark_suites.md``): strings, numbers parsed back where the
+    official getter compares numbers. :func:`infinitebench_label_problem` refuses, when the
+    dataset loads, a label that is not of its task's shape, so every output gets a score: an
+    output the getter cannot parse scores 0 as there.
     """
     task = sample.meta.get("task")
     if task not in INFINITEBENCH_SCORERS or not sample.answers:
         return None
-    if task in ("longbook_choice_eng", "code_debug") and len(sample.answers) < 2:
-        return None  # the label is [option text, letter]
-    try:
-        return float(INFINITEBENCH_SCORERS[task](output, list(sample.answers)))
-    except ValueError:  # a label that is not a number where the task compares numbers
+    return float(INFINITEBENCH_SCORERS[task](output, list(sample.answers)))
+
+
+def _check(sample: Sample) -> str | None:
+    task = sample.meta.get("task")
+    if task not in INFINITEBENCH_SCORERS:
         return None
+    return infinitebench_label_problem(str(task), sample.answers)
 
 
-register_task_metrics({"infinitebench_score": infinitebench_score})
+register_task_metrics({"infinitebench_score": infinitebench_score}, {"infinitebench_score": _check})
