@@ -5,6 +5,7 @@ download), the needle grid and heatmap, and the shipped benchmark configs."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,12 @@ from kvlab.data.benchmarks import (
     needle_heatmap,
     task_table,
 )
+from kvlab.data.benchmarks.infinitebench import official_labels
 from kvlab.data.benchmarks.longbench import LONGBENCH_PROMPTS
 from kvlab.data.benchmarks.tokens import fit_units, token_counter
+from kvlab.data.sample import Sample
 from kvlab.data.synthetic import SyntheticRetrieval
-from kvlab.metrics.tasks import score_output
+from kvlab.metrics.tasks import check_task_samples, score_output
 
 FIXTURES = Path(__file__).parent / "data" / "benchmarks"
 
@@ -196,8 +199,6 @@ def test_longbench_truncation_keeps_head_and_question() -> None:
 
 def test_longbench_refusals_and_schema(tmp_path: Path) -> None:
     path = str(FIXTURES / "longbench")
-    with pytest.raises(ConfigError, match="jieba"):
-        LongBenchDataset(path=path, tasks=["dureader"])
     with pytest.raises(ConfigError, match="no file for task 'qasper'"):
         LongBenchDataset(path=path, tasks=["qasper"])
     with pytest.raises(ConfigError, match="not a directory"):
@@ -209,6 +210,23 @@ def test_longbench_refusals_and_schema(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="'answers' must be a non-empty list"):
         LongBenchDataset(path=str(tmp_path), tasks=["hotpotqa"])
+
+
+def test_chinese_longbench_needs_jieba_and_whitespace_metrics_refuse_chinese(monkeypatch) -> None:
+    """multifieldqa_zh, dureader and vcsum are scored on jieba's words; without jieba the run is
+    refused before the model loads, naming the install command (never a whitespace fallback)."""
+    zh = Sample("longbench-vcsum-0000", "p", answers=["会议讨论项目进度。"], meta={"task": "vcsum"})
+    check_task_samples(["longbench_score"], [zh])
+    assert score_output("项目。进度。", zh, ["longbench_score"])["longbench_score"] > 0
+    with pytest.raises(ConfigError, match=r"longbench_qa_f1'.*Chinese.*use longbench_score"):
+        check_task_samples(["longbench_qa_f1"], [Sample("q", "p", answers=["北京"])])
+    with pytest.raises(ConfigError, match="longbench_rouge_l'.*Chinese"):
+        check_task_samples(["longbench_rouge_l"], [zh])
+    monkeypatch.setitem(sys.modules, "jieba", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"sample 'longbench-vcsum-0000'.*jieba.*pip install 'kvlab\[zh\]'"):
+        check_task_samples(["longbench_score"], [zh])
+    with pytest.raises(ConfigError, match="needs jieba"):
+        score_output("项目", zh, ["longbench_score"])
 
 
 def test_longbench_reads_a_saved_hf_dataset(tmp_path: Path) -> None:
@@ -239,6 +257,39 @@ def test_infinitebench_prompts_and_labels() -> None:
         assert sample.prompt.endswith(sample.question)
         assert score_output(output, sample, data.metrics) == {"infinitebench_score": 1.0}
     assert score_output("12345", passkey, data.metrics) == {"infinitebench_score": 0.0}
+
+
+def test_infinitebench_math_calc_nested_labels_are_unwrapped_and_every_sample_scored() -> None:
+    """The official data nests math_calc's label ([[1, 3, 6, 7]]); get_score_one_math_calc takes
+    label[0] (commit 88b3daa). Every sample gets a score: none drops out of the mean."""
+    data = InfiniteBenchDataset(path=str(FIXTURES / "infinitebench"), tasks=["math_calc"])
+    first, negative = data.samples()
+    assert first.answers == ["1", "3", "6", "7"] and negative.answers == ["4", "-1", "-3"]
+    assert score_output("[1, 3, 6, 7]", first, data.metrics) == {"infinitebench_score": 1.0}
+    assert score_output("[1, 3, 5, 7]", first, data.metrics) == {"infinitebench_score": 0.5}
+    assert score_output("I cannot compute that.", first, data.metrics) == {"infinitebench_score": 0.0}
+    # re.split("[^0-9]") drops minus signs, so a negative value never matches: 1 of 3 (official too)
+    assert score_output("[4, -1, -3]", negative, data.metrics) == pytest.approx(
+        {"infinitebench_score": 1 / 3}
+    )
+    assert official_labels("math_calc", "[1, 3]") == ["1", "3"]  # a copy cast to strings
+    assert official_labels("math_calc", [[2, 5]]) == official_labels("math_calc", [2, 5]) == ["2", "5"]
+
+
+def test_infinitebench_labels_of_the_wrong_shape_are_refused_before_the_model_loads() -> None:
+    def sample(task: str, answers: list[str]) -> Sample:
+        return Sample(f"infinitebench-{task}-0000", "p", answers=answers, meta={"task": task})
+
+    names = ("infinitebench_score",)
+    check_task_samples(names, [sample("math_calc", ["1", "3"]), sample("code_run", ["-6"])])
+    for task, answers, message in [
+        ("math_calc", ["[1, 3, 6, 7]"], "list of integers"),
+        ("math_find", ["eighty"], "math_find label is a number"),
+        ("code_run", ["six"], "code_run label is an integer"),
+        ("longbook_choice_eng", ["Light housework"], r"\[option text, letter A-D\]"),
+    ]:
+        with pytest.raises(ConfigError, match=f"sample 'infinitebench-{task}-0000' .*{message}"):
+            check_task_samples(names, [sample(task, answers)])
 
 
 # ---- LooGLE --------------------------------------------------------------------------------------

@@ -7,8 +7,11 @@ samsum and lsht, and keeps the best answer. The per-metric names (``longbench_qa
 ``longbench_rouge_l``, ``longbench_classification``, ``longbench_retrieval``,
 ``longbench_retrieval_zh``, ``longbench_count``, ``longbench_code_sim``) apply one metric to any
 sample (the same post-processing when the sample's task is a LongBench task); see each
-function. The Chinese metrics that need jieba word segmentation (``qa_f1_zh``, ``rouge_zh``) are
-not implemented: the ``longbench`` dataset refuses the tasks that use them.
+function. The Chinese tasks multifieldqa_zh, dureader and vcsum are scored on jieba's words
+(``qa_f1_zh_score``, ``rouge_zh_score``; ``longbench_qa_f1_zh``, ``longbench_rouge_zh``), which
+needs the ``zh`` extra: without jieba the run is refused before any model loads, naming the
+install command. ``longbench_qa_f1`` and ``longbench_rouge_l`` split words on whitespace, so they
+refuse a Chinese sample (a Chinese task, ``language: zh``, or an answer in Chinese).
 
 Registered in :data:`kvlab.metrics.tasks.TASK_METRICS` when imported (``kvlab.metrics`` imports it).
 """
@@ -22,7 +25,15 @@ from collections.abc import Callable, Sequence
 from kvlab.data.sample import Sample
 from kvlab.metrics.rouge import rouge_package_scores
 from kvlab.metrics.tasks import register_task_metrics
-from kvlab.metrics.text import qa_f1_score
+from kvlab.metrics.text import (
+    JIEBA_INSTALL,
+    chinese_words,
+    counter_f1,
+    has_chinese,
+    jieba_available,
+    normalize_zh_answer,
+    qa_f1_score,
+)
 
 __all__ = [
     "LONGBENCH_FIRST_LINE_TASKS",
@@ -35,7 +46,9 @@ __all__ = [
     "longbench_rouge_score",
     "longbench_score",
     "longbench_task",
+    "qa_f1_zh_score",
     "retrieval_score",
+    "rouge_zh_score",
 ]
 
 
@@ -45,6 +58,21 @@ def longbench_rouge_score(prediction: str, ground_truth: str) -> float:
         return rouge_package_scores(prediction, ground_truth)["rouge-l"]["f"]
     except (ValueError, ZeroDivisionError):
         return 0.0
+
+
+def rouge_zh_score(prediction: str, ground_truth: str) -> float:
+    """LongBench ``rouge_zh_score``: :func:`longbench_rouge_score` of the jieba words joined by spaces."""
+    return longbench_rouge_score(" ".join(chinese_words(prediction)), " ".join(chinese_words(ground_truth)))
+
+
+def qa_f1_zh_score(prediction: str, ground_truth: str) -> float:
+    """LongBench ``qa_f1_zh_score``: :func:`counter_f1` of the jieba words, each normalised by
+    :func:`normalize_zh_answer` (no punctuation, no whitespace), empty ones dropped."""
+
+    def tokens(text: str) -> list[str]:
+        return [t for t in (normalize_zh_answer(w) for w in chinese_words(text)) if t]
+
+    return counter_f1(tokens(prediction), tokens(ground_truth))
 
 
 def classification_score(prediction: str, ground_truth: str, all_classes: Sequence[str]) -> float:
@@ -111,21 +139,20 @@ def _classification(prediction: str, ground_truth: str, sample: Sample) -> float
     return classification_score(prediction, ground_truth, sample.meta.get("all_classes") or [])
 
 
-#: LongBench ``eval.py``'s ``dataset2metric``: task -> (metric name, scorer). None: not implemented
-#: (needs jieba).
-LONGBENCH_METRIC: dict[str, tuple[str, Callable[[str, str, Sample], float | None] | None]] = {
+#: LongBench ``eval.py``'s ``dataset2metric``: task -> (metric name, scorer)
+LONGBENCH_METRIC: dict[str, tuple[str, Callable[[str, str, Sample], float | None]]] = {
     "narrativeqa": ("qa_f1", lambda p, g, s: qa_f1_score(p, g)),
     "qasper": ("qa_f1", lambda p, g, s: qa_f1_score(p, g)),
     "multifieldqa_en": ("qa_f1", lambda p, g, s: qa_f1_score(p, g)),
-    "multifieldqa_zh": ("qa_f1_zh", None),
+    "multifieldqa_zh": ("qa_f1_zh", lambda p, g, s: qa_f1_zh_score(p, g)),
     "hotpotqa": ("qa_f1", lambda p, g, s: qa_f1_score(p, g)),
     "2wikimqa": ("qa_f1", lambda p, g, s: qa_f1_score(p, g)),
     "musique": ("qa_f1", lambda p, g, s: qa_f1_score(p, g)),
-    "dureader": ("rouge_zh", None),
+    "dureader": ("rouge_zh", lambda p, g, s: rouge_zh_score(p, g)),
     "gov_report": ("rouge_l", lambda p, g, s: longbench_rouge_score(p, g)),
     "qmsum": ("rouge_l", lambda p, g, s: longbench_rouge_score(p, g)),
     "multi_news": ("rouge_l", lambda p, g, s: longbench_rouge_score(p, g)),
-    "vcsum": ("rouge_zh", None),
+    "vcsum": ("rouge_zh", lambda p, g, s: rouge_zh_score(p, g)),
     "trec": ("classification", _classification),
     "triviaqa": ("qa_f1", lambda p, g, s: qa_f1_score(p, g)),
     "samsum": ("rouge_l", lambda p, g, s: longbench_rouge_score(p, g)),
@@ -161,10 +188,7 @@ def longbench_score(output: str, sample: Sample) -> float | None:
     task = longbench_task(sample)
     if task is None or not sample.answers:
         return None
-    scorer = LONGBENCH_METRIC[task][1]
-    if scorer is None:
-        return None
-    return _best(longbench_postprocess(output, task), sample, scorer)
+    return _best(longbench_postprocess(output, task), sample, LONGBENCH_METRIC[task][1])
 
 
 def _best(
@@ -190,17 +214,74 @@ def _longbench_family(
     return metric
 
 
+#: the metrics that segment Chinese words with jieba, and those that split on whitespace
+JIEBA_METRICS = ("qa_f1_zh", "rouge_zh")
+WHITESPACE_METRICS = ("qa_f1", "rouge_l")
+_PARAGRAPH = {"retrieval": r"Paragraph (\d+)", "retrieval_zh": r"段落(\d+)"}
+
+
+def is_chinese_sample(sample: Sample) -> bool:
+    """A Chinese LongBench task, a row with ``language: zh``, or an answer in Chinese."""
+    task = longbench_task(sample)
+    return (
+        (task is not None and LONGBENCH_METRIC[task][0] in (*JIEBA_METRICS, "retrieval_zh"))
+        or task in ("lsht",)
+        or sample.meta.get("language") == "zh"
+        or any(has_chinese(a) for a in sample.answers)
+    )
+
+
+def _metric_problem(metric: str, sample: Sample) -> str | None:
+    """Why LongBench's ``metric`` cannot score ``sample`` as the official code does, or None."""
+    if metric in JIEBA_METRICS and not jieba_available():
+        return f"its LongBench metric {metric}_score segments Chinese words with jieba: {JIEBA_INSTALL}"
+    if metric in WHITESPACE_METRICS and is_chinese_sample(sample):
+        return (
+            f"it is Chinese, and {metric} splits words on whitespace, which disagrees with LongBench's "
+            f"official score; use longbench_score or longbench_{metric}_zh (jieba)"
+        )
+    if metric in _PARAGRAPH and not all(re.findall(_PARAGRAPH[metric], a) for a in sample.answers):
+        return f"its answers {sample.answers!r} do not all name a paragraph as {metric}_score needs"
+    return None
+
+
+def _score_check(sample: Sample) -> str | None:
+    task = longbench_task(sample)
+    if task is None or not sample.answers:
+        return None
+    return _metric_problem(LONGBENCH_METRIC[task][0], sample)
+
+
+def _family_check(name: str) -> Callable[[Sample], str | None]:
+    def check(sample: Sample) -> str | None:
+        task = longbench_task(sample)
+        if not sample.answers:
+            return None
+        if task is not None and LONGBENCH_METRIC[task][0] != name:
+            if name in WHITESPACE_METRICS and is_chinese_sample(sample):
+                return _metric_problem(name, sample)
+            return None  # a task scored by another metric: not this one's sample
+        return _metric_problem(name, sample)
+
+    return check
+
+
+FAMILIES = ("qa_f1", "qa_f1_zh", "rouge_l", "rouge_zh", "classification", "retrieval", "retrieval_zh",
+            "count", "code_sim")  # fmt: skip
+_FAMILY_SCORERS: dict[str, Callable[[str, str, Sample], float | None]] = {
+    "qa_f1": lambda p, g, s: qa_f1_score(p, g),
+    "qa_f1_zh": lambda p, g, s: qa_f1_zh_score(p, g),
+    "rouge_l": lambda p, g, s: longbench_rouge_score(p, g),
+    "rouge_zh": lambda p, g, s: rouge_zh_score(p, g),
+    "classification": _classification,
+    "retrieval": lambda p, g, s: retrieval_score(p, g),
+    "retrieval_zh": lambda p, g, s: retrieval_score(p, g, zh=True),
+    "count": lambda p, g, s: count_score(p, g),
+    "code_sim": lambda p, g, s: code_sim_score(p, g),
+}
+
 register_task_metrics(
-    {
-        "longbench_score": longbench_score,
-        "longbench_qa_f1": _longbench_family("qa_f1", lambda p, g, s: qa_f1_score(p, g)),
-        "longbench_rouge_l": _longbench_family("rouge_l", lambda p, g, s: longbench_rouge_score(p, g)),
-        "longbench_classification": _longbench_family("classification", _classification),
-        "longbench_retrieval": _longbench_family("retrieval", lambda p, g, s: retrieval_score(p, g)),
-        "longbench_retrieval_zh": _longbench_family(
-            "retrieval_zh", lambda p, g, s: retrieval_score(p, g, zh=True)
-        ),
-        "longbench_count": _longbench_family("count", lambda p, g, s: count_score(p, g)),
-        "longbench_code_sim": _longbench_family("code_sim", lambda p, g, s: code_sim_score(p, g)),
-    }
+    {"longbench_score": longbench_score}
+    | {f"longbench_{name}": _longbench_family(name, _FAMILY_SCORERS[name]) for name in FAMILIES},
+    {"longbench_score": _score_check} | {f"longbench_{name}": _family_check(name) for name in FAMILIES},
 )
