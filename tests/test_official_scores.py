@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 
 from kvlab.data.benchmarks.infinitebench import official_labels
+from kvlab.data.benchmarks.report import longbench_e_scores, task_table
 from kvlab.data.sample import Sample
 from kvlab.metrics.suites.infinitebench import infinitebench_score
 from kvlab.metrics.suites.longbench import longbench_rouge_score, longbench_score
+from kvlab.runner.compare import compare_experiment
 
 OFFICIAL = Path(__file__).parent / "data" / "official"
 LONGBENCH = json.loads((OFFICIAL / "longbench_2e00731.json").read_text())
@@ -75,3 +77,37 @@ def test_rouge_on_a_sentence_of_a_thousand_words_scores_instead_of_overflowing()
         text = " ".join(f"w{i}" for i in range(n))
         assert longbench_rouge_score(text, text) == pytest.approx(1.0, abs=1e-7)
     assert not math.isnan(official["2000"])
+
+
+def _e_records(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Prediction records of a LongBench-E run, scored by kvlab, from the official inputs."""
+    records = []
+    for i, (pred, answers, length) in enumerate(
+        zip(spec["preds"], spec["answers"], spec["lengths"], strict=True)
+    ):
+        meta = {"suite": "longbench", "task": f"{spec['task']}_e", "length": length}
+        sample = Sample(f"longbench-{spec['task']}_e-{i:04d}", "p", answers=answers, meta=meta)
+        records.append({"id": sample.id, "longbench_score": longbench_score(pred, sample), "meta": meta})
+    return records
+
+
+@pytest.mark.parametrize("which", ["scorer_e", "scorer_e_one_bucket"])
+def test_longbench_e_buckets_equal_the_official_scorer_e(which: str) -> None:
+    spec = LONGBENCH[which]
+    expected = {k: math.nan if v is None else v for k, v in spec["buckets"].items()}
+    got = longbench_e_scores(_e_records(spec))[f"{spec['task']}_e"]
+    assert list(got) == ["0-4k", "4-8k", "8k+"]
+    for bucket, value in expected.items():
+        assert (math.isnan(got[bucket]) and math.isnan(value)) or got[bucket] == value, (bucket, got)
+    table = task_table(_e_records(spec), ["longbench_score"])
+    assert f"| {spec['task']}_e | 0-4k |" in table and "| 8k+ |" in table
+
+
+def test_kvlab_compare_lists_the_longbench_e_buckets(tmp_path: Path) -> None:
+    run = tmp_path / "exp" / "snapkv"
+    run.mkdir(parents=True)
+    records = _e_records(LONGBENCH["scorer_e"])
+    (run / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = compare_experiment(tmp_path / "exp", plots=False)
+    assert "## LongBench-E" in text and "| snapkv | hotpotqa_e | 50 | 100 | 33.33 |" in text
+    assert (tmp_path / "exp" / "longbench_e.csv").read_text().startswith("method,task,0-4k,4-8k,8k+")

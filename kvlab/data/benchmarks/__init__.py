@@ -4,7 +4,8 @@ Importing this package registers the datasets ``ruler`` (generated offline), ``l
 ``infinitebench``, ``loogle`` (read from a download or the Hub) and ``needle_haystack``
 (generated offline); their metrics live in :mod:`kvlab.metrics.suites`.
 :func:`needle_heatmap` draws the needle grid's heatmap from a run's predictions, and
-:func:`task_scores` tabulates any suite's scores per task.
+:func:`task_scores` tabulates any suite's scores per task (:func:`longbench_e_scores`:
+LongBench-E's length buckets).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from kvlab.data.benchmarks.infinitebench import InfiniteBenchDataset
 from kvlab.data.benchmarks.longbench import LongBenchDataset
 from kvlab.data.benchmarks.loogle import LooGLEDataset
 from kvlab.data.benchmarks.needle import NeedleHaystack, needle_grid, needle_heatmap
-from kvlab.data.benchmarks.report import task_scores, task_table
+from kvlab.data.benchmarks.report import longbench_e_scores, task_scores, task_table
 from kvlab.data.benchmarks.ruler import RulerDataset
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "LooGLEDataset",
     "NeedleHaystack",
     "RulerDataset",
+    "longbench_e_scores",
     "needle_grid",
     "needle_heatmap",
     "task_scores",
