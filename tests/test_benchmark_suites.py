@@ -292,6 +292,32 @@ def test_infinitebench_labels_of_the_wrong_shape_are_refused_before_the_model_lo
             check_task_samples(names, [sample(task, answers)])
 
 
+# ---- LongBench v2 --------------------------------------------------------------------------------
+def test_longbench_v2_prompt_choices_and_splits() -> None:
+    path = str(FIXTURES / "longbench_v2")
+    easy, hard, long = DATASETS.build({"name": "longbench_v2", "path": path}).samples()
+    assert easy.prompt.startswith("Please read the following text and answer the question below.\n\n<text>\n")
+    assert (
+        "<text>\nThe lighthouse on the cape was painted white in 1902, after the storm.\n</text>"
+        in easy.prompt
+    )
+    assert easy.question.endswith('(B) White\n(C) Green\n(D) Blue\n\nFormat your response as follows: '
+                                  '"The correct answer is (insert answer here)".')  # fmt: skip
+    assert "What is the correct answer to this question: What colour is the lighthouse?\n" in easy.question
+    assert easy.prompt.endswith(easy.question) and easy.max_new_tokens == 128 and easy.answers == ["B"]
+    assert (easy.meta["difficulty"], easy.meta["length"], hard.meta["length"]) == ("easy", "short", "medium")
+    assert score_output("The correct answer is (B)", easy, ["longbench_v2_accuracy"]) == {
+        "longbench_v2_accuracy": 1.0
+    }
+    assert score_output("I think (B).", easy, ["longbench_v2_accuracy"]) == {"longbench_v2_accuracy": 0.0}
+    hard_only = DATASETS.build(
+        {"name": "longbench_v2", "path": path, "difficulties": ["hard"], "lengths": ["long"]}
+    )
+    assert [s.id for s in hard_only.samples()] == [long.id]
+    with pytest.raises(ConfigError, match="difficulties must be a non-empty list of easy, hard"):
+        DATASETS.build({"name": "longbench_v2", "path": path, "difficulties": ["medium"]})
+
+
 # ---- LooGLE --------------------------------------------------------------------------------------
 def test_loogle_questions_share_their_document() -> None:
     data = LooGLEDataset(
@@ -357,11 +383,12 @@ def test_needle_grid_and_heatmap(tmp_path: Path) -> None:
 
 # ---- shipped configs -----------------------------------------------------------------------------
 SHIPPED = sorted(p.stem for p in (presets_dir() / "benchmarks").glob("*.yaml"))
-LOCAL = {
+LOCAL: dict[str, list[str] | None] = {
     "longbench": ["hotpotqa"],
     "longbench_fewshot": ["trec"],
     "infinitebench": ["passkey"],
     "loogle": ["shortdep_qa"],
+    "longbench_v2": None,  # no tasks: one multiple-choice set
 }
 
 
@@ -376,7 +403,7 @@ def test_shipped_benchmark_configs_validate(name: str) -> None:
     node = dict(cfg["data"]["dataset"])
     if name in LOCAL:  # the Hub copies are not downloaded in tests: the fixtures have the same schema
         suite = node["name"]
-        node.update(path=str(FIXTURES / suite), tasks=LOCAL[name])
+        node.update(path=str(FIXTURES / suite), **({"tasks": LOCAL[name]} if LOCAL[name] else {}))
     else:  # generated suites: a small slice
         node.update({"lengths": [1024]} if node["name"] == "ruler" else {"lengths": [400], "depths": [50]})
         node.update({"tasks": ["niah_single_1"], "samples_per_task": 1} if node["name"] == "ruler" else {})

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from kvlab.data.benchmarks.infinitebench import official_labels
-from kvlab.data.benchmarks.report import longbench_e_scores, task_table
+from kvlab.data.benchmarks.report import longbench_e_scores, longbench_v2_scores, task_table
 from kvlab.data.sample import Sample
 from kvlab.metrics.suites.infinitebench import infinitebench_score
 from kvlab.metrics.suites.longbench import longbench_rouge_score, longbench_score
+from kvlab.metrics.suites.longbench_v2 import extract_answer, longbench_v2_accuracy
 from kvlab.runner.compare import compare_experiment
 
 OFFICIAL = Path(__file__).parent / "data" / "official"
@@ -111,3 +112,32 @@ def test_kvlab_compare_lists_the_longbench_e_buckets(tmp_path: Path) -> None:
     text = compare_experiment(tmp_path / "exp", plots=False)
     assert "## LongBench-E" in text and "| snapkv | hotpotqa_e | 50 | 100 | 33.33 |" in text
     assert (tmp_path / "exp" / "longbench_e.csv").read_text().startswith("method,task,0-4k,4-8k,8k+")
+
+
+LONGBENCH_V2 = json.loads((OFFICIAL / "longbench_v2_2e00731.json").read_text())
+
+
+@pytest.mark.parametrize("response", list(LONGBENCH_V2["extract_answer"]))
+def test_longbench_v2_reads_the_letter_as_the_official_extract_answer(response: str) -> None:
+    expected = LONGBENCH_V2["extract_answer"][response]
+    assert extract_answer(response.strip()) == expected
+    sample = Sample("s", "p", answers=["B"], meta={"suite": "longbench_v2"})
+    assert longbench_v2_accuracy(response, sample) == float(expected == "B")
+
+
+def test_longbench_v2_splits_equal_the_official_result_py() -> None:
+    records = [
+        {
+            "id": str(i),
+            "longbench_v2_accuracy": float(judge),
+            "meta": {"suite": "longbench_v2", "difficulty": d, "length": n},
+        }
+        for i, (d, n, judge) in enumerate(LONGBENCH_V2["result"]["items"])
+    ]
+    assert longbench_v2_scores(records) == LONGBENCH_V2["result"]["row"]
+
+
+def test_longbench_v2_scores_an_empty_output_zero_where_pred_py_drops_it() -> None:
+    """pred.py skips an empty output (never written, never in result.py's mean); kvlab keeps it: 0."""
+    sample = Sample("s", "p", answers=["B"], meta={"suite": "longbench_v2"})
+    assert longbench_v2_accuracy("", sample) == 0.0

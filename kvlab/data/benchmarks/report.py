@@ -23,10 +23,20 @@ from typing import Any
 
 from kvlab.config.errors import ConfigError
 
-__all__ = ["LONGBENCH_E_BUCKETS", "longbench_e_bucket", "longbench_e_scores", "task_scores", "task_table"]
+__all__ = [
+    "LONGBENCH_E_BUCKETS",
+    "LONGBENCH_V2_SPLITS",
+    "longbench_e_bucket",
+    "longbench_e_scores",
+    "longbench_v2_scores",
+    "task_scores",
+    "task_table",
+]
 
 #: LongBench-E's length buckets (``eval.py``'s ``scorer_e``)
 LONGBENCH_E_BUCKETS = ("0-4k", "4-8k", "8k+")
+#: LongBench v2's columns (``result.py``): overall, then by difficulty and by length
+LONGBENCH_V2_SPLITS = ("overall", "easy", "hard", "short", "medium", "long")
 
 
 def _records(predictions: str | Path | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -77,6 +87,27 @@ def longbench_e_scores(
         task: {b: round(100 * sum(v) / len(v), 2) if v else math.nan for b, v in buckets.items()}
         for task, buckets in values.items()
     }
+
+
+def longbench_v2_scores(
+    predictions: str | Path | Iterable[dict[str, Any]], metric: str = "longbench_v2_accuracy"
+) -> dict[str, float]:
+    """``{"overall" | "easy" | "hard" | "short" | "medium" | "long": round(100 * accuracy, 1)}``
+    over a run's LongBench v2 records, as THUDM/LongBench ``result.py`` (commit 2e00731) prints
+    them (``compensated = False``); NaN for an empty split (``result.py`` divides by zero)."""
+    groups: dict[str, list[float]] = {split: [] for split in LONGBENCH_V2_SPLITS}
+    for record in _records(predictions):
+        meta = record.get("meta") or {}
+        if meta.get("suite") != "longbench_v2" or record.get(metric) is None:
+            continue
+        value = float(record[metric])
+        groups["overall"].append(value)
+        groups["easy" if meta.get("difficulty") == "easy" else "hard"].append(value)
+        length = meta.get("length")
+        groups[length if length in ("short", "medium") else "long"].append(value)
+    if not groups["overall"]:
+        return {}
+    return {split: round(100 * sum(v) / len(v), 1) if v else math.nan for split, v in groups.items()}
 
 
 def task_scores(
