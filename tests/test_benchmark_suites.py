@@ -318,6 +318,42 @@ def test_longbench_v2_prompt_choices_and_splits() -> None:
         DATASETS.build({"name": "longbench_v2", "path": path, "difficulties": ["medium"]})
 
 
+# ---- MATH-500, AIME25 ----------------------------------------------------------------------------
+def test_math_problems_are_prompted_to_box_their_answer_and_checked_by_math_verify() -> None:
+    half, polar = DATASETS.build({"name": "math500", "path": str(FIXTURES / "math500")}).samples()
+    (aime,) = DATASETS.build({"name": "aime25", "path": str(FIXTURES / "aime25" / "test.jsonl")}).samples()
+    assert half.prompt == (
+        "Compute $\\dfrac{3}{6}$.\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
+    assert half.answers == ["\\frac{1}{2}"] and half.max_new_tokens == 4096 and half.meta["level"] == 1
+    assert aime.answers == ["70"] and aime.id == "aime25-0000"
+    names = ["math_verify_accuracy"]
+    check_task_samples(names, [half, polar, aime])
+    assert score_output("so it is $\\boxed{0.5}$", half, names) == {"math_verify_accuracy": 1.0}
+    assert score_output("\\boxed{(3, \\frac{\\pi}{2})}", polar, names) == {"math_verify_accuracy": 1.0}
+    assert score_output("I am not sure.", aime, names) == {"math_verify_accuracy": 0.0}
+    with pytest.raises(ConfigError, match="Math-Verify cannot parse its reference answer"):
+        check_task_samples(names, [Sample("bad", "p", answers=["\\"])])
+
+
+@pytest.mark.parametrize(
+    "protocol",
+    ["query_aware", "{name: decode_time, interval: 4, target_size: 20}"],
+)
+def test_math500_runs_under_query_aware_and_decode_time(tmp_path: Path, protocol: str) -> None:
+    from test_cli import TINY, predict
+
+    knorm = ["--model.compression.budget", "{tokens: 10000, window: 4}"]
+    dataset = f"{{name: math500, path: {FIXTURES / 'math500'}, max_new_tokens: 10}}"
+    predict(tmp_path, "--config", "knorm.yaml", *TINY, *knorm, "--model.protocol", protocol,
+            "--data.dataset", dataset)  # fmt: skip
+    run_dir = tmp_path / "runs" / "exp" / "knorm"
+    records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [r["math_verify_accuracy"] for r in records] == [0.0, 0.0]  # a random tiny model
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["task_samples"] == {"math_verify_accuracy": 2}
+
+
 # ---- LooGLE --------------------------------------------------------------------------------------
 def test_loogle_questions_share_their_document() -> None:
     data = LooGLEDataset(
@@ -389,6 +425,8 @@ LOCAL: dict[str, list[str] | None] = {
     "infinitebench": ["passkey"],
     "loogle": ["shortdep_qa"],
     "longbench_v2": None,  # no tasks: one multiple-choice set
+    "math500": None,
+    "aime25": None,
 }
 
 

@@ -21,6 +21,7 @@ from kvlab.data.sample import Sample
 from kvlab.metrics.suites.infinitebench import infinitebench_score
 from kvlab.metrics.suites.longbench import longbench_rouge_score, longbench_score
 from kvlab.metrics.suites.longbench_v2 import extract_answer, longbench_v2_accuracy
+from kvlab.metrics.suites.math import math_verify_accuracy
 from kvlab.runner.compare import compare_experiment
 
 OFFICIAL = Path(__file__).parent / "data" / "official"
@@ -141,3 +142,12 @@ def test_longbench_v2_scores_an_empty_output_zero_where_pred_py_drops_it() -> No
     """pred.py skips an empty output (never written, never in result.py's mean); kvlab keeps it: 0."""
     sample = Sample("s", "p", answers=["B"], meta={"suite": "longbench_v2"})
     assert longbench_v2_accuracy("", sample) == 0.0
+
+
+MATH_VERIFY = json.loads((OFFICIAL / "math_verify_0.9.0.json").read_text())
+
+
+@pytest.mark.parametrize("case", MATH_VERIFY["cases"], ids=lambda c: f"{c['answer']}:{c['output'][:20]!r}")
+def test_math_verify_accuracy_equals_math_verify_run_alone(case: dict[str, Any]) -> None:
+    sample = Sample("s", "p", answers=[case["answer"]], meta={"suite": "math500"})
+    assert math_verify_accuracy(case["output"], sample) == case["score"]
