@@ -156,12 +156,13 @@ def test_rouge_score_lsum_and_rouge1_match_worked_examples() -> None:
     assert rouge_lsum("", "the cat") == 0.0
     sample = _sample(["The cat was on the mat."], task="longbook_sum_eng")
     assert infinitebench_score("the cat sat\non the mat", sample) == pytest.approx(5 / 6)
-    # needle: 6 output tokens all in the 21-token needle -> P = 1, R = 6/21, F = 12/27
+    # rouge_score's ROUGE-1: 6 lower-cased output tokens all in the 21-token needle -> F = 12/27
     needle = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
     assert rouge_n_score("Eat a sandwich in Dolores Park.", needle) == pytest.approx(12 / 27)
-    assert TASK_METRICS["needle_rouge1"](
-        "Eat a sandwich in Dolores Park.", _sample([needle])
-    ) == pytest.approx(12 / 27)
+    # the needle metric is the rouge package's (kvpress): word sets, case kept ("Eat" is not "eat"):
+    # 5 of the output's 6 words among the needle's 19 distinct ones -> P = 5/19, R = 5/6, F = 0.4
+    score = TASK_METRICS["needle_rouge1"]("Eat a sandwich in Dolores Park.", _sample([needle]))
+    assert score == pytest.approx(0.4, abs=1e-7)
 
 
 # ---- LooGLE (Evaluation/automatic_metrics.py) ----------------------------------------------------

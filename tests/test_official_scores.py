@@ -22,6 +22,7 @@ from kvlab.metrics.suites.infinitebench import infinitebench_score
 from kvlab.metrics.suites.longbench import longbench_rouge_score, longbench_score
 from kvlab.metrics.suites.longbench_v2 import extract_answer, longbench_v2_accuracy
 from kvlab.metrics.suites.math import math_verify_accuracy
+from kvlab.metrics.tasks import TASK_METRICS
 from kvlab.runner.compare import compare_experiment
 
 OFFICIAL = Path(__file__).parent / "data" / "official"
@@ -151,3 +152,40 @@ MATH_VERIFY = json.loads((OFFICIAL / "math_verify_0.9.0.json").read_text())
 def test_math_verify_accuracy_equals_math_verify_run_alone(case: dict[str, Any]) -> None:
     sample = Sample("s", "p", answers=[case["answer"]], meta={"suite": "math500"})
     assert math_verify_accuracy(case["output"], sample) == case["score"]
+
+
+LOOGLE = json.loads((OFFICIAL / "loogle_6734382.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "case", LOOGLE["cases"], ids=lambda c: f"{c['reference'][:12]!r}:{c['output'][:12]!r}"
+)
+def test_loogle_similarity_metrics_equal_the_official_automatic_metrics(case: dict[str, Any]) -> None:
+    sample = Sample("s", "p", answers=[case["reference"]], meta={"task": "longdep_qa"})
+    for name in ("bleu1", "bleu4", "rouge1", "rouge2", "rouge_l"):
+        value = TASK_METRICS[f"loogle_{name}"](case["output"], sample)
+        if "rouge_error" in case and name.startswith("rouge"):
+            assert value == 0.0  # the official code raises (no sentence on one side); kvlab scores 0
+        else:
+            assert value == pytest.approx(case[name], abs=1e-9), name
+
+
+@pytest.mark.parametrize("case", LOOGLE["cloze"], ids=lambda c: repr(c["output"][:20]))
+def test_loogle_cloze_metrics_equal_the_official_match_counts(case: dict[str, Any]) -> None:
+    sample = Sample(
+        "s", "p", answers=["{}"], meta={"task": "shortdep_cloze", "cloze_answer": LOOGLE["cloze_reference"]}
+    )
+    (exact, count), (partial, _) = case["exact"], case["partial"]
+    assert TASK_METRICS["loogle_cloze_exact"](case["output"], sample) == exact / count
+    assert TASK_METRICS["loogle_cloze_partial"](case["output"], sample) == partial / count
+
+
+NEEDLE = json.loads((OFFICIAL / "kvpress_needle_8bb29b9.json").read_text())
+
+
+@pytest.mark.parametrize("case", NEEDLE["cases"], ids=lambda c: repr(c["output"][:20]))
+def test_needle_rouge1_equals_kvpress_calculate_metrics(case: dict[str, Any]) -> None:
+    expected = 0.0 if "error" in case else case["rouge-1"]["f"]  # kvpress raises: kvlab scores 0
+    assert TASK_METRICS["needle_rouge1"](
+        case["output"], Sample("s", "p", answers=[NEEDLE["needle"]])
+    ) == pytest.approx(expected, abs=1e-9)
