@@ -354,6 +354,49 @@ def test_math500_runs_under_query_aware_and_decode_time(tmp_path: Path, protocol
     assert metrics["task_samples"] == {"math_verify_accuracy": 2}
 
 
+# ---- SCBench ------------------------------------------------------------------------------------
+def test_scbench_turns_share_their_context_and_keep_the_official_labels() -> None:
+    data = DATASETS.build({"name": "scbench", "path": str(FIXTURES / "scbench"),
+                           "tasks": ["scbench_kv", "scbench_choice_eng", "scbench_mf"]})  # fmt: skip
+    kv1, kv2, kv3, choice1, choice2, mf1, mf2 = data.samples()
+    head = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
+    assert (
+        kv1.prompt.startswith(head) and kv1.prompt.endswith(kv1.question) and kv1.question.startswith("Key:")
+    )
+    assert kv1.context_id == kv2.context_id != kv3.context_id and kv1.context == kv2.context
+    assert (kv1.max_new_tokens, choice1.max_new_tokens, mf1.max_new_tokens) == (150, 40, 5)
+    assert choice2.meta["label"] == ["Georgie", "B"] and choice2.question.endswith(
+        "\n\nThe the correct answer is"
+    )
+    assert mf1.meta["label"] == 88 and mf1.answers == ["88"]
+    assert mf1.prompt.startswith("The largest number of the list is: \n\n[3, 88, 14, 7]")  # turn 1 as prefix
+    assert mf2.question == "What is the smallest number of the list?\n\nThe smallest number of the list is: "
+    check_task_samples(data.metrics, data.samples())
+    outputs = ['"beef-2"', "cafe-3", "x", "B", "B. Georgie", "88", "3"]
+    scores = [
+        score_output(o, s, data.metrics)["scbench_score"]
+        for o, s in zip(outputs, data.samples(), strict=True)
+    ]
+    assert scores == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    with pytest.raises(ConfigError, match="scbench_mf label 'eighty'"):
+        check_task_samples(
+            ["scbench_score"], [Sample("x", "p", meta={"task": "scbench_mf", "label": "eighty"})]
+        )
+
+
+def test_scbench_runs_under_multi_question_one_compression_per_context(tmp_path: Path) -> None:
+    from test_cli import TINY, predict
+
+    dataset = f"{{name: scbench, path: {FIXTURES / 'scbench'}, tasks: [scbench_kv]}}"
+    predict(tmp_path, "--config", "knorm.yaml", *TINY, "--model.protocol", "multi_question",
+            "--data.dataset", dataset, "--data.batch_size", "1")  # fmt: skip
+    run_dir = tmp_path / "runs" / "exp" / "knorm"
+    records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [r["context_questions"] for r in records] == [2, 2, 1]  # both turns of row 0 on one compression
+    assert all(r["protocol"] == "multi_question" and "scbench_score" in r for r in records)
+    assert json.loads((run_dir / "metrics.json").read_text())["task_samples"] == {"scbench_score": 3}
+
+
 # ---- LooGLE --------------------------------------------------------------------------------------
 def test_loogle_questions_share_their_document() -> None:
     data = LooGLEDataset(
@@ -427,6 +470,7 @@ LOCAL: dict[str, list[str] | None] = {
     "longbench_v2": None,  # no tasks: one multiple-choice set
     "math500": None,
     "aime25": None,
+    "scbench": ["scbench_kv"],
 }
 
 

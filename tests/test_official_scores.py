@@ -22,7 +22,8 @@ from kvlab.metrics.suites.infinitebench import infinitebench_score
 from kvlab.metrics.suites.longbench import longbench_rouge_score, longbench_score
 from kvlab.metrics.suites.longbench_v2 import extract_answer, longbench_v2_accuracy
 from kvlab.metrics.suites.math import math_verify_accuracy
-from kvlab.metrics.tasks import TASK_METRICS
+from kvlab.metrics.suites.scbench import scbench_score
+from kvlab.metrics.tasks import TASK_METRICS, check_task_samples
 from kvlab.runner.compare import compare_experiment
 
 OFFICIAL = Path(__file__).parent / "data" / "official"
@@ -189,3 +190,13 @@ def test_needle_rouge1_equals_kvpress_calculate_metrics(case: dict[str, Any]) ->
     assert TASK_METRICS["needle_rouge1"](
         case["output"], Sample("s", "p", answers=[NEEDLE["needle"]])
     ) == pytest.approx(expected, abs=1e-9)
+
+
+SCBENCH = json.loads((OFFICIAL / "scbench_459df6b.json").read_text())
+
+
+@pytest.mark.parametrize("case", SCBENCH["cases"], ids=_id)
+def test_scbench_score_equals_the_official_get_score_one(case: dict[str, Any]) -> None:
+    sample = Sample("s", "p", meta={"task": case["task"], "label": case["label"]})
+    check_task_samples(["scbench_score"], [sample])
+    assert scbench_score(case["pred"], sample) == pytest.approx(case["score"], abs=1e-9)

@@ -6,6 +6,26 @@ share live in :mod:`kvlab.metrics.text` (normalisation, F1), :mod:`kvlab.metrics
 :mod:`kvlab.metrics.bleu`. Which official commit each follows: ``docs/benchmark_suites.md``.
 """
 
-from kvlab.metrics.suites import infinitebench, longbench, longbench_v2, loogle, math, needle, ruler, vlm
+from kvlab.metrics.suites import (
+    infinitebench,
+    longbench,
+    longbench_v2,
+    loogle,
+    math,
+    needle,
+    ruler,
+    scbench,
+    vlm,
+)
 
-__all__ = ["infinitebench", "longbench", "longbench_v2", "loogle", "math", "needle", "ruler", "vlm"]
+__all__ = [
+    "infinitebench",
+    "longbench",
+    "longbench_v2",
+    "loogle",
+    "math",
+    "needle",
+    "ruler",
+    "scbench",
+    "vlm",
+]
