@@ -5,6 +5,7 @@ download), the needle grid and heatmap, and the shipped benchmark configs."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,12 @@ from kvlab.data.benchmarks import (
     needle_heatmap,
     task_table,
 )
+from kvlab.data.benchmarks.infinitebench import official_labels
 from kvlab.data.benchmarks.longbench import LONGBENCH_PROMPTS
 from kvlab.data.benchmarks.tokens import fit_units, token_counter
+from kvlab.data.sample import Sample
 from kvlab.data.synthetic import SyntheticRetrieval
-from kvlab.metrics.tasks import score_output
+from kvlab.metrics.tasks import check_task_samples, score_output
 
 FIXTURES = Path(__file__).parent / "data" / "benchmarks"
 
@@ -196,8 +199,6 @@ def test_longbench_truncation_keeps_head_and_question() -> None:
 
 def test_longbench_refusals_and_schema(tmp_path: Path) -> None:
     path = str(FIXTURES / "longbench")
-    with pytest.raises(ConfigError, match="jieba"):
-        LongBenchDataset(path=path, tasks=["dureader"])
     with pytest.raises(ConfigError, match="no file for task 'qasper'"):
         LongBenchDataset(path=path, tasks=["qasper"])
     with pytest.raises(ConfigError, match="not a directory"):
@@ -209,6 +210,23 @@ def test_longbench_refusals_and_schema(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="'answers' must be a non-empty list"):
         LongBenchDataset(path=str(tmp_path), tasks=["hotpotqa"])
+
+
+def test_chinese_longbench_needs_jieba_and_whitespace_metrics_refuse_chinese(monkeypatch) -> None:
+    """multifieldqa_zh, dureader and vcsum are scored on jieba's words; without jieba the run is
+    refused before the model loads, naming the install command (never a whitespace fallback)."""
+    zh = Sample("longbench-vcsum-0000", "p", answers=["会议讨论项目进度。"], meta={"task": "vcsum"})
+    check_task_samples(["longbench_score"], [zh])
+    assert score_output("项目。进度。", zh, ["longbench_score"])["longbench_score"] > 0
+    with pytest.raises(ConfigError, match=r"longbench_qa_f1'.*Chinese.*use longbench_score"):
+        check_task_samples(["longbench_qa_f1"], [Sample("q", "p", answers=["北京"])])
+    with pytest.raises(ConfigError, match="longbench_rouge_l'.*Chinese"):
+        check_task_samples(["longbench_rouge_l"], [zh])
+    monkeypatch.setitem(sys.modules, "jieba", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"sample 'longbench-vcsum-0000'.*jieba.*pip install 'kvlab\[zh\]'"):
+        check_task_samples(["longbench_score"], [zh])
+    with pytest.raises(ConfigError, match="needs jieba"):
+        score_output("项目", zh, ["longbench_score"])
 
 
 def test_longbench_reads_a_saved_hf_dataset(tmp_path: Path) -> None:
@@ -239,6 +257,144 @@ def test_infinitebench_prompts_and_labels() -> None:
         assert sample.prompt.endswith(sample.question)
         assert score_output(output, sample, data.metrics) == {"infinitebench_score": 1.0}
     assert score_output("12345", passkey, data.metrics) == {"infinitebench_score": 0.0}
+
+
+def test_infinitebench_math_calc_nested_labels_are_unwrapped_and_every_sample_scored() -> None:
+    """The official data nests math_calc's label ([[1, 3, 6, 7]]); get_score_one_math_calc takes
+    label[0] (commit 88b3daa). Every sample gets a score: none drops out of the mean."""
+    data = InfiniteBenchDataset(path=str(FIXTURES / "infinitebench"), tasks=["math_calc"])
+    first, negative = data.samples()
+    assert first.answers == ["1", "3", "6", "7"] and negative.answers == ["4", "-1", "-3"]
+    assert score_output("[1, 3, 6, 7]", first, data.metrics) == {"infinitebench_score": 1.0}
+    assert score_output("[1, 3, 5, 7]", first, data.metrics) == {"infinitebench_score": 0.5}
+    assert score_output("I cannot compute that.", first, data.metrics) == {"infinitebench_score": 0.0}
+    # re.split("[^0-9]") drops minus signs, so a negative value never matches: 1 of 3 (official too)
+    assert score_output("[4, -1, -3]", negative, data.metrics) == pytest.approx(
+        {"infinitebench_score": 1 / 3}
+    )
+    assert official_labels("math_calc", "[1, 3]") == ["1", "3"]  # a copy cast to strings
+    assert official_labels("math_calc", [[2, 5]]) == official_labels("math_calc", [2, 5]) == ["2", "5"]
+
+
+def test_infinitebench_labels_of_the_wrong_shape_are_refused_before_the_model_loads() -> None:
+    def sample(task: str, answers: list[str]) -> Sample:
+        return Sample(f"infinitebench-{task}-0000", "p", answers=answers, meta={"task": task})
+
+    names = ("infinitebench_score",)
+    check_task_samples(names, [sample("math_calc", ["1", "3"]), sample("code_run", ["-6"])])
+    for task, answers, message in [
+        ("math_calc", ["[1, 3, 6, 7]"], "list of integers"),
+        ("math_find", ["eighty"], "math_find label is a number"),
+        ("code_run", ["six"], "code_run label is an integer"),
+        ("longbook_choice_eng", ["Light housework"], r"\[option text, letter A-D\]"),
+    ]:
+        with pytest.raises(ConfigError, match=f"sample 'infinitebench-{task}-0000' .*{message}"):
+            check_task_samples(names, [sample(task, answers)])
+
+
+# ---- LongBench v2 --------------------------------------------------------------------------------
+def test_longbench_v2_prompt_choices_and_splits() -> None:
+    path = str(FIXTURES / "longbench_v2")
+    easy, hard, long = DATASETS.build({"name": "longbench_v2", "path": path}).samples()
+    assert easy.prompt.startswith("Please read the following text and answer the question below.\n\n<text>\n")
+    assert (
+        "<text>\nThe lighthouse on the cape was painted white in 1902, after the storm.\n</text>"
+        in easy.prompt
+    )
+    assert easy.question.endswith('(B) White\n(C) Green\n(D) Blue\n\nFormat your response as follows: '
+                                  '"The correct answer is (insert answer here)".')  # fmt: skip
+    assert "What is the correct answer to this question: What colour is the lighthouse?\n" in easy.question
+    assert easy.prompt.endswith(easy.question) and easy.max_new_tokens == 128 and easy.answers == ["B"]
+    assert (easy.meta["difficulty"], easy.meta["length"], hard.meta["length"]) == ("easy", "short", "medium")
+    assert score_output("The correct answer is (B)", easy, ["longbench_v2_accuracy"]) == {
+        "longbench_v2_accuracy": 1.0
+    }
+    assert score_output("I think (B).", easy, ["longbench_v2_accuracy"]) == {"longbench_v2_accuracy": 0.0}
+    hard_only = DATASETS.build(
+        {"name": "longbench_v2", "path": path, "difficulties": ["hard"], "lengths": ["long"]}
+    )
+    assert [s.id for s in hard_only.samples()] == [long.id]
+    with pytest.raises(ConfigError, match="difficulties must be a non-empty list of easy, hard"):
+        DATASETS.build({"name": "longbench_v2", "path": path, "difficulties": ["medium"]})
+
+
+# ---- MATH-500, AIME25 ----------------------------------------------------------------------------
+def test_math_problems_are_prompted_to_box_their_answer_and_checked_by_math_verify() -> None:
+    half, polar = DATASETS.build({"name": "math500", "path": str(FIXTURES / "math500")}).samples()
+    (aime,) = DATASETS.build({"name": "aime25", "path": str(FIXTURES / "aime25" / "test.jsonl")}).samples()
+    assert half.prompt == (
+        "Compute $\\dfrac{3}{6}$.\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
+    assert half.answers == ["\\frac{1}{2}"] and half.max_new_tokens == 4096 and half.meta["level"] == 1
+    assert aime.answers == ["70"] and aime.id == "aime25-0000"
+    names = ["math_verify_accuracy"]
+    check_task_samples(names, [half, polar, aime])
+    assert score_output("so it is $\\boxed{0.5}$", half, names) == {"math_verify_accuracy": 1.0}
+    assert score_output("\\boxed{(3, \\frac{\\pi}{2})}", polar, names) == {"math_verify_accuracy": 1.0}
+    assert score_output("I am not sure.", aime, names) == {"math_verify_accuracy": 0.0}
+    with pytest.raises(ConfigError, match="Math-Verify cannot parse its reference answer"):
+        check_task_samples(names, [Sample("bad", "p", answers=["\\"])])
+
+
+@pytest.mark.parametrize(
+    "protocol",
+    ["query_aware", "{name: decode_time, interval: 4, target_size: 20}"],
+)
+def test_math500_runs_under_query_aware_and_decode_time(tmp_path: Path, protocol: str) -> None:
+    from test_cli import TINY, predict
+
+    knorm = ["--model.compression.budget", "{tokens: 10000, window: 4}"]
+    dataset = f"{{name: math500, path: {FIXTURES / 'math500'}, max_new_tokens: 10}}"
+    predict(tmp_path, "--config", "knorm.yaml", *TINY, *knorm, "--model.protocol", protocol,
+            "--data.dataset", dataset)  # fmt: skip
+    run_dir = tmp_path / "runs" / "exp" / "knorm"
+    records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [r["math_verify_accuracy"] for r in records] == [0.0, 0.0]  # a random tiny model
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["task_samples"] == {"math_verify_accuracy": 2}
+
+
+# ---- SCBench ------------------------------------------------------------------------------------
+def test_scbench_turns_share_their_context_and_keep_the_official_labels() -> None:
+    data = DATASETS.build({"name": "scbench", "path": str(FIXTURES / "scbench"),
+                           "tasks": ["scbench_kv", "scbench_choice_eng", "scbench_mf"]})  # fmt: skip
+    kv1, kv2, kv3, choice1, choice2, mf1, mf2 = data.samples()
+    head = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
+    assert (
+        kv1.prompt.startswith(head) and kv1.prompt.endswith(kv1.question) and kv1.question.startswith("Key:")
+    )
+    assert kv1.context_id == kv2.context_id != kv3.context_id and kv1.context == kv2.context
+    assert (kv1.max_new_tokens, choice1.max_new_tokens, mf1.max_new_tokens) == (150, 40, 5)
+    assert choice2.meta["label"] == ["Georgie", "B"] and choice2.question.endswith(
+        "\n\nThe the correct answer is"
+    )
+    assert mf1.meta["label"] == 88 and mf1.answers == ["88"]
+    assert mf1.prompt.startswith("The largest number of the list is: \n\n[3, 88, 14, 7]")  # turn 1 as prefix
+    assert mf2.question == "What is the smallest number of the list?\n\nThe smallest number of the list is: "
+    check_task_samples(data.metrics, data.samples())
+    outputs = ['"beef-2"', "cafe-3", "x", "B", "B. Georgie", "88", "3"]
+    scores = [
+        score_output(o, s, data.metrics)["scbench_score"]
+        for o, s in zip(outputs, data.samples(), strict=True)
+    ]
+    assert scores == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    with pytest.raises(ConfigError, match="scbench_mf label 'eighty'"):
+        check_task_samples(
+            ["scbench_score"], [Sample("x", "p", meta={"task": "scbench_mf", "label": "eighty"})]
+        )
+
+
+def test_scbench_runs_under_multi_question_one_compression_per_context(tmp_path: Path) -> None:
+    from test_cli import TINY, predict
+
+    dataset = f"{{name: scbench, path: {FIXTURES / 'scbench'}, tasks: [scbench_kv]}}"
+    predict(tmp_path, "--config", "knorm.yaml", *TINY, "--model.protocol", "multi_question",
+            "--data.dataset", dataset, "--data.batch_size", "1")  # fmt: skip
+    run_dir = tmp_path / "runs" / "exp" / "knorm"
+    records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [r["context_questions"] for r in records] == [2, 2, 1]  # both turns of row 0 on one compression
+    assert all(r["protocol"] == "multi_question" and "scbench_score" in r for r in records)
+    assert json.loads((run_dir / "metrics.json").read_text())["task_samples"] == {"scbench_score": 3}
 
 
 # ---- LooGLE --------------------------------------------------------------------------------------
@@ -306,11 +462,15 @@ def test_needle_grid_and_heatmap(tmp_path: Path) -> None:
 
 # ---- shipped configs -----------------------------------------------------------------------------
 SHIPPED = sorted(p.stem for p in (presets_dir() / "benchmarks").glob("*.yaml"))
-LOCAL = {
+LOCAL: dict[str, list[str] | None] = {
     "longbench": ["hotpotqa"],
     "longbench_fewshot": ["trec"],
     "infinitebench": ["passkey"],
     "loogle": ["shortdep_qa"],
+    "longbench_v2": None,  # no tasks: one multiple-choice set
+    "math500": None,
+    "aime25": None,
+    "scbench": ["scbench_kv"],
 }
 
 
@@ -325,7 +485,7 @@ def test_shipped_benchmark_configs_validate(name: str) -> None:
     node = dict(cfg["data"]["dataset"])
     if name in LOCAL:  # the Hub copies are not downloaded in tests: the fixtures have the same schema
         suite = node["name"]
-        node.update(path=str(FIXTURES / suite), tasks=LOCAL[name])
+        node.update(path=str(FIXTURES / suite), **({"tasks": LOCAL[name]} if LOCAL[name] else {}))
     else:  # generated suites: a small slice
         node.update({"lengths": [1024]} if node["name"] == "ruler" else {"lengths": [400], "depths": [50]})
         node.update({"tasks": ["niah_single_1"], "samples_per_task": 1} if node["name"] == "ruler" else {})

@@ -11,7 +11,7 @@ from test_cli import TINY, predict, write_jsonl
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.sweep import expand, parse_method, split_values
-from kvlab.metrics.evaluation import FidelityEvaluator
+from kvlab.runner.fidelity_run import FidelityEvaluator
 
 SNAP = ["--model.compression.budget.window", "4"]  # snapkv's window attention observes budget.window
 

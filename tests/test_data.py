@@ -25,6 +25,7 @@ from kvlab.data import (
     SyntheticRetrieval,
 )
 from kvlab.data.synthetic import region_pixel
+from kvlab.metrics.tasks import validate_task_metrics
 from kvlab.models.base import IMAGE, PAD, TEXT
 
 # ---------------------------------------------------------------------------------------------
@@ -390,11 +391,17 @@ def test_datamodule_errors_before_model_load(tmp_path: Path, fake_models: dict[s
     assert fake_models["loaded"] == []
 
 
-def test_dataset_metrics_parameter(tmp_path: Path) -> None:
+def test_datasets_keep_their_metric_names_which_the_task_registry_checks(tmp_path: Path) -> None:
+    """Data sits below the metrics: a dataset keeps the names as strings (refusing only an empty
+    list or a non-name); the registry refuses an unknown one (the run calls it before any model
+    loads: tests/test_bad_inputs.py)."""
     file = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "p", "answers": "x"}])
     jsonl = DATASETS.build({"name": "jsonl", "path": str(file), "metrics": ["token_f1"]})
     assert jsonl.metrics == ("token_f1",)
     for name in ("synthetic_retrieval", "synthetic_image_qa"):
         assert DATASETS.build({"name": name, "metrics": ["rouge_l"]}).metrics == ("rouge_l",)
+        unknown = DATASETS.build({"name": name, "metrics": ["f1"]})
         with pytest.raises(ConfigError, match="unknown task metric 'f1'"):
-            DATASETS.build({"name": name, "metrics": ["f1"]})
+            validate_task_metrics(unknown.metrics)
+        with pytest.raises(ConfigError, match="data.dataset.metrics is empty"):
+            DATASETS.build({"name": name, "metrics": []})

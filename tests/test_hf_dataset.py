@@ -76,7 +76,7 @@ def test_hf_data_file(tmp_path: Path) -> None:
      ({"fields": {"prompt": 3}}, r"\['prompt'\] must name columns"),
      ({"fields": {"prompt": "question", "answers": "options"}, "answer_is_index": True}, "not indices"),
      ({"template": "{prompt} {passage}"}, r"unknown keys \['passage'\]"),
-     ({"metrics": ["exact_mach"]}, "unknown task metric 'exact_mach'"),
+     ({"metrics": []}, "data.dataset.metrics is empty"),
      ({"path": "./no/such/dir"}, "neither a data file nor a directory")],
 )  # fmt: skip
 def test_hf_errors(saved_hf: Path, change: dict[str, Any], match: str) -> None:

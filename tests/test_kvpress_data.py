@@ -100,3 +100,9 @@ def test_unknown_file_types_are_refused(tmp_path):
     path.write_text("context,question\n")
     with pytest.raises(ConfigError, match="has suffix '.csv'"):
         load(path)
+
+
+def test_a_kvpress_file_given_as_jsonl_is_refused_naming_the_kvpress_dataset(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(ConfigError, match=r"d.jsonl:1: .*kvpress' schema.*name: kvpress, path: "):
+        DATASETS.build({"name": "jsonl", "path": str(path)})

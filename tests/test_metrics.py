@@ -15,13 +15,14 @@ from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
 from kvlab.engine.generation import generate
 from kvlab.metrics.cost import MAX_FIELDS, SUM_FIELDS, CostMetrics
-from kvlab.metrics.evaluation import FidelityEvaluator
 from kvlab.metrics.fidelity import Reference, fidelity_values, teacher_forced_sums, teacher_tokens
 from kvlab.metrics.means import record_values
 from kvlab.metrics.reference import ReferenceStore
 from kvlab.metrics.run import RunMetrics, summarize
 from kvlab.metrics.tasks import TASK_METRICS, picked_choice, score_output, validate_task_metrics
 from kvlab.metrics.text import lcs_length, position_match, rouge_l, token_f1
+from kvlab.runner.fidelity_run import FidelityEvaluator
+from kvlab.runner.progress import format_summary
 
 SNAP = {
     "budget": {"tokens": 24, "window": 4},
@@ -64,7 +65,7 @@ def test_lcs_rouge_and_f1_match_brute_force():
         assert position_match(a, b) == (1.0 if not (a or b) else matches / max(len(a), len(b)))
 
 
-def test_task_metrics_on_examples():
+def test_generic_task_metrics_score_worked_examples():
     qa = Sample("q", "?", answers=["The Eiffel Tower", "eiffel"])
     scores = score_output("the eiffel tower!", qa, TASK_METRICS)
     assert scores["exact_match"] == 1.0 and scores["contains_answer"] == 1.0
@@ -80,7 +81,7 @@ def test_task_metrics_on_examples():
     "output, picked",
     [("B", 1), ("(c) blue", 2), ("b. green", 1), ("I would say green, not red", 1), ("purple", None)],
 )
-def test_picked_choice(output, picked):
+def test_picked_choice_reads_a_letter_label_else_the_earliest_option(output, picked):
     assert picked_choice(output, ["red", "green", "blue"]) == picked
 
 
@@ -250,7 +251,7 @@ def test_top_k_reference_is_a_lower_bound_with_the_tail_bucket():
     assert kl_sum == pytest.approx(expected, rel=1e-4)
 
 
-def test_greedy_agreement_values():
+def test_greedy_agreement_of_a_diverging_output_matches_hand_values():
     ref = Reference([5, 6, 7], torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.long))
     values = fidelity_values(ref, [5, 9, 7, 8], None)
     assert values == {
@@ -260,7 +261,7 @@ def test_greedy_agreement_values():
     }
 
 
-def test_reference_store_round_trip(tmp_path):
+def test_reference_store_loads_what_it_saved_and_skips_unreadable_files(tmp_path):
     store = ReferenceStore(tmp_path)
     ref = Reference.from_logits([3, 4], torch.randn(3, 40), topk=8)
     store.save("k", ref)
@@ -271,3 +272,16 @@ def test_reference_store_round_trip(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"garbage")
     assert store.load("bad") is None and store.load("missing") is None
     assert Counter(p.suffix for p in tmp_path.iterdir()) == {".pt": 2}  # no temporary file left
+
+
+def test_metrics_json_counts_the_samples_each_task_metric_scored_and_the_summary_warns():
+    records = [{"id": "a", "exact_match": 1.0, "token_f1": 0.5}, {"id": "b", "exact_match": 0.0}, {"id": "c"}]
+    metrics = summarize(records)
+    assert metrics["samples"] == 3 and metrics["task_samples"] == {"exact_match": 2, "token_f1": 1}
+    summary = format_summary(metrics, "runs/x")
+    assert "warning: exact_match scored 2 of 3 samples" in summary
+    assert "warning: token_f1 scored 1 of 3 samples" in summary
+    full = summarize([{"id": "a", "exact_match": 1.0, "longbench_score": 0.25}])
+    assert full["task_samples"] == {"exact_match": 1, "longbench_score": 1}
+    assert "warning" not in format_summary(full, "runs/x")
+    assert "longbench_score" in format_summary(full, "runs/x")  # a suite's metric is shown too

@@ -6,8 +6,7 @@ import random
 import pytest
 
 from kvlab.data.sample import Sample
-from kvlab.metrics.tasks import TASK_METRICS, score_output
-from kvlab.metrics.vlm import (
+from kvlab.metrics.suites.vlm import (
     anls_value,
     levenshtein,
     ocrbench_value,
@@ -18,6 +17,7 @@ from kvlab.metrics.vlm import (
     vqa_accuracy_value,
     vqa_normalize,
 )
+from kvlab.metrics.tasks import TASK_METRICS, score_output
 
 
 def sample(answers, **kwargs):
@@ -35,7 +35,7 @@ def naive_levenshtein(a, b):
     return table[-1][-1]
 
 
-def test_registered():
+def test_vlm_metrics_are_registered_and_skip_samples_without_answers():
     assert {"anls", "relaxed_accuracy", "vqa_accuracy", "ocrbench", "mmmu_accuracy"} <= set(TASK_METRICS)
     assert score_output("x", sample([]), ["anls", "vqa_accuracy", "mmmu_accuracy"]) == {}  # no answers
 
@@ -43,7 +43,7 @@ def test_registered():
 @pytest.mark.parametrize(
     "a,b", [("kitten", "sitting"), ("", "abc"), ("university", "univ"), ("flaw", "lawn")]
 )
-def test_levenshtein(a, b):
+def test_levenshtein_equals_brute_force_and_is_symmetric(a, b):
     assert levenshtein(a, b) == naive_levenshtein(a, b) == levenshtein(b, a)
 
 

@@ -40,7 +40,7 @@ from kvlab.config.loader import check_fields, preset_names, resolve, split_overr
 from kvlab.config.plugins import IMPORTS_KEY, import_plugins, load_entry_points
 from kvlab.config.registry import REGISTRIES, Registry
 from kvlab.metrics.reference import REFERENCE_DIR
-from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, validate_task_metrics
+from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, check_task_samples, validate_task_metrics
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.fingerprint import check_run, clear_results, fingerprint_fields, record_run
 from kvlab.runner.guards import RunGuard, guarded, make_run_dir
@@ -100,6 +100,11 @@ class KVLabCLI(LightningCLI):
         Every process of a data-parallel run gets here; only the launcher's first process clears
         results on ``--run.overwrite``. Nothing in the directory changes before the check passes.
         """
+        # the dataset's metric names (strings in the data layer) name registered metrics
+        names = validate_task_metrics(
+            getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS
+        )
+        check_task_samples(names, self.datamodule.selected_samples)
         run_dir = self.run_dir()
         config = self.config["predict"]
         fields = fingerprint_fields(config, self.imports)
@@ -113,7 +118,6 @@ class KVLabCLI(LightningCLI):
         if self.imports:
             text += yaml.safe_dump({IMPORTS_KEY: self.imports}, sort_keys=False)
         atomic_write_text(run_dir / "config.yaml", text)
-        validate_task_metrics(getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS)
         self.model.reference_dir = str(run_dir.parent / REFERENCE_DIR)
         self.model.run_dir = str(run_dir)
         writer = PredictionWriter(run_dir, order=[s.id for s in self.datamodule.selected_samples])

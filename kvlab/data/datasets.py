@@ -8,6 +8,7 @@ is checked in ``__post_init__``, so a bad data config fails before any model is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,11 +41,20 @@ def build_dataset(node: Any, where: str = "data.dataset", **context: Any) -> Sam
     return DATASETS.build(node, where, **context)
 
 
-def check_metrics(names: tuple[str, ...]) -> tuple[str, ...]:
-    """Validate a dataset's ``metrics`` against the task-metric registry (:mod:`kvlab.metrics.tasks`)."""
-    from kvlab.metrics.tasks import validate_task_metrics  # lazy: keeps `kvlab list` free of metric imports
+def check_metrics(names: str | Sequence[str]) -> tuple[str, ...]:
+    """A dataset's ``metrics`` as a non-empty tuple of names (one name alone is a list of one).
 
-    names = validate_task_metrics(names, "data.dataset.metrics")
+    Data sits below the metrics, so the names stay strings here: the run checks them against
+    the task-metric registry (``kvlab.metrics.tasks.validate_task_metrics``, called by the
+    ``kvlab predict`` command and by ``KVLabModule.setup``) before any model loads.
+    """
+    names = (names,) if isinstance(names, str) else tuple(names)
+    for name in names:
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"data.dataset.metrics: {name!r} is not a task metric name; give names such as "
+                "[exact_match, token_f1] (`kvlab list` shows them all)."
+            )
     if not names:
         raise ConfigError("data.dataset.metrics is empty; name at least one task metric, e.g. [exact_match].")
     return names
@@ -150,6 +160,13 @@ class JsonlDataset:
                 f"Fix the id, or set data.dataset.id_field to the field that holds the ids."
             )
         prompt = obj.get(self.text_field)
+        if prompt is None and {"context", "question"} <= set(obj):
+            raise ConfigError(
+                f"{where}: sample '{sample_id}' has no '{self.text_field}' field but 'context' and "
+                f"'question': the file is in kvpress' schema (context, question, answer_prefix, answer). "
+                f"Read it with `data.dataset: {{name: kvpress, path: {self.path}}}`, which joins the "
+                f"context and question and groups the questions of one context."
+            )
         if not isinstance(prompt, str):
             problem = "has no" if prompt is None else f"has a non-string ({type(prompt).__name__})"
             raise ConfigError(

@@ -5,7 +5,7 @@ a Hub name, a ``save_to_disk`` directory or one data file, in the Hub dataset's 
 builds the prompts, answers and generation limits lmms-eval uses for it
 (``lmms_eval/tasks/<task>/``, its ``default`` prompt): the same questions, the same instruction
 after them, the official answer-length limit as :attr:`Sample.max_new_tokens`, and the task's
-metric (:mod:`kvlab.metrics.vlm`). ``docs/vlm_tasks.md`` lists the schemas and choices.
+metric (:mod:`kvlab.metrics.suites.vlm`). ``docs/vlm_tasks.md`` lists the schemas and choices.
 
 Every sample's text is its question (``Sample.question == Sample.prompt``): the image is the
 context a query-agnostic protocol compresses before the question is read. Samples that share

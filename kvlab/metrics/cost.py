@@ -73,7 +73,7 @@ def process_peak_rss_bytes() -> int | None:
     size by a few pages: the larger of the two is returned.
     """
     try:
-        import resource
+        import resource  # optional: this standard module is missing on Windows
     except ImportError:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -84,7 +84,7 @@ def process_peak_rss_bytes() -> int | None:
 def process_rss_bytes() -> int | None:
     """The process's resident set size now (psutil, which accelerate installs; else ``/proc``)."""
     try:
-        import psutil
+        import psutil  # optional dependency (accelerate installs it); /proc/self/statm otherwise
     except ImportError:
         try:
             with open("/proc/self/statm") as file:

@@ -1,4 +1,8 @@
-"""Per-sample task scores: the task-metric registry.
+"""Per-sample task scores: the task-metric registry and the generic metrics.
+
+The benchmark suites' metrics register themselves here with :func:`register_task_metrics`
+when their modules are imported; importing the package (``import kvlab.metrics``, which any
+``kvlab.metrics.*`` import does first) imports every suite, so this module never imports them.
 
 A dataset names its metrics with a ``metrics`` attribute (YAML: ``data.dataset: {name: jsonl,
 path: x.jsonl, metrics: [exact_match, token_f1]}``); datasets without one get
@@ -26,9 +30,13 @@ from kvlab.metrics.text import normalize_answer, rouge_l, token_f1, words
 
 __all__ = [
     "DEFAULT_TASK_METRICS",
+    "SCORED_SAMPLES",
+    "SAMPLE_CHECKS",
     "TASK_METRICS",
+    "check_task_samples",
     "normalize_answer",
     "picked_choice",
+    "register_task_metrics",
     "score_output",
     "validate_task_metrics",
 ]
@@ -90,6 +98,20 @@ def _per_answer(score: Callable[[str, str], float]) -> Callable[[str, Sample], f
     return lambda output, sample: _best(output, sample, score)
 
 
+def _choice_check(sample: Sample) -> str | None:
+    if not sample.answers:
+        return None
+    if not sample.choices:
+        return "it has reference answers but no choices"
+    if choice_index(sample.answers[0], sample.choices) is None:
+        return f"its answer {sample.answers[0]!r} is neither a letter label nor one of its choices"
+    return None
+
+
+#: a metric's check of a sample: None when it can score it (or the sample has nothing to score,
+#: e.g. no answers), else why not (the run refuses the dataset before any model loads)
+SampleCheck = Callable[[Sample], str | None]
+
 TASK_METRICS: dict[str, Callable[[str, Sample], float | None]] = {
     "exact_match": _per_answer(_exact),
     "contains_answer": _per_answer(_contains),
@@ -97,6 +119,48 @@ TASK_METRICS: dict[str, Callable[[str, Sample], float | None]] = {
     "rouge_l": _per_answer(lambda o, a: rouge_l(words(o), words(a))),
     "choice_accuracy": _choice_accuracy,
 }
+#: the registered metrics' sample checks (a metric without one scores every sample it applies to)
+SAMPLE_CHECKS: dict[str, SampleCheck] = {"choice_accuracy": _choice_check}
+
+
+def register_task_metrics(
+    metrics: dict[str, Callable[[str, Sample], float | None]], checks: dict[str, SampleCheck] | None = None
+) -> None:
+    """Add metrics to :data:`TASK_METRICS` (a benchmark suite's module calls it when imported),
+    and their sample checks to :data:`SAMPLE_CHECKS` (what a sample must hold to be scored).
+
+    Raises:
+        ValueError: a name is registered already (two suites must not share a metric name), or
+            a check names no metric being registered.
+    """
+    taken = sorted(set(metrics) & set(TASK_METRICS))
+    if taken:
+        raise ValueError(f"task metrics registered twice: {', '.join(taken)}")
+    orphans = sorted(set(checks or {}) - set(metrics))
+    if orphans:
+        raise ValueError(f"sample checks for metrics not being registered: {', '.join(orphans)}")
+    TASK_METRICS.update(metrics)
+    SAMPLE_CHECKS.update(checks or {})
+
+
+def check_task_samples(names: Iterable[str], samples: Iterable[Sample], where: str = "data.dataset") -> None:
+    """Refuse a dataset whose sample lacks what one of its task metrics needs (naming the sample).
+
+    Called by the run after :func:`validate_task_metrics`, before any model loads. A sample
+    without answers passes (it is not scored; ``task_samples`` in ``metrics.json`` counts it out).
+
+    Raises:
+        ConfigError: the first sample a metric's :data:`SAMPLE_CHECKS` entry refuses.
+    """
+    checks = [(name, SAMPLE_CHECKS[name]) for name in dict.fromkeys(names) if name in SAMPLE_CHECKS]
+    for sample in samples if checks else ():
+        for name, check in checks:
+            reason = check(sample)
+            if reason is not None:
+                raise ConfigError(
+                    f"{where}: sample '{sample.id}' cannot be scored by task metric '{name}': {reason}. "
+                    "Fix the row, or name a metric that scores it in data.dataset.metrics."
+                )
 
 
 def validate_task_metrics(names: Iterable[str], where: str = "data.dataset.metrics") -> tuple[str, ...]:
@@ -121,16 +185,25 @@ def score_output(
     return {name: value for name, value in scores.items() if value is not None}
 
 
+#: the ``metrics.json`` key of ``{task metric: number of samples it scored}``
+SCORED_SAMPLES = "task_samples"
+
+
 class TaskScores(SampleMeans):
     """Mean of every registered task metric (:data:`TASK_METRICS`) over the samples scored with it.
 
     A state per registered name (not per dataset) keeps every DDP rank's states identical;
-    names never scored are left out of :meth:`compute`.
+    names never scored are left out of :meth:`compute`, which also returns
+    ``{SCORED_SAMPLES: {name: samples scored}}`` so a mean over fewer samples than the run's
+    is visible.
     """
 
     def __init__(self, **kwargs: Any):
         super().__init__(tuple(TASK_METRICS), **kwargs)
 
-
-from kvlab.metrics import longcontext as _longcontext  # noqa: E402, F401  (long-context benchmarks' metrics)
-from kvlab.metrics import vlm as _vlm  # noqa: E402, F401  (registers the VLM benchmarks' metrics)
+    def compute(self) -> dict[str, Any]:  # type: ignore[override]
+        out: dict[str, Any] = super().compute()
+        counts = {name: int(getattr(self, f"{name}_count")) for name in self.fields if name in out}
+        if counts:
+            out[SCORED_SAMPLES] = counts
+        return out

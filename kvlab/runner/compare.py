@@ -15,6 +15,8 @@ Writes into the experiment directory (``docs/evaluation.md``, "Comparing runs"):
   family, one line per method, the full cache dashed;
 - ``quality_vs_memory.png``: each quality metric against the kept KV fraction, one line per
   method family (the points of a sweep, :func:`kvlab.config.sweep.parse_method`);
+- ``longbench_e.csv``: for runs of LongBench-E tasks, each task's ``longbench_score`` per length
+  bucket (``0-4k``, ``4-8k``, ``8k+``; LongBench's ``scorer_e``, NaN for an empty bucket);
 - ``positions_overlap.csv``: for runs that recorded kept positions (``model.record_positions``),
   the mean Jaccard index of every pair over their shared samples, layers and KV heads;
 - ``compare/tensorboard/``: ``<family>/`` scalars ``sweep/<metric>`` whose step is the kept KV
@@ -34,6 +36,7 @@ from typing import Any
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.sweep import parse_method
+from kvlab.data.benchmarks.report import LONGBENCH_E_BUCKETS, longbench_e_scores
 from kvlab.metrics.run import summarize
 from kvlab.metrics.tasks import TASK_METRICS
 from kvlab.runner.leaderboard import (
@@ -57,6 +60,7 @@ COST = (
     "kv_bytes_allocated_peak",
     "peak_memory_bytes",
 )
+LONGBENCH_E_HEADER = ["method", "task", *LONGBENCH_E_BUCKETS]
 QUALITY = ("fidelity_top1", "fidelity_token_match", "fidelity_kl", *TASK_METRICS)
 TB_DIR = Path("compare") / "tensorboard"
 
@@ -228,7 +232,8 @@ def write_tensorboard(runs: list[Run], root: Path, figure: Any, board: Leaderboa
 def _compare(root: Path, plots: bool) -> tuple[str, list[str]]:
     """Write the comparison files; returns the Markdown and the names of the files written."""
     runs = load_runs(root)
-    for stale in [*root.glob("score_vs_*.png"), root / "leaderboard.csv", root / "positions_overlap.csv"]:
+    stale_files = [root / "leaderboard.csv", root / "positions_overlap.csv", root / "longbench_e.csv"]
+    for stale in [*root.glob("score_vs_*.png"), *stale_files]:
         stale.unlink(missing_ok=True)  # our own outputs of an earlier compare
     outputs: dict[str, str] = {}
     keys = columns(runs)
@@ -239,6 +244,12 @@ def _compare(root: Path, plots: bool) -> tuple[str, list[str]]:
     if board is not None:
         section, outputs["leaderboard.csv"] = leaderboard_text(board)
         text += section
+    buckets = [[r.method, task, *(_cell(v[b]) for b in LONGBENCH_E_BUCKETS)]
+               for r in runs for task, v in longbench_e_scores(r.records).items()]  # fmt: skip
+    if buckets:
+        text += "\n## LongBench-E: longbench_score (%) per length bucket (LongBench's scorer_e)\n\n"
+        text += markdown(LONGBENCH_E_HEADER, buckets)
+        outputs["longbench_e.csv"] = csv_text(LONGBENCH_E_HEADER, buckets)
     overlap = positions_overlap(runs)
     if overlap:
         text += "\n## Kept positions: mean Jaccard over shared samples, layers and KV heads\n\n"

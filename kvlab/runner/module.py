@@ -19,10 +19,15 @@ from kvlab.engine.generation import GenerationResult
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
-from kvlab.metrics.evaluation import FidelityEvaluator
 from kvlab.metrics.reference import ReferenceStore
-from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, score_output, validate_task_metrics
+from kvlab.metrics.tasks import (
+    DEFAULT_TASK_METRICS,
+    check_task_samples,
+    score_output,
+    validate_task_metrics,
+)
 from kvlab.models.base import LoadedModel
+from kvlab.runner.fidelity_run import FidelityEvaluator
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.positions import RECORD_FIELD as POSITIONS_FIELD
 from kvlab.runner.positions import encode_row, kept_masks
@@ -175,17 +180,20 @@ class KVLabModule(L.LightningModule):
         # device (strategy.model_to_device) would otherwise pull every layer onto that one device
 
     def setup(self, stage: str) -> None:
-        """Before the data loaders are built: a protocol that shares one compressed context among
+        """Before the data loaders are built and the model loads: the dataset's task metric names
+        are checked against the registry, and a protocol that shares one compressed context among
         samples (``multi_question``) has the data module batch each ``context_id`` together."""
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        source = getattr(datamodule, "source", None)
+        self.task_metrics = validate_task_metrics(getattr(source, "metrics", None) or DEFAULT_TASK_METRICS)
+        if datamodule is not None and hasattr(datamodule, "selected_samples"):
+            check_task_samples(self.task_metrics, datamodule.selected_samples)
         if datamodule is not None and hasattr(datamodule, "group_by_context"):
             datamodule.group_by_context = self.protocol.groups_contexts
 
     def on_predict_start(self) -> None:
-        """Task metrics from the dataset (``metrics`` attribute), the TensorBoard inspector and, on
-        rank 0 of a run with a directory (:attr:`run_dir`, set by the CLI), ``reproduce.json``."""
-        source = getattr(getattr(self._trainer, "datamodule", None), "source", None)
-        self.task_metrics = validate_task_metrics(getattr(source, "metrics", None) or DEFAULT_TASK_METRICS)
+        """The TensorBoard inspector and, on rank 0 of a run with a directory (:attr:`run_dir`, set
+        by the CLI), ``reproduce.json``."""
         if self.logger is not None:
             method = Path(self.run_dir).name if getattr(self, "run_dir", None) else None
             label = run_label(method, self.pipeline)  # figure titles: method and budget

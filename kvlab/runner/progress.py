@@ -13,6 +13,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from kvlab.metrics.tasks import SCORED_SAMPLES
+
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "fidelity to the full cache",
@@ -95,6 +97,18 @@ def _format(key: str, value: Any) -> str:
     return str(value)
 
 
+def scored_warnings(metrics: dict[str, Any]) -> list[str]:
+    """A warning per task metric that scored fewer samples than the run has (``task_samples``)."""
+    samples = metrics.get("samples", 0)
+    return [
+        f"  warning: {name} scored {count} of {samples} samples, and its mean is over those {count}: "
+        "the others have no reference answers or are of a task this metric does not score "
+        f"(records without a '{name}' field in predictions.jsonl)"
+        for name, count in metrics.get(SCORED_SAMPLES, {}).items()
+        if count != samples
+    ]
+
+
 def format_summary(metrics: dict[str, Any], run_dir: str | Path) -> str:
     """The one-screen summary of a run's ``metrics.json`` (sections: fidelity, task, memory, time).
 
@@ -103,6 +117,8 @@ def format_summary(metrics: dict[str, Any], run_dir: str | Path) -> str:
     """
     lines = [f"kvlab: {metrics.get('samples', 0)} samples -> {run_dir}"]
     for title, keys in SECTIONS:
+        if title == "task":  # the benchmark suites' metrics too
+            keys = tuple(dict.fromkeys([*keys, *metrics.get(SCORED_SAMPLES, {})]))
         present = [k for k in keys if k in metrics]
         if present:
             lines.append(f"  {title}:")
@@ -114,6 +130,7 @@ def format_summary(metrics: dict[str, Any], run_dir: str | Path) -> str:
                 lines.append(line)
     if "peak_memory_note" in metrics:
         lines.append(f"  note: {metrics['peak_memory_note']}")
+    lines.extend(scored_warnings(metrics))
     if metrics.get("budget_overshoot_samples"):
         lines.append(
             f"  warning: {metrics['budget_overshoot_samples']} samples kept more than their budget (up to "

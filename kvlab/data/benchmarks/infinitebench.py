@@ -10,7 +10,7 @@ Prompts are the open-model templates of ``src/prompt.py`` (``yarn_mistral_templa
 ``src/eval_yarn_mistral.py`` uses), filled as ``src/eval_utils.py``'s ``create_prompt`` fills them
 (code_run's function call and math_find's target read from ``input``); output lengths are
 ``DATA_NAME_TO_MAX_NEW_TOKENS``; scores are ``src/compute_scores.py``'s ``get_score_one_<task>``
-(:func:`kvlab.metrics.longcontext.infinitebench_score`), against ``get_answer``'s labels (the
+(:func:`kvlab.metrics.suites.infinitebench.infinitebench_score`), against ``get_answer``'s labels (the
 option text and its letter for the two multiple-choice tasks). The templates end with the start of
 the answer ("The pass key is"), inside the prompt as in the reference: no answer prefix.
 ``max_length`` reproduces ``truncate_input``'s middle truncation (128k - 1000 for GPT-4 there).
@@ -18,6 +18,8 @@ the answer ("The pass key is"), inside the prompt as in the reference: no answer
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
 
-__all__ = ["INFINITEBENCH_MAX_NEW_TOKENS", "INFINITEBENCH_PROMPTS", "InfiniteBenchDataset"]
+__all__ = ["INFINITEBENCH_MAX_NEW_TOKENS", "INFINITEBENCH_PROMPTS", "InfiniteBenchDataset", "official_labels"]
 
 #: ``src/prompt.py``'s ``yarn_mistral_templates``
 INFINITEBENCH_PROMPTS: dict[str, str] = {
@@ -69,6 +71,27 @@ def _hub_features() -> Any:
             "options": Sequence(Value("string")),
         }
     )
+
+
+def official_labels(task: str, answer: Any) -> list[str]:
+    """A row's ``answer`` as the official scorers read it, as strings (``Sample.answers``).
+
+    A list stays a list (the getters take ``label[0]`` where they want one value); math_calc's
+    nested ``[[1, 3, 6, 7]]`` is unwrapped to its inner list as ``get_score_one_math_calc`` does
+    (commit 88b3daa), and a string holding such a list (a copy whose ``answer`` column is cast
+    to strings) is read back as that list; any other scalar is a label of one.
+    """
+    if task == "math_calc":
+        if isinstance(answer, list) and len(answer) == 1 and isinstance(answer[0], str | list):
+            answer = answer[0]
+        if isinstance(answer, str) and answer.strip().startswith("["):
+            with contextlib.suppress(json.JSONDecodeError):  # not a list: checked as a label later
+                answer = json.loads(answer)
+        if isinstance(answer, list) and answer and isinstance(answer[0], list):
+            answer = answer[0]
+    if isinstance(answer, list):
+        return [str(a) for a in answer]
+    return [] if answer is None else [str(answer)]
 
 
 @DATASETS.register("infinitebench")
@@ -111,7 +134,7 @@ class InfiniteBenchDataset:
             if not isinstance(row.get(key), str):
                 raise ConfigError(f"{where} has no string '{key}' field (fields: {', '.join(row)}).")
         answer = row.get("answer")
-        answers = [str(a) for a in answer] if isinstance(answer, list) else [str(answer)]
+        answers = official_labels(task, answer)
         if answer is None or not answers:
             raise ConfigError(f"{where} has no 'answer'.")
         fields: dict[str, Any] = {"context": row["context"], "input": row["input"]}
@@ -121,13 +144,15 @@ class InfiniteBenchDataset:
             if not isinstance(options, list) or len(options) != 4:
                 raise ConfigError(f"{where}: 'options' must list the four choices, got {options!r}.")
             fields.update({f"OPTION_{letter}": str(o) for letter, o in zip(OPTIONS, options, strict=True)})
-            if len(answers) == 2 and answers[1] in OPTIONS:  # already [text, letter]
+            # get_answer: a string or a list of one -> [text, its letter]; [text, letter] kept
+            if isinstance(answer, list) and len(answer) == 2 and answers[1] in OPTIONS:
                 pass
-            elif answers[0] in [str(o) for o in options]:
+            elif (isinstance(answer, str) or len(answers) == 1) and answers[0] in [str(o) for o in options]:
                 answers = [answers[0], OPTIONS[[str(o) for o in options].index(answers[0])]]
             else:
                 raise ConfigError(
-                    f"{where}: the answer {answers[0]!r} is not one of the options {options!r}."
+                    f"{where}: the answer {answer!r} is neither one of the options {options!r} nor "
+                    "[option text, letter] (src/eval_utils.py's get_answer accepts only these)."
                 )
         if task == "code_run":
             calls = re.findall(r"func_[0-9]+\(\-?[0-9]+\)", row["input"])

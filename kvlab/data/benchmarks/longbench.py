@@ -7,7 +7,7 @@ Understanding") ships 21 tasks (``THUDM/LongBench`` on the Hub, or ``data.zip`` 
 names of trec and lsht, else null) and ``_id``.
 
 Prompts are ``config/dataset2prompt.json``, output lengths ``config/dataset2maxlen.json``, metrics
-``eval.py``'s ``dataset2metric`` (:func:`kvlab.metrics.longcontext.longbench_score`). The prompt is
+``eval.py``'s ``dataset2metric`` (:func:`kvlab.metrics.suites.longbench.longbench_score`). The prompt is
 the template filled; ``Sample.question`` is the template's text after ``{context}`` (with the
 input), so a query-agnostic run compresses the context alone. LongBench uses no answer prefix.
 
@@ -70,16 +70,7 @@ LONGBENCH_E = (
     "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa",
     "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
 )  # fmt: skip
-_JIEBA = (
-    "its metric segments Chinese words with jieba, which kvlab does not ship (LongBench eval.py: {metric}). "
-    "The other Chinese tasks, lsht and passage_retrieval_zh, are supported."
-)
-REFUSED = {
-    "multifieldqa_zh": _JIEBA.format(metric="qa_f1_zh_score"),
-    "dureader": _JIEBA.format(metric="rouge_zh_score"),
-    "vcsum": _JIEBA.format(metric="rouge_zh_score"),
-}
-TASKS = [t for t in LONGBENCH_PROMPTS if t not in REFUSED] + [f"{t}_e" for t in LONGBENCH_E]
+TASKS = [*LONGBENCH_PROMPTS, *(f"{t}_e" for t in LONGBENCH_E)]
 
 
 def _base(task: str) -> str:
@@ -107,7 +98,7 @@ class LongBenchDataset:
     _rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.tasks = list(check_tasks(self.tasks, TASKS, "LongBench", REFUSED))
+        self.tasks = list(check_tasks(self.tasks, TASKS, "LongBench"))
         check_count(self.samples_per_task, "samples_per_task", allow_none=True)
         check_count(self.max_length, "max_length", least=64, allow_none=True)
         check_tokenizer_name(self.tokenizer)

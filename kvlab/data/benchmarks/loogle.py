@@ -10,7 +10,7 @@ Prompts are ``config/task2prompt.json`` (its document field, ``{input}``, is kvl
 output lengths ``config/task2maxlen.json``. Every question of a document is one sample, all with
 the document's ``context_id`` (the ``multi_question`` protocol compresses a document once);
 ``Sample.question`` is the template's text after the document. Metrics
-(``Evaluation/automatic_metrics.py``, :mod:`kvlab.metrics.longcontext`): BLEU-1/4 and ROUGE-1/2/L
+(``Evaluation/automatic_metrics.py``, :mod:`kvlab.metrics.suites.loogle`): BLEU-1/4 and ROUGE-1/2/L
 recall for QA and summarisation, exact and partial mask matches for the cloze task. The
 reference's ``pred_opensource_models.py`` also decodes with ``repetition_penalty=2``, which kvlab's
 greedy decoding does not apply. ``max_length`` cuts each document in its middle so that its

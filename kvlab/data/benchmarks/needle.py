@@ -16,8 +16,8 @@ in a haystack of essays cut to each context length, at each depth, and asks for 
 The haystack is Paul Graham's essays there; offline, kvlab generates filler prose unless
 ``haystack_path`` points at the essays (a directory of .txt files, as the repository ships them).
 The reference scores with an LLM judge (1-10); kvlab scores ``needle_rouge1`` (NVIDIA kvpress's
-replacement: ROUGE-1 F of the answer against the needle). :func:`needle_heatmap` draws the usual
-figure from a run's predictions.
+replacement: the ``rouge`` package's ROUGE-1 F of the answer against the needle).
+:func:`needle_heatmap` draws the usual figure from a run's predictions.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Fidelity of one batch: the full-cache reference (cached per sample) and the teacher-forced run.
 
+The runs are orchestration (protocols, pipelines), so they live with the runner;
+:mod:`kvlab.metrics.fidelity` computes the values from their tokens and logits.
+
 For a batch already generated with the method's pipeline (``result``, with step logits):
 
 1. each sample's :class:`~kvlab.metrics.fidelity.Reference` is loaded from the

@@ -2,7 +2,7 @@
 
 Each function maps ``(output, Sample)`` to a score in [0, 1] (None when the sample has no
 answers) and is registered in :data:`kvlab.metrics.tasks.TASK_METRICS` when this module is
-imported (``kvlab.metrics.tasks`` imports it). The output is stripped of surrounding whitespace
+imported (the package ``kvlab.metrics`` imports it). The output is stripped of surrounding whitespace
 first; every other step follows lmms-eval's task code (``lmms_eval/tasks/<task>/utils.py``),
 which copies each benchmark's official scorer, quirks included (``docs/vlm_tasks.md``):
 
@@ -32,7 +32,7 @@ import re
 from collections.abc import Sequence
 
 from kvlab.data.sample import Sample
-from kvlab.metrics.tasks import TASK_METRICS
+from kvlab.metrics.tasks import register_task_metrics
 
 __all__ = [
     "anls",
@@ -355,7 +355,7 @@ def mmmu_accuracy(output: str, sample: Sample) -> float | None:
     return float(open_correct(answers, parse_open(output.strip())))
 
 
-TASK_METRICS.update(
+register_task_metrics(
     {
         "anls": anls,
         "relaxed_accuracy": relaxed_accuracy,
