@@ -7,8 +7,10 @@ the runs the layer is cut into; ``kv_bytes()`` against the buffers."""
 import pytest
 import torch
 
-from kvlab.compression.selectors import Selection, topk_indices
-from kvlab.engine.cache import CompressedCache, CompressedLayer
+from kvlab.cache.cache import CompressedCache
+from kvlab.cache.layer import CompressedLayer
+from kvlab.cache.selection import Selection
+from kvlab.compression.selectors import topk_indices
 from kvlab.kernels.decode_attention import SegmentRuns
 
 B, HKV, G, T, D = 2, 2, 2, 24, 8

@@ -8,11 +8,11 @@ from e2e import kvlab_model
 from naive import dot, softmax
 from test_methods import samples
 
+from kvlab.cache.cache import CompressedCache
+from kvlab.cache.selection import Selection
 from kvlab.compression.decode import DECODE_POLICIES, H2OEntries
 from kvlab.compression.pipeline import Pipeline
-from kvlab.compression.selectors import Selection
 from kvlab.engine.attention import CompressionSession, compression_session, kvlab_attention
-from kvlab.engine.cache import CompressedCache
 from kvlab.engine.generation import decode, generate, prefill
 
 B, HKV, G, D, T = 2, 2, 2, 4, 10

@@ -14,10 +14,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from kvlab.cache.layer import CompressedLayer  # noqa: E402
+from kvlab.cache.selection import Selection  # noqa: E402
 from kvlab.compression.context import LayerContext  # noqa: E402
-from kvlab.compression.selectors import Selection, topk_indices  # noqa: E402
+from kvlab.compression.selectors import topk_indices  # noqa: E402
 from kvlab.config.errors import ConfigError  # noqa: E402
-from kvlab.engine.cache import CompressedLayer  # noqa: E402
 from kvlab.kernels import dispatch  # noqa: E402
 from kvlab.kernels.compaction import compact_kv_reference  # noqa: E402
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402

@@ -21,6 +21,8 @@ from naive import (
 )
 from preset_runs import RECORD, is_vlm_preset, preset_compression, preset_models, preset_samples
 
+from kvlab.cache.cache import CompressedCache
+from kvlab.cache.selection import Selection
 from kvlab.calibration import Artefact
 from kvlab.calibration.command import calibrate
 from kvlab.calibration.prefixkv import PrefixLayerRatios, artefact_from_released_configs
@@ -37,14 +39,12 @@ from kvlab.compression.prefixkv import (
     solve_bisect,
     solve_exact,
 )
-from kvlab.compression.selectors import Selection
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names, resolve
 from kvlab.data import build_dataset
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.attention import CompressionSession, compression_session, kvlab_attention
-from kvlab.engine.cache import CompressedCache
 from kvlab.engine.generation import generate, prefill
 from kvlab.engine.protocols import build_protocol
 

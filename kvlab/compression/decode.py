@@ -14,7 +14,7 @@ step. A policy has three hooks, all optional:
   layer's attention probabilities of each step in it;
 - :meth:`DecodePolicy.after_step` runs after every decode step (the step's token is already in
   each layer's decode region). Evicting goes through
-  :meth:`~kvlab.engine.cache.CompressedLayer.evict_one`, which moves the newest token into the
+  :meth:`~kvlab.cache.slots.SlotLayout.evict_one`, which moves the newest token into the
   victim's slot, so memory stays what was allocated and nothing is masked.
 
 The cache only stores K/V: a policy keeps its per-entry bookkeeping itself, per batch, in
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
+from kvlab.cache.layer import CompressedLayer
 from kvlab.compression.context import LayerContext
 from kvlab.compression.ops import reduce_groups
 from kvlab.config.registry import Registry
-from kvlab.engine.cache import CompressedLayer
 
 if TYPE_CHECKING:
     from kvlab.engine.attention import CompressionSession
@@ -75,7 +75,7 @@ class H2OEntries:
     """H2O's bookkeeping for one layer: accumulated attention and position of every stored entry.
 
     Both tensors are in the cache's slot layout (see
-    :meth:`~kvlab.engine.cache.CompressedLayer.slot_valid`): slot ``s < K`` is a prompt row of the
+    :meth:`~kvlab.cache.slots.SlotLayout.slot_valid`): slot ``s < K`` is a prompt row of the
     (sample, head), then its decode tokens; they hold at least ``K + decode_length`` slots. Empty
     slots hold leftovers that are never read unmasked.
 
@@ -115,7 +115,7 @@ class H2OEntries:
         self.scores[:, :, :slots] += per_query.mean(2) if gqa == "mean" else per_query.sum(2)
 
     def evict(self, victim: torch.Tensor, newest: int) -> None:
-        """Mirror :meth:`~kvlab.engine.cache.CompressedLayer.evict_one`: slot ``newest`` moves into
+        """Mirror :meth:`~kvlab.cache.slots.SlotLayout.evict_one`: slot ``newest`` moves into
         ``victim [B, Hkv]`` and is freed (its score reset for the next token)."""
         b, h = torch.meshgrid(
             torch.arange(victim.shape[0], device=victim.device),

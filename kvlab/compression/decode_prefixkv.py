@@ -16,16 +16,16 @@ Importance is not updated during decoding. Positions are not renumbered: kvlab's
 each token's true position (the release gives new tokens layer 0's compressed length).
 
 The cache stores ``[B, Hkv]`` ragged prompt segments and one decode region shared by the batch,
-and :meth:`~kvlab.engine.cache.CompressedLayer.evict_one` evicts in every row at once, while
-here each (sample, head) follows its own schedule. :func:`evict_rows` therefore drops one entry
-from chosen rows only, using the slack the cache already has (see its docstring); attention is
+and :meth:`~kvlab.cache.slots.SlotLayout.evict_one` evicts in every row at once, while
+here each (sample, head) follows its own schedule.
+:meth:`~kvlab.cache.slots.SlotLayout.evict_rows` therefore drops one entry from chosen rows
+only, using the slack the cache already has (see its docstring); attention is
 order-invariant over stored entries (RoPE is applied before caching), so where an entry sits
 does not matter, only which entries are stored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -33,97 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
-from kvlab.engine.cache import CompressedLayer
 
 if TYPE_CHECKING:
     from kvlab.engine.attention import CompressionSession
-
-
-def _read(prompt: torch.Tensor, decode: torch.Tensor, layer: CompressedLayer, b, h, slots) -> torch.Tensor:
-    """Entries at ``slots`` (slot layout, see ``CompressedLayer.slot_valid``) of rows ``(b, h)``."""
-    K = layer.prompt_slots
-    rows = (layer.starts[b, h] + slots).clamp(max=max(prompt.shape[0] - 1, 0))
-    inside = (slots < K).view(-1, *([1] * (prompt.dim() - 1)))
-    return torch.where(inside, prompt[rows], decode[b, h, (slots - K).clamp(min=0)])
-
-
-def _write(prompt: torch.Tensor, decode: torch.Tensor, layer: CompressedLayer, b, h, slots, values) -> None:
-    inside = slots < layer.prompt_slots
-    prompt[layer.starts[b[inside], h[inside]] + slots[inside]] = values[inside]
-    decode[b[~inside], h[~inside], slots[~inside] - layer.prompt_slots] = values[~inside]
-
-
-def move_entries(
-    layer: CompressedLayer,
-    source: torch.Tensor,
-    target: torch.Tensor,
-    rows: torch.Tensor,
-    tracked: Sequence[torch.Tensor] = (),
-) -> None:
-    """In every row ``(b, h)`` where ``rows`` is True, copy the entry at slot ``source[b, h]`` to
-    slot ``target[b, h]`` (keys, values, stored positions, and the ``[B, Hkv, S]`` ``tracked``
-    bookkeeping of the caller). All sources are read before anything is written."""
-    b, h = rows.nonzero(as_tuple=True)
-    if b.numel() == 0:
-        return
-    layer._own_buffers()  # a checkpoint may share these buffers: copy before writing in place
-    src, dst = source[b, h], target[b, h]
-    pairs = [(layer.prompt_keys, layer.decode_keys), (layer.prompt_values, layer.decode_values)]
-    if layer.prompt_positions is not None:
-        pairs.append((layer.prompt_positions, layer.decode_positions))
-    moved = [_read(prompt, decode, layer, b, h, src) for prompt, decode in pairs]
-    extra = [t[b, h, src] for t in tracked]
-    for (prompt, decode), values in zip(pairs, moved, strict=True):
-        _write(prompt, decode, layer, b, h, dst, values)
-    for t, values in zip(tracked, extra, strict=True):
-        t[b, h, dst] = values
-
-
-def evict_rows(
-    layer: CompressedLayer,
-    victim: torch.Tensor,
-    rows: torch.Tensor,
-    capacity: torch.Tensor,
-    tracked: Sequence[torch.Tensor] = (),
-) -> None:
-    """Drop the entry at slot ``victim [B, Hkv]`` from the rows where ``rows [B, Hkv]`` is True only.
-
-    A row's entries are its prompt segment (``lengths[b, h]`` rows of the flat buffer, physically
-    ``capacity[b, h]`` long: its prefill count) and the decode region (``decode_length`` slots,
-    the same for every row). One row's total can only change through its ``lengths``:
-
-    - when every row that keeps its entries has a free prompt row (``lengths < capacity``), the
-      decode region shrinks by one: the newest slot's entry moves into the victim's slot in the
-      evicting rows and into the first free prompt row elsewhere (with a single sample this is
-      always the case, as in ``evict_one``);
-    - otherwise the evicting rows' last prompt row moves into the victim's slot and their
-      ``lengths`` drop by one.
-
-    ``lengths`` therefore drifts below the prefill count only while samples of a batch evict on
-    different steps. ``tracked`` tensors (``[B, Hkv, S]``, slot layout) follow every move.
-
-    Raises:
-        RuntimeError: a row must evict but holds every entry in the shared decode region (the
-            other rows cannot give one up); the cache would need per-row decode lengths.
-    """
-    K, D = layer.prompt_slots, layer.decode_length
-    stay = ~rows
-    if D >= 1 and bool((layer.lengths[stay] < capacity[stay]).all()):
-        source = torch.full_like(victim, K + D - 1)
-        target = torch.where(rows, victim, layer.lengths)
-        move_entries(layer, source, target, source != target, tracked)
-        layer.lengths = layer.lengths + stay.long()  # not in place: lengths may be the selection's counts
-        layer.decode_length = D - 1
-        return
-    if bool((layer.lengths[rows] < 1).any()):
-        raise RuntimeError(
-            "fixed_index_evict: a sample must drop an entry, but all of its entries sit in the decode region "
-            "shared with the rest of the batch, which does not drop one on this step. Run this decode policy "
-            "with data.batch_size 1 (or fewer new tokens)."
-        )
-    source = layer.lengths - 1
-    move_entries(layer, source, victim, rows & (source != victim), tracked)
-    layer.lengths = layer.lengths - rows.long()
 
 
 @dataclass
@@ -202,4 +114,4 @@ class FixedIndexEvict(DecodePolicy):
                 continue
             arrival = rows.order[..., : K + D].masked_fill(~layer.slot_valid(), torch.iinfo(torch.long).max)
             victim = arrival.argsort(-1).gather(-1, rows.index[..., None]).squeeze(-1)
-            evict_rows(layer, victim, evict, rows.kept, [rows.order])
+            layer.evict_rows(victim, evict, rows.kept, [rows.order])

@@ -73,6 +73,7 @@ from typing import Any
 
 import torch
 
+from kvlab.cache.selection import Selection
 from kvlab.compression.allocators import (
     HEAD_ALLOCATORS,
     LAYER_ALLOCATORS,
@@ -96,7 +97,7 @@ from kvlab.compression.routing import (
     combine_selections,
     pick_rows,
 )
-from kvlab.compression.selectors import SELECTORS, Selection, Selector
+from kvlab.compression.selectors import SELECTORS, Selector
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import merge
 from kvlab.config.registry import to_plain

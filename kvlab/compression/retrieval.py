@@ -17,7 +17,7 @@ Inference", Sec. 3.3 and Appendix A; the chunk-wise retrieval of Quest and Shado
   far, and the protected prompt tokens with ``local: protected``), in one softmax.
 
 Kernels: :mod:`kvlab.kernels.retrieval` (scoring + exact top-k, gather; Triton on CUDA). The
-store implements :class:`~kvlab.compression.selectors.OffloadedStore`: the layer hands it every
+store implements :class:`~kvlab.cache.selection.OffloadedStore`: the layer hands it every
 decode call, and it answers for all heads of the layer (a head that does not retrieve attends
 to its local entries only). Budget semantics, accounting and choices: ``docs/methods/hybridkv.md``.
 """
@@ -29,9 +29,10 @@ from typing import Any, Literal
 
 import torch
 
+from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
 from kvlab.compression.routing import ROUTED_HEADS
-from kvlab.compression.selectors import SELECTORS, Selection, Selector, topk_indices
+from kvlab.compression.selectors import SELECTORS, Selector, topk_indices
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.retrieval import chunk_topk, gather_chunks
 
@@ -185,7 +186,7 @@ class ChunkStore:
                 "soft-capping, sinks and sliding windows are not implemented for retrieved chunks. Use "
                 "an eviction selector (e.g. topk) for this model."
             )
-        out = _local_attention(layer, query, scaling, options).contiguous()
+        out = layer.local_decode_attention(query, scaling, options).contiguous()
         B, H, q, D = query.shape
         Hkv = self.num_kv_heads
         G = H // Hkv
@@ -332,15 +333,6 @@ def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
     out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
     out.copy_(tensor)
     return out
-
-
-def _local_attention(layer: Any, query: torch.Tensor, scaling: float, options: Any) -> torch.Tensor:
-    """The layer's own decode attention over its local entries (its store set aside for the call)."""
-    store, layer.offloaded = layer.offloaded, None
-    try:
-        return layer.decode_attention(query, scaling, options)
-    finally:
-        layer.offloaded = store
 
 
 def retrieval_record(reports: list[Any], b: int, kept_bytes: int) -> dict[str, Any]:

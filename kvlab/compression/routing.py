@@ -25,10 +25,10 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
 from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
-from kvlab.compression.selectors import Selection
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import Registry
 

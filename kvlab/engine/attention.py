@@ -50,10 +50,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvlab.cache.cache import CompressedCache
 from kvlab.compression.context import LayerContext
 from kvlab.compression.pipeline import LayerReport, Pipeline
 from kvlab.config.errors import ConfigError
-from kvlab.engine.cache import CompressedCache
 
 ATTENTION_NAME = "kvlab"
 _SESSION: contextvars.ContextVar[CompressionSession | None] = contextvars.ContextVar(
@@ -75,7 +75,7 @@ class CompressionSession:
         state: cross-layer scratch space for components and the decode policy (reset per session).
         decode_attention: None unless the decode policy asks for the decode attention (in its
             ``start``, by setting a dict): then every decode step stores layer ``l``'s
-            :meth:`~kvlab.engine.cache.CompressedLayer.attention_probs`, ``[B, Hkv, G, q, S]``
+            :meth:`~kvlab.cache.slots.SlotLayout.attention_probs`, ``[B, Hkv, G, q, S]``
             fp32 over the layer's ``S`` slots, at key ``l`` (the policy takes them in ``after_step``).
         prefill_chunk: None: the prompt comes in one forward; N: in chunks of N tokens (each
             layer is compressed when the chunk that ends the prompt reaches it).
@@ -729,12 +729,12 @@ def kvlab_attention(
     if k < T:  # a chunk before the last: the layer's dense K/V grow in the cache, nothing is compressed
         session.hold_queries(layer_idx, query)
         return out.transpose(1, 2).contiguous(), None
-    layer.sliding_window = options.sliding_window  # the cache then keeps kept entries' positions
     query = session.observed_queries(layer_idx, query)
+    ctx = _layer_context(session, layer_idx, query, key, value, scaling, options.sliding_window)
     if session.pipeline.schedule == "global":
-        _observe_layer(session, layer_idx, query, key, value, scaling)
+        _observe_layer(session, ctx)
     else:
-        _compress_layer(session, layer_idx, query, key, value, scaling)
+        _compress_context(session, ctx)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -745,6 +745,7 @@ def _layer_context(
     key: torch.Tensor,
     value: torch.Tensor,
     scaling: float,
+    sliding_window: int | None,
 ) -> LayerContext:
     """The :class:`LayerContext` of layer ``layer_idx`` after its prefill attention (shapes there)."""
     valid, modality = session.masks_on(key.device)  # the layer's device (device_map)
@@ -759,21 +760,9 @@ def _layer_context(
         modality=modality,
         scaling=scaling,
         state=session.state,
-        sliding_window=session.cache.layers[layer_idx].sliding_window,
+        sliding_window=sliding_window,
         image_blocks=session.image_blocks_on(key.device),
     )
-
-
-def _compress_layer(
-    session: CompressionSession,
-    layer_idx: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float,
-) -> None:
-    """``schedule: layerwise``: compress layer ``layer_idx`` right after its prefill attention."""
-    _compress_context(session, _layer_context(session, layer_idx, query, key, value, scaling))
 
 
 def _compress_context(session: CompressionSession, ctx: LayerContext, seconds: float = 0.0) -> None:
@@ -782,29 +771,22 @@ def _compress_context(session: CompressionSession, ctx: LayerContext, seconds: f
     start = time.perf_counter()
     with torch.no_grad():
         selection, report = session.pipeline.compress(ctx, record_scores=session.record_scores)
-        session.cache.layers[ctx.layer_idx].compress(selection)
+        # a sliding layer keeps its kept entries' positions
+        session.cache.layers[ctx.layer_idx].compress(selection, ctx.sliding_window)
     report.seconds = seconds + time.perf_counter() - start
     if ctx.keys.device != session.valid.device:  # reports live on the batch's device, whatever the layer's
         report = _report_to(report, session.valid.device)
     session.reports.append(report)
 
 
-def _observe_layer(
-    session: CompressionSession,
-    layer_idx: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float,
-) -> None:
-    """``schedule: global``: observe layer ``layer_idx`` (scores, route decision, allocator hook) and
-    keep its context, dense K/V included, until the last layer has been observed; then compress all."""
+def _observe_layer(session: CompressionSession, ctx: LayerContext) -> None:
+    """``schedule: global``: observe layer ``ctx.layer_idx`` (scores, route decision, allocator hook)
+    and keep its context, dense K/V included, until the last layer has been observed; then compress all."""
     start = time.perf_counter()
-    ctx = _layer_context(session, layer_idx, query, key, value, scaling)
     with torch.no_grad():
         session.pipeline.observe(ctx)
     _release_queries(ctx, session.global_queries)
-    session.pending[layer_idx] = (ctx, time.perf_counter() - start)
+    session.pending[ctx.layer_idx] = (ctx, time.perf_counter() - start)
     if len(session.pending) == len(session.cache.layers):
         finish_global(session)
 

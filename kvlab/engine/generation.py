@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvlab.cache.cache import CompressedCache
 from kvlab.compression.context import sample_positions
 from kvlab.compression.pipeline import LayerReport, Pipeline
 from kvlab.config.errors import ConfigError
@@ -36,7 +37,6 @@ from kvlab.engine.attention import (
     global_query_window,
     observed_window,
 )
-from kvlab.engine.cache import CompressedCache
 from kvlab.models.base import LoadedModel
 from kvlab.models.placement import input_device
 
@@ -336,7 +336,7 @@ def extend(state: PrefillState, input_ids: torch.Tensor, valid: torch.Tensor) ->
     through the compressed layers: every token attends to the kept entries and, causally, to the
     block's real tokens before it (kvlab's attention sends ``q > 1`` new tokens on a compressed
     layer to decode attention); the padding entries are hidden from every later query and take
-    no position (:meth:`~kvlab.engine.cache.CompressedCache.appending_valid`). Positions continue
+    no position (:meth:`~kvlab.cache.cache.CompressedCache.appending_valid`). Positions continue
     from each sample's own next position (RoPE positions never shift after compression). This is
     how the ``query_agnostic`` and ``multi_question`` protocols put a question on a compressed
     context (docs/protocols.md).

@@ -35,9 +35,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvlab.cache.selection import Selection
 from kvlab.compression.pipeline import LayerReport, Pipeline
 from kvlab.compression.routing import RouteDecision
-from kvlab.compression.selectors import Selection
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import Registry, to_plain
 from kvlab.engine.generation import (
