@@ -18,10 +18,10 @@ from test_attention_variants import build, tokenizer
 
 import kvlab
 from kvlab.api import _collate_ids
-from kvlab.compression.pipeline import Pipeline
 from kvlab.engine.attention import compression_session
 from kvlab.engine.generation import PrefillState, decode, prefill
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference
+from kvlab.pipeline import Pipeline
 
 CONTEXTS = (23, 17, 9)
 QUESTIONS = (3, 5, 1)

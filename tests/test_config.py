@@ -4,9 +4,9 @@ import pytest
 import yaml
 
 from kvlab.compression.importance import IMPORTANCE
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import find_config, load_config, merge, preset_names, resolve, split_overrides
+from kvlab.pipeline import Pipeline
 
 SNAP = {"budget": {"tokens": 64, "window": 16}, "importance": {"attention": {"name": "window_attention"}}}
 

@@ -11,9 +11,9 @@ from test_methods import samples
 from kvlab.cache.cache import CompressedCache
 from kvlab.cache.selection import Selection
 from kvlab.compression.decode import DECODE_POLICIES, H2OEntries
-from kvlab.compression.pipeline import Pipeline
 from kvlab.engine.attention import CompressionSession, compression_session, kvlab_attention
 from kvlab.engine.generation import decode, generate, prefill
+from kvlab.pipeline import Pipeline
 
 B, HKV, G, D, T = 2, 2, 2, 4, 10
 STORAGE = {

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvlab.api import load_model
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.generation import decode, prefill
+from kvlab.pipeline import Pipeline
 
 MODEL = "tiny-qwen2"  # GQA, 3 layers
 STEPS = 4

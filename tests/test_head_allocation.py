@@ -8,8 +8,8 @@ from naive import INF, LENGTHS, make_ctx, naive_rank, naive_window_scores, sampl
 
 from kvlab.calibration import Artefact
 from kvlab.compression.allocators import round_to_total
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
+from kvlab.pipeline import Pipeline
 
 W = 4
 

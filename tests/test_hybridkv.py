@@ -23,10 +23,10 @@ from kvlab.compression.hybridkv import (
     text_centric_sparsity,
     text_queries,
 )
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
+from kvlab.pipeline import Pipeline
 
 WINDOW = 4
 

@@ -546,8 +546,8 @@ def test_generation_through_the_triton_kernels_equals_the_torch_path():
     """A whole compressed run (prefill, compaction, decode) gives the same tokens and logits."""
     from e2e import kvlab_model, run
 
-    from kvlab.compression.pipeline import Pipeline
     from kvlab.data.synthetic import SyntheticRetrieval
+    from kvlab.pipeline import Pipeline
 
     loaded = kvlab_model("tiny-qwen2")
     pipeline = Pipeline.from_config(

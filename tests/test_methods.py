@@ -21,12 +21,12 @@ from transformers import DynamicCache
 
 from kvlab.calibration import Artefact
 from kvlab.calibration.synthetic import synthetic_visual_heads
-from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.retrieval import retrieval_record
 from kvlab.config.loader import merge, preset_names, resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.masking import load_masked_model
 from kvlab.models.base import TEXT
+from kvlab.pipeline import Pipeline
 
 PRESETS = [name for name in preset_names() if resolve([name], [])["model"].get("compression")]  # not `full`
 # every preset on each of its tiny models

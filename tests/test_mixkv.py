@@ -18,7 +18,7 @@ from naive import (
 
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.mixers import MIXERS, head_redundancy
-from kvlab.compression.pipeline import Pipeline
+from kvlab.pipeline import Pipeline
 
 EPS = 1e-8
 W = 4

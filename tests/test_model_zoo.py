@@ -25,7 +25,6 @@ from PIL import Image
 
 import kvlab
 from kvlab.compression.context import LayerContext
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
 from kvlab.engine.attention import AttentionOptions, CompressionSession, image_block_ids, prefill_attention
@@ -36,6 +35,7 @@ from kvlab.models.common import seeded, text_config
 from kvlab.models.info import model_info
 from kvlab.models.scaffolding.tiny import TINY_TOKEN_IDS, text_dims
 from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
+from kvlab.pipeline import Pipeline
 
 #: the sliding window of the windowed families: every zoo prompt is several windows long
 WINDOW = 12

@@ -10,12 +10,12 @@ from naive import make_ctx
 
 from kvlab.compression.budget import Budget
 from kvlab.compression.importance import WindowAttentionScorer
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 from kvlab.data.sample import Sample
 from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.pipeline import Pipeline
 
 MIXKV = {
     "budget": {"tokens": 24, "window": 8},

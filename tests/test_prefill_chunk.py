@@ -20,11 +20,11 @@ import torch
 
 import kvlab
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.attention import check_prefill_chunk
 from kvlab.engine.generation import generate, prefill
+from kvlab.pipeline import Pipeline
 from kvlab.runner.module import KVLabModule
 
 STEPS = 4

@@ -29,7 +29,6 @@ from kvlab.calibration.prefixkv import PrefixLayerRatios, artefact_from_released
 from kvlab.compression.allocators import LAYER_ALLOCATORS
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.importance import IMPORTANCE
-from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.prefixkv import (
     exclusive_priority,
     fit_to_total,
@@ -47,6 +46,7 @@ from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.attention import CompressionSession, compression_session, kvlab_attention
 from kvlab.engine.generation import generate, prefill
 from kvlab.engine.protocols import build_protocol
+from kvlab.pipeline import Pipeline
 
 RECORDED = json.loads(RECORD.read_text())
 

@@ -15,14 +15,14 @@ from naive import dot, naive_attention, naive_chunk_choice
 from kvlab.cache.layer import CompressedLayer
 from kvlab.compression import retrieval as retrieval_module
 from kvlab.compression.context import LayerContext
-from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.retrieval import ChunkStore, RetrieveSelector, retrieval_record
-from kvlab.compression.routing import combine_selections
 from kvlab.config.cli import main
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.kernels import dispatch
 from kvlab.kernels.retrieval import chunk_scores_reference
+from kvlab.pipeline import Pipeline
+from kvlab.pipeline.routed import combine_selections
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -10,11 +10,11 @@ from e2e import kvlab_model
 from naive import make_ctx
 from test_modality import WINDOW, mixed_samples, with_modality
 
-from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.routing import LAYER_METRICS, ROUTE_RULES
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
+from kvlab.pipeline import Pipeline
 
 VLMS = ["tiny-qwen2-vl", "tiny-llava"]
 

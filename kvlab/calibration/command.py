@@ -68,10 +68,10 @@ def load_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def calibrate(settings: dict[str, Any]) -> Path:
     """Run the calibration described by ``settings``; returns the artefact path."""
-    from kvlab.compression.pipeline import Pipeline
     from kvlab.data import build_dataset
     from kvlab.engine.generation import generate
     from kvlab.models import load_model, validate_model_name
+    from kvlab.pipeline import Pipeline
 
     model_name = settings.get("model")
     validate_model_name(model_name)

@@ -28,6 +28,10 @@ from kvlab.config.errors import ConfigError
 from kvlab.kernels import window_scores
 from kvlab.kernels.window_scores import window_attention_scores
 
+#: ctx.state key (schedule: global): the set of layers kept whole without scoring (sliding-window
+#: layers under ``sliding_layers: window``), so a component comparing layers knows none is missing
+WHOLE_LAYERS = "pipeline_whole_layers"
+
 
 @dataclass
 class LayerContext:

@@ -32,7 +32,7 @@ from typing import ClassVar, Literal
 import torch
 
 from kvlab.compression.allocators import HEAD_ALLOCATORS, HeadAllocator, round_to_total
-from kvlab.compression.context import LayerContext, attention_probs
+from kvlab.compression.context import WHOLE_LAYERS, LayerContext, attention_probs
 from kvlab.compression.prefixkv import fit_to_total
 from kvlab.compression.routing import ROUTE_RULES, RouteDecision, RouteRule
 from kvlab.config.errors import ConfigError
@@ -340,8 +340,6 @@ class HybridKVHeadAllocator(HeadAllocator):
 
     def _global(self, seen: dict[int, HeadClasses], per_head, protected, ctx: LayerContext) -> torch.Tensor:
         """This layer's rows of one pool over every layer (computed once per prompt)."""
-        from kvlab.compression.pipeline import WHOLE_LAYERS  # the pipeline imports this module's registry
-
         key = ("hybridkv_global", id(self))
         if key not in ctx.state:
             whole = ctx.state.get(WHOLE_LAYERS, set())  # sliding-window layers kept whole, never classified

@@ -40,7 +40,7 @@ import torch
 
 from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, round_to_total
-from kvlab.compression.context import LayerContext
+from kvlab.compression.context import WHOLE_LAYERS, LayerContext
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.config.errors import ConfigError
 
@@ -290,8 +290,6 @@ class PrefixThresholdAllocator(LayerAllocator):
         seen["protected"] = ctx.protected if ctx.protected is not None else torch.zeros_like(ctx.valid)
 
     def allocate(self, budget, lengths, protected, ctx):
-        from kvlab.compression.pipeline import WHOLE_LAYERS  # the pipeline imports this module's registry
-
         seen = ctx.state.get(self._key)
         whole = ctx.state.get(WHOLE_LAYERS, set())
         if seen is None or len(seen["importance"]) + len(whole) != ctx.num_layers:

@@ -25,11 +25,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
 from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
-from kvlab.config.errors import ConfigError
 from kvlab.config.registry import Registry
 
 # ---------------------------------------------------------------------------------------------
@@ -222,82 +220,6 @@ class MetricLatchRule(RouteRule):
             prev = torch.where(torch.isnan(value), prev, value)
             ctx.state[key] = (switched, prev)
         return self._decision(switched.clone(), metric)
-
-
-# ---------------------------------------------------------------------------------------------
-# combining the branches' selections row by row
-
-
-def pick_rows(tensors: list[torch.Tensor | None], choice: torch.Tensor) -> torch.Tensor | None:
-    """Row b of ``tensors[choice[b]]`` for every b (tensors share shapes; None if any is None).
-
-    A ``[B, Hkv]`` choice (per-head routes) picks row ``(b, h)`` of tensors shaped ``[B, Hkv, ...]``.
-    """
-    if any(t is None for t in tensors):
-        return None
-    stacked = torch.stack(tensors)  # [branches, B, ...]
-    rows = torch.arange(stacked.shape[1], device=stacked.device)
-    choice = choice.to(stacked.device)
-    if choice.dim() == 2:
-        heads = torch.arange(stacked.shape[2], device=stacked.device)
-        return stacked[choice, rows[:, None], heads[None, :]]
-    return stacked[choice, rows]
-
-
-def combine_selections(selections: list[Selection], choice: torch.Tensor, ctx: LayerContext) -> Selection:
-    """One :class:`Selection` whose sample b (head ``(b, h)`` for a ``[B, Hkv]`` choice) comes from
-    ``selections[choice[b]]``.
-
-    Index lists are padded to the longest; when some branch merges (carries keys/values) the
-    others' kept entries are gathered from the prefill K/V so every row has replacements. A
-    branch's offloaded store (a retrieve selector) is kept for that branch's rows only
-    (:func:`restrict_store`).
-    """
-    K = max(s.indices.shape[-1] for s in selections)
-    merged = any(s.keys is not None for s in selections)
-    indices, keys, values = [], [], []
-    for s in selections:
-        pad = K - s.indices.shape[-1]
-        idx = torch.nn.functional.pad(s.indices, (0, pad))
-        indices.append(idx)
-        if merged:
-            k, v = s.keys, s.values
-            if k is None:
-                gather = s.indices[..., None].expand(-1, -1, -1, ctx.keys.shape[-1])
-                k, v = ctx.keys.gather(2, gather), ctx.values.gather(2, gather)
-            keys.append(torch.nn.functional.pad(k, (0, 0, 0, pad)))
-            values.append(torch.nn.functional.pad(v, (0, 0, 0, pad)))
-    return Selection(
-        indices=pick_rows(indices, choice),
-        counts=pick_rows([s.counts for s in selections], choice),
-        keys=pick_rows(keys, choice) if merged else None,
-        values=pick_rows(values, choice) if merged else None,
-        offloaded=restrict_store(selections, choice, ctx.num_kv_heads),
-    )
-
-
-def restrict_store(selections: list[Selection], choice: torch.Tensor, num_kv_heads: int) -> Any:
-    """The offloaded store of the combined selection: the one branch's store, for its rows only.
-
-    ``choice`` is ``[B]`` or ``[B, Hkv]`` (see :func:`combine_selections`). A store must offer
-    ``restrict(keep [B, Hkv]) -> store | None`` (:class:`kvlab.compression.retrieval.ChunkStore`).
-
-    Raises:
-        ConfigError: more than one branch offloads K/V in the same layer.
-    """
-    stores = [(i, s.offloaded) for i, s in enumerate(selections) if s.offloaded is not None]
-    if not stores:
-        return None
-    if len(stores) > 1:
-        raise ConfigError(
-            "model.compression.route: two branches offload K/V (retrieve selectors) in the same layer, "
-            "which one layer's cache cannot hold; route the retrieving heads to one branch."
-        )
-    branch, store = stores[0]
-    keep = choice == branch
-    if keep.dim() == 1:
-        keep = keep[:, None].expand(-1, num_kv_heads)
-    return store.restrict(keep)
 
 
 def switch_layers(reports: list[Any]) -> list[int | None] | None:

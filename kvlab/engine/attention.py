@@ -16,7 +16,7 @@ through a :class:`CompressionSession` held in a context variable while kvlab run
   attends (its queries over the dense K/V so far) and the layer is compressed in the last one,
   with the recent window's queries held over from the earlier chunks (:func:`check_prefill_chunk`).
   Under ``model.compression.schedule: global`` a layer is only observed after its prefill
-  attention (:meth:`~kvlab.compression.pipeline.Pipeline.observe`: scores, route decision,
+  attention (:meth:`~kvlab.pipeline.execution.LayerExecution.observe`: scores, route decision,
   the allocator's view of the layer; its dense K/V stay in the cache) and every layer is
   compressed, in order, right after the last layer's attention (:func:`finish_global`): peak
   memory is the full cache plus each layer's scores.
@@ -52,8 +52,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.cache.cache import CompressedCache
 from kvlab.compression.context import LayerContext
-from kvlab.compression.pipeline import LayerReport, Pipeline
 from kvlab.config.errors import ConfigError
+from kvlab.pipeline import LayerReport, Pipeline
 
 ATTENTION_NAME = "kvlab"
 _SESSION: contextvars.ContextVar[CompressionSession | None] = contextvars.ContextVar(

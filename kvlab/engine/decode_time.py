@@ -15,7 +15,6 @@ import torch
 
 from kvlab.compression.budget import Budget
 from kvlab.compression.context import LayerContext
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.engine.attention import CompressionSession
 from kvlab.engine.generation import (
@@ -28,6 +27,7 @@ from kvlab.engine.generation import (
 )
 from kvlab.engine.protocols import PROTOCOLS, WHERE, Protocol, ProtocolResult, cut_at_limits, sample_limits
 from kvlab.models.base import PAD, TEXT
+from kvlab.pipeline import Pipeline
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ import torch
 
 from kvlab.cache.cache import CompressedCache
 from kvlab.compression.context import sample_positions
-from kvlab.compression.pipeline import LayerReport, Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.engine.attention import (
     CompressionSession,
@@ -39,6 +38,7 @@ from kvlab.engine.attention import (
 )
 from kvlab.models.base import LoadedModel
 from kvlab.models.placement import input_device
+from kvlab.pipeline import LayerReport, Pipeline
 
 
 @dataclass

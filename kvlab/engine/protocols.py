@@ -36,7 +36,6 @@ from typing import Any, ClassVar
 import torch
 
 from kvlab.cache.selection import Selection
-from kvlab.compression.pipeline import LayerReport, Pipeline
 from kvlab.compression.routing import RouteDecision
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import Registry, to_plain
@@ -51,6 +50,7 @@ from kvlab.engine.generation import (
     trim_at_stop,
 )
 from kvlab.models.base import PAD, LoadedModel
+from kvlab.pipeline import LayerReport, Pipeline
 
 WHERE = "model.protocol"
 #: per-token model inputs a context batch slices like ``input_ids`` (Qwen2-VL's token types)

@@ -201,8 +201,8 @@ def _native(loaded: LoadedModel, batch: dict[str, Any], steps: int) -> tuple[tor
 
 def _compare(name: str, loaded: LoadedModel, batch: dict[str, Any], steps: int, result: VerifyResult) -> None:
     """Run one check on a one-sample ``batch`` (``input_ids [1, T]``) and fold it into ``result``."""
-    from kvlab.compression.pipeline import Pipeline
     from kvlab.engine.generation import generate
+    from kvlab.pipeline import Pipeline
 
     native_logits, native_tokens, native_seconds = _native(loaded, batch, steps)
     start = time.perf_counter()
