@@ -19,18 +19,18 @@ model computed.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvlab.cache.state import RunState
+from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
 from kvlab.kernels import window_scores
 from kvlab.kernels.window_scores import window_attention_scores
-
-#: ctx.state key (schedule: global): the set of layers kept whole without scoring (sliding-window
-#: layers under ``sliding_layers: window``), so a component comparing layers knows none is missing
-WHOLE_LAYERS = "pipeline_whole_layers"
 
 
 @dataclass
@@ -48,8 +48,9 @@ class LayerContext:
         valid: ``[B, T]`` bool, False on padding.
         modality: ``[B, T]`` long, 0 text, 1 image, 2 video, -1 padding.
         scaling: softmax scale of the layer (usually ``D ** -0.5``).
-        state: per-prompt scratch space shared across layers (reset every prefill), for
-            components that carry state from one layer to the next.
+        run: the run's shared state (:class:`~kvlab.cache.state.RunState`: the cache, each
+            component's own bookkeeping via ``run.owned(self, factory)``, the layers kept whole),
+            the same object for every layer of a prefill; a standalone context has an empty one.
         protected: ``[B, T]`` bool, tokens the budget always keeps (window, sinks); set by the
             pipeline before any scorer runs (None outside a pipeline: nothing protected).
         window: ``[B]`` long, the recent window of each sample (``budget.window``, per sample):
@@ -60,9 +61,17 @@ class LayerContext:
             positions), None for a full-attention layer; the pipeline then keeps only tokens the
             next query can see (``model.compression.sliding_layers``).
         image_blocks: ``[B, T]`` long image block of each token (-1 outside images;
-            :func:`kvlab.engine.attention.image_block_ids`) when the model lets the tokens of one
+            :func:`kvlab.cache.masks.image_block_ids`) when the model lets the tokens of one
             image attend to each other in both directions (Gemma 3), else None (causal). The
             attention helpers then OR "same image block" into their causal mask.
+        route: inside a route's branch, the route's decision for this layer (a per-head rule's
+            classes ride on it, e.g. HybridKV's); None outside a route. Set by the pipeline
+            (:meth:`in_branch`).
+        routed_heads: inside a per-head route's branch, ``[B, Hkv]`` bool, the heads routed to
+            this branch (the rows of its selection that will be kept; a selector may skip the
+            others); None otherwise.
+        routes: inside a route's branch, the route's decision for every layer decided so far in
+            this run, by layer index (all of them under ``schedule: global``).
     """
 
     layer_idx: int
@@ -73,12 +82,15 @@ class LayerContext:
     valid: torch.Tensor
     modality: torch.Tensor
     scaling: float
-    state: dict[str, Any] = field(default_factory=dict)
+    run: RunState = field(default_factory=RunState)
     protected: torch.Tensor | None = None
     window: torch.Tensor | None = None
     query_start: int = 0
     sliding_window: int | None = None
     image_blocks: torch.Tensor | None = None
+    route: RouteDecision | None = None
+    routed_heads: torch.Tensor | None = None
+    routes: Mapping[int, RouteDecision] = field(default_factory=dict)
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -105,6 +117,39 @@ class LayerContext:
     def lengths(self) -> torch.Tensor:
         """Valid (non-padding) tokens per sample, ``[B]`` long."""
         return self.valid.sum(-1)
+
+    @contextlib.contextmanager
+    def in_branch(
+        self,
+        route: RouteDecision,
+        routes: Mapping[int, RouteDecision],
+        routed_heads: torch.Tensor | None = None,
+    ) -> Iterator[LayerContext]:
+        """Within the block this context is a route branch's: :attr:`route`, :attr:`routes` and
+        :attr:`routed_heads` are set (the pipeline's routed execution), then restored."""
+        saved = (self.route, self.routes, self.routed_heads)
+        self.route, self.routes, self.routed_heads = route, routes, routed_heads
+        try:
+            yield self
+        finally:
+            self.route, self.routes, self.routed_heads = saved
+
+    def release(self, keep_queries: int | None) -> None:
+        """Free what this context no longer needs while it waits to be compressed (``schedule: global``).
+
+        Keeps the last ``keep_queries`` queries (a copy, so the prefill's query tensor can be freed;
+        None: all) and, of the memoised attention helpers, only per-token statistics (at most one
+        value per sample, query head and token, e.g. ``cumulative_attention``); larger
+        intermediates (the fp32 copy of the keys, window attention probabilities) are recomputed if
+        asked for again.
+        """
+        if keep_queries is not None and keep_queries < self.queries.shape[2]:
+            self.queries = self.queries[:, :, self.queries.shape[2] - keep_queries :].clone()
+            self.query_start = self.seq_len - keep_queries
+        per_token = self.batch_size * self.num_heads * self.seq_len
+        large = [k for k, v in self._memo.items() if torch.is_tensor(v) and v.numel() > per_token]
+        for name in large:
+            del self._memo[name]
 
     def positions(self) -> torch.Tensor:
         """Position of each token within its own sample, ``[B, T]`` (see :func:`sample_positions`)."""

@@ -26,16 +26,13 @@ does not matter, only which entries are stored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from kvlab.cache.state import RunState
 from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
-
-if TYPE_CHECKING:
-    from kvlab.engine.attention import CompressionSession
 
 
 @dataclass
@@ -61,6 +58,13 @@ class FixedIndexRows:
             self.order = F.pad(self.order, (0, slots - self.order.shape[-1]))
 
 
+@dataclass
+class FixedIndexState:
+    """The policy's state in one run: :class:`FixedIndexRows` by layer index."""
+
+    layers: dict[int, FixedIndexRows] = field(default_factory=dict)
+
+
 @DECODE_POLICIES.register("fixed_index_evict")
 @dataclass
 class FixedIndexEvict(DecodePolicy):
@@ -71,39 +75,37 @@ class FixedIndexEvict(DecodePolicy):
     release's ``trunc(len - n_tok (1 - forget)) > 0``), the entry at index ``e = n0 - distance``
     (``n0 // 2`` if that is below 1) in arrival order is dropped. Rows that were not compressed
     (``n0 = T``) never drop, nor do sliding-window layers: the model bounds what they see, and
-    the fixed index would drop entries still inside the window. Bookkeeping lives in
-    ``session.state``; see the module docstring.
+    the fixed index would drop entries still inside the window. Bookkeeping lives in the run
+    state; see the module docstring.
     """
 
     distance: int = 25
-
-    STATE: ClassVar[str] = "fixed_index_evict"
 
     def __post_init__(self) -> None:
         if self.distance < 0:
             raise ValueError(f"distance must be >= 0, got {self.distance}")
 
-    def start(self, session: CompressionSession) -> None:
-        prompt = session.valid.sum(-1, keepdim=True)  # [B, 1]
+    def start(self, run: RunState) -> None:
+        prompt = run.valid.sum(-1, keepdim=True)  # [B, 1]
         layers = {}
-        for layer_idx, layer in enumerate(session.cache.layers):
+        for layer_idx, layer in enumerate(run.cache.layers):
             kept = layer.lengths.clone()
             index = kept - self.distance
             index = torch.where(index >= 1, index, kept // 2)
             slots = layer.prompt_slots + layer.decode_keys.shape[2]
             order = torch.arange(slots, device=kept.device).expand(*kept.shape, -1).clone()
             layers[layer_idx] = FixedIndexRows(kept, prompt.to(kept.device), index, order)
-        session.state[self.STATE] = layers
+        run.owned(self, FixedIndexState).layers = layers
 
-    def rows(self, session: CompressionSession) -> dict[int, FixedIndexRows]:
+    def rows(self, run: RunState) -> dict[int, FixedIndexRows]:
         """The batch's :class:`FixedIndexRows` per layer index (after :meth:`start`)."""
-        return session.state[self.STATE]
+        return run.owned(self, FixedIndexState).layers
 
-    def after_step(self, session: CompressionSession, step: int) -> None:
-        for layer_idx, layer in enumerate(session.cache.layers):
+    def after_step(self, run: RunState, step: int) -> None:
+        for layer_idx, layer in enumerate(run.cache.layers):
             if layer.sliding_window is not None:  # entries leave its window by position, not here
                 continue
-            rows = self.rows(session)[layer_idx]
+            rows = self.rows(run)[layer_idx]
             K, D = layer.prompt_slots, layer.decode_length
             rows.grow(K + D)
             rows.order[:, :, K + D - 1] = K + step  # the step's token: the newest arrival

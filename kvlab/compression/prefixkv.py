@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import torch
 
 from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, round_to_total
-from kvlab.compression.context import WHOLE_LAYERS, LayerContext
+from kvlab.compression.context import LayerContext
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.config.errors import ConfigError
 
@@ -229,6 +229,18 @@ class LayerCumulativeAttentionScorer(ImportanceScorer):
         return shared[:, None, :].expand(-1, ctx.num_kv_heads, -1).contiguous()
 
 
+@dataclass
+class ThresholdObservations:
+    """What ``prefix_threshold`` saw of one prompt (``schedule: global``): ``valid [B, T]``, each observed
+    layer's ``I_l [B, T]`` by layer index, the protected tokens ``[B, T]``, and the solved layer
+    budgets ``[B]`` by layer index once the first layer is compressed."""
+
+    valid: torch.Tensor
+    importance: dict[int, torch.Tensor] = field(default_factory=dict)
+    protected: torch.Tensor | None = None
+    sizes: dict[int, torch.Tensor] | None = None
+
+
 @LAYER_ALLOCATORS.register("prefix_threshold")
 @dataclass
 class PrefixThresholdAllocator(LayerAllocator):
@@ -265,10 +277,6 @@ class PrefixThresholdAllocator(LayerAllocator):
         if self.tol_tokens < 1 or self.max_iter < 1:
             raise ValueError(f"tol_tokens and max_iter must be >= 1, got {self.tol_tokens}, {self.max_iter}")
 
-    @property
-    def _key(self) -> tuple[str, int]:
-        return ("prefix_threshold", id(self))
-
     def observe(self, ctx: LayerContext, scores: dict[str, torch.Tensor], mixed: torch.Tensor) -> None:
         """Keep layer ``ctx.layer_idx``'s ``I_l [B, T]`` (mean of the signal over KV heads) for the solve."""
         if self.signal != "mixed" and self.signal not in scores:
@@ -284,42 +292,41 @@ class PrefixThresholdAllocator(LayerAllocator):
                 "(sliding layers keep their window; the threshold is shared by the full-attention layers)."
             )
         signal = mixed if self.signal == "mixed" else scores[self.signal]
-        seen = ctx.state.setdefault(self._key, {"importance": {}, "valid": ctx.valid})
+        seen = ctx.run.owned(self, lambda: ThresholdObservations(ctx.valid))
         signal = signal.float().masked_fill(~torch.isfinite(signal), 0.0)  # e.g. SnapKV's +inf window
-        seen["importance"][ctx.layer_idx] = signal.mean(1).masked_fill(~ctx.valid, 0.0)
-        seen["protected"] = ctx.protected if ctx.protected is not None else torch.zeros_like(ctx.valid)
+        seen.importance[ctx.layer_idx] = signal.mean(1).masked_fill(~ctx.valid, 0.0)
+        seen.protected = ctx.protected if ctx.protected is not None else torch.zeros_like(ctx.valid)
 
     def allocate(self, budget, lengths, protected, ctx):
-        seen = ctx.state.get(self._key)
-        whole = ctx.state.get(WHOLE_LAYERS, set())
-        if seen is None or len(seen["importance"]) + len(whole) != ctx.num_layers:
+        seen = ctx.run.owned(self, lambda: ThresholdObservations(ctx.valid))
+        if len(seen.importance) + len(ctx.run.whole_layers) != ctx.num_layers:
             raise ConfigError(
                 "model.compression.allocate.layer 'prefix_threshold' compares every layer's scores, which "
                 "exist only after the last layer's prefill: set `model.compression.schedule: global` (or "
                 "use the offline `prefix_calibrated` allocator with a calibration artefact)."
             )
-        if "sizes" not in seen:
-            layers = sorted(seen["importance"])  # every layer the pipeline compresses (all observed)
-            seen["sizes"] = dict(zip(layers, self.sizes(seen, budget, lengths, layers), strict=True))
-        return seen["sizes"][ctx.layer_idx].to(lengths.device)
+        if seen.sizes is None:
+            layers = sorted(seen.importance)  # every layer the pipeline compresses (all observed)
+            seen.sizes = dict(zip(layers, self.sizes(seen, budget, lengths, layers), strict=True))
+        return seen.sizes[ctx.layer_idx].to(lengths.device)
 
     def sizes(
-        self, seen: dict[str, Any], budget: torch.Tensor, lengths: torch.Tensor, layers: list[int]
+        self, seen: ThresholdObservations, budget: torch.Tensor, lengths: torch.Tensor, layers: list[int]
     ) -> torch.Tensor:
         """``[len(layers), B]`` budgets of ``layers`` for every sample from the observed ``I_l``
         (``seen``), the per-head budgets ``[B]`` and prompt lengths ``[B]`` (a sample whose budget
         covers it keeps all): the layers keep ``len(layers) x budget`` tokens in total."""
-        device = seen["valid"].device
-        importance = torch.stack([seen["importance"][layer].to(device) for layer in layers])  # [L, B, T]
+        device = seen.valid.device
+        importance = torch.stack([seen.importance[layer].to(device) for layer in layers])  # [L, B, T]
         L = len(layers)
         out = budget.to(device)[None].repeat(L, 1)
         for b, (c, n) in enumerate(zip(budget.tolist(), lengths.tolist(), strict=True)):
             if c >= n:
                 continue
-            valid = seen["valid"][b]
+            valid = seen.valid[b]
             out[:, b] = global_sizes(
                 importance[:, b, valid],
-                seen["protected"][b, valid].to(device),
+                seen.protected[b, valid].to(device),
                 L * c,
                 self.solver,
                 self.tol_tokens,

@@ -31,7 +31,6 @@ import torch
 
 from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
-from kvlab.compression.routing import ROUTED_HEADS
 from kvlab.compression.selectors import SELECTORS, Selector, topk_indices
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.retrieval import chunk_topk, gather_chunks
@@ -58,7 +57,7 @@ class RetrieveSelector(Selector):
     0, so the predictions show it. Scores
     are not read otherwise: retrieval ranks chunks by the decode query, not by prefill scores.
     Under a per-head route only the heads routed to this branch are offloaded
-    (``ROUTED_HEADS``); the other rows of this selection are discarded by the route.
+    (``ctx.routed_heads``); the other rows of this selection are discarded by the route.
     """
 
     chunk: int = 8
@@ -72,7 +71,7 @@ class RetrieveSelector(Selector):
         valid = ctx.valid[:, None, :].expand_as(scores)  # [B, Hkv, T]
         lengths = ctx.lengths
         retrieve = counts < lengths[:, None]  # [B, Hkv]: the budget does not cover the prompt
-        routed = ctx.state.get(ROUTED_HEADS)  # a per-head route keeps only its heads' rows of this selection
+        routed = ctx.routed_heads  # a per-head route keeps only its heads' rows of this selection
         if routed is not None:
             retrieve = retrieve & routed.to(retrieve.device)
         if ctx.sliding_window is not None and bool(retrieve.any()):

@@ -11,7 +11,8 @@ the parent node) and a rule that picks one branch per sample at every layer::
         unified: {}
 
 Rules may read runtime layer metrics (:data:`LAYER_METRICS`) of the current and earlier layers
-(state lives in ``LayerContext.state``, one prompt at a time), which is how DAVID's "decouple
+(a rule keeps its state in the run's :meth:`~kvlab.cache.state.RunState.owned`, one prompt at a
+time), which is how DAVID's "decouple
 until the NCAR drop falls below a threshold" is plain YAML. Which branch each sample took at
 each layer, the metric and the switch are reported per layer (:class:`RouteDecision`) and end
 up in the predictions (``route_switch_layer``, ``route_metric``) and TensorBoard.
@@ -26,6 +27,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from kvlab.compression.context import LayerContext
+from kvlab.compression.decision import RouteDecision
 from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
 from kvlab.config.registry import Registry
@@ -97,31 +99,6 @@ class NCARMetric(LayerMetric):
 # ---------------------------------------------------------------------------------------------
 # rules
 
-#: ``ctx.state`` key while a per-head route runs one of its branches: ``[B, Hkv]`` bool, the heads
-#: routed to that branch (the rows of its selection that will be kept; a selector may skip the others)
-ROUTED_HEADS = "routed_heads"
-
-
-@dataclass
-class RouteDecision:
-    """What a route did at one layer.
-
-    Attributes:
-        branches: branch name per sample (``[B]`` strings).
-        switched: ``[B]`` bool, True once the rule has switched to its ``after`` branch.
-        metric: ``[B]`` the rule's metric at this layer (NaN where not evaluated), or None.
-        heads: per-head rules (``per_head``): ``[B, Hkv]`` long, the branch of every (sample, KV
-            head) as an index into ``head_names``; the pipeline then combines the branches'
-            selections head by head (``branches`` only summarises each sample). None otherwise.
-        head_names: the branch names ``heads`` indexes.
-    """
-
-    branches: list[str]
-    switched: torch.Tensor
-    metric: torch.Tensor | None = None
-    heads: torch.Tensor | None = None
-    head_names: tuple[str, ...] = ()
-
 
 class RouteRule:
     """Base class: override :meth:`decide`; ``branch_names`` lists the branches a rule refers to.
@@ -169,6 +146,14 @@ class LayerSplitRule(RouteRule):
         return self._decision(switched)
 
 
+@dataclass
+class Latch:
+    """A ``latch`` rule's state over one prompt's layers: ``switched [B]`` bool, ``previous [B]`` metric."""
+
+    switched: torch.Tensor
+    previous: torch.Tensor
+
+
 @ROUTE_RULES.register("latch")
 @dataclass
 class MetricLatchRule(RouteRule):
@@ -200,11 +185,10 @@ class MetricLatchRule(RouteRule):
         return {"metric": self._metric}
 
     def decide(self, ctx: LayerContext) -> RouteDecision:
-        key = ("route_latch", id(self))
         B = ctx.batch_size
-        if key not in ctx.state:
-            ctx.state[key] = (torch.zeros(B, dtype=torch.bool), torch.full((B,), float(self.initial)))
-        switched, prev = ctx.state[key]
+        fresh = lambda: Latch(torch.zeros(B, dtype=torch.bool), torch.full((B,), float(self.initial)))
+        latch = ctx.run.owned(self, fresh)
+        switched, prev = latch.switched, latch.previous
         metric = torch.full((B,), float("nan"))
         if not bool(switched.all()):
             value = self._metric.measure(ctx).float().cpu()
@@ -218,7 +202,7 @@ class MetricLatchRule(RouteRule):
                 trip = delta > self.threshold
             switched = switched | trip | torch.isnan(value)
             prev = torch.where(torch.isnan(value), prev, value)
-            ctx.state[key] = (switched, prev)
+            latch.switched, latch.previous = switched, prev
         return self._decision(switched.clone(), metric)
 
 

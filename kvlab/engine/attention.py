@@ -3,15 +3,15 @@
 No model forward is patched: kvlab registers one attention function and selects it with
 ``model.set_attn_implementation`` (language model only; a vision tower keeps sdpa). Per-run
 state (the cache, the pipeline, the padding mask) is not passed through ``forward`` kwargs but
-through a :class:`CompressionSession` held in a context variable while kvlab runs the model.
+through the active :class:`~kvlab.engine.session.CompressionSession` (:mod:`kvlab.engine.session`).
 
 - Prefill (the layer is not compressed yet): exact causal attention over the full prompt with
   kvlab's own padding mask (transformers builds no mask for a custom attention name), then
   the layer's pipeline chooses what to keep and the cache is compacted at once ("layerwise").
   No ``T x T`` tensor is built for any batch (:func:`prefill_attention`). For a model whose
   image tokens attend to each other in both directions (Gemma 3,
-  :attr:`CompressionSession.bidirectional_image_blocks`) the rows of each image block see its
-  whole block, as in transformers (:func:`image_block_ids`). With
+  ``RunState.bidirectional_image_blocks``) the rows of each image block see its whole block, as
+  in transformers (:func:`~kvlab.cache.masks.image_block_ids`). With
   ``model.prefill_chunk`` the prompt comes in several forwards: a chunk before the last only
   attends (its queries over the dense K/V so far) and the layer is compressed in the last one,
   with the recent window's queries held over from the earlier chunks (:func:`check_prefill_chunk`).
@@ -20,9 +20,10 @@ through a :class:`CompressionSession` held in a context variable while kvlab run
   the allocator's view of the layer; its dense K/V stay in the cache) and every layer is
   compressed, in order, right after the last layer's attention (:func:`finish_global`): peak
   memory is the full cache plus each layer's scores.
-- Decode: attention over the layer's ragged kept tokens plus the decoded tokens. When the
-  decode policy asked for them (``session.decode_attention`` is a dict), the step's attention
-  probabilities over the layer's entries are stored there for the policy.
+- Decode: attention over the layer's ragged kept tokens plus the decoded tokens. While the
+  decode policy (or the decode-time protocol) asks for them, the step's attention probabilities
+  over the layer's entries are recorded in the run state
+  (:meth:`~kvlab.cache.state.RunState.record_decode_attention`).
 - Without an active session (or for modules without ``layer_idx``) it is plain sdpa.
 
 Per-layer attention arguments transformers passes (:data:`HANDLED_KWARGS`): ``scaling``,
@@ -37,12 +38,10 @@ configs asking for attention kvlab does not implement.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,117 +49,12 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvlab.cache.cache import CompressedCache
 from kvlab.compression.context import LayerContext
 from kvlab.config.errors import ConfigError
-from kvlab.pipeline import LayerReport, Pipeline
+from kvlab.engine.session import CompressionSession, active_session
+from kvlab.pipeline import Pipeline
 
 ATTENTION_NAME = "kvlab"
-_SESSION: contextvars.ContextVar[CompressionSession | None] = contextvars.ContextVar(
-    "kvlab_session", default=None
-)
-
-
-@dataclass
-class CompressionSession:
-    """State of one batch's prefill + decode.
-
-    Attributes:
-        cache: the batch's :class:`CompressedCache`.
-        pipeline: the compression method.
-        valid: ``[B, T]`` bool prompt padding mask (False on padding).
-        modality: ``[B, T]`` modality ids of the prompt.
-        record_scores: keep each layer's mixed scores in its report (for TensorBoard).
-        reports: one :class:`LayerReport` per compressed layer, in layer order.
-        state: cross-layer scratch space for components and the decode policy (reset per session).
-        decode_attention: None unless the decode policy asks for the decode attention (in its
-            ``start``, by setting a dict): then every decode step stores layer ``l``'s
-            :meth:`~kvlab.cache.slots.SlotLayout.attention_probs`, ``[B, Hkv, G, q, S]``
-            fp32 over the layer's ``S`` slots, at key ``l`` (the policy takes them in ``after_step``).
-        prefill_chunk: None: the prompt comes in one forward; N: in chunks of N tokens (each
-            layer is compressed when the chunk that ends the prompt reaches it).
-        held_queries: with chunks, the queries of the last ``held_queries`` positions a layer
-            keeps from the chunks before the last (the largest window a scorer observes), so the
-            compressing :class:`LayerContext` holds them (:func:`observed_window`).
-        global_queries: ``schedule: global`` only: the queries of the prompt's last
-            ``global_queries`` positions an observed layer's context keeps until it is compressed
-            (None: all of them, for a component that reads every query after scoring, see
-            :func:`global_query_window`).
-        pending: ``schedule: global``: the observed layers waiting for the last one, by layer
-            index, each ``(LayerContext, seconds spent observing it)``.
-        bidirectional_image_blocks: the model lets the tokens of one image attend to each other
-            in both directions (``ModelInfo.bidirectional_image_blocks``, Gemma 3): prefill
-            attention and the scorers then apply :meth:`image_blocks_on`'s blocks.
-    """
-
-    cache: CompressedCache
-    pipeline: Pipeline
-    valid: torch.Tensor
-    modality: torch.Tensor
-    record_scores: bool = False
-    reports: list[LayerReport] = field(default_factory=list)
-    state: dict[str, Any] = field(default_factory=dict)
-    decode_attention: dict[int, torch.Tensor] | None = None
-    prefill_chunk: int | None = None
-    held_queries: int = 0
-    global_queries: int | None = None
-    pending: dict[int, tuple[LayerContext, float]] = field(default_factory=dict, repr=False)
-    bidirectional_image_blocks: bool = False
-    _blocks: dict[torch.device, torch.Tensor | None] = field(default_factory=dict, repr=False)
-    _placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
-    _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-
-    def hold_queries(self, layer_idx: int, query: torch.Tensor) -> None:
-        """Keep the last :attr:`held_queries` queries of layer ``layer_idx`` seen so far (chunked
-        prefill: the window the scorers observe may reach back into earlier chunks).
-
-        ``query`` ``[B, H, q, D]``: the queries of a chunk before the last.
-        """
-        if self.held_queries <= 0:
-            return
-        held = self._queries.get(layer_idx)
-        joined = query if held is None else torch.cat([held, query], dim=2)
-        self._queries[layer_idx] = joined[:, :, -self.held_queries :].clone()  # not a view of the chunk
-
-    def observed_queries(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
-        """The last chunk's ``query [B, H, q, D]`` preceded by the queries held from earlier chunks,
-        ``[B, H, n, D]`` (the queries of the prompt's last ``n`` positions); drops the held ones."""
-        held = self._queries.pop(layer_idx, None)
-        return query if held is None else torch.cat([held, query], dim=2)
-
-    def masks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(valid, modality)``, both ``[B, T]``, on ``device`` (a layer's device under a
-        ``device_map``); copied once per device and batch, the tensors themselves on their own."""
-        if device == self.valid.device:
-            return self.valid, self.modality
-        if device not in self._placed:
-            self._placed[device] = (self.valid.to(device), self.modality.to(device))
-        return self._placed[device]
-
-    def image_blocks_on(self, device: torch.device) -> torch.Tensor | None:
-        """The prompt's image blocks, ``[B, T]`` long (:func:`image_block_ids`), on ``device``; None
-        when the model is causal over images or the batch has no image token (plain causal paths)."""
-        if not self.bidirectional_image_blocks:
-            return None
-        if device not in self._blocks:
-            blocks = image_block_ids(self.masks_on(device)[1])
-            self._blocks[device] = blocks if bool((blocks >= 0).any()) else None
-        return self._blocks[device]
-
-    @property
-    def compression_seconds(self) -> float:
-        """Seconds spent compressing, summed over the layer reports."""
-        return sum(report.seconds for report in self.reports)
-
-
-@contextlib.contextmanager
-def compression_session(session: CompressionSession) -> Iterator[CompressionSession]:
-    """Make ``session`` the active one for kvlab attention calls inside the block."""
-    token = _SESSION.set(session)
-    try:
-        yield session
-    finally:
-        _SESSION.reset(token)
 
 
 def register_attention() -> None:
@@ -303,23 +197,6 @@ def attention_options(module: torch.nn.Module, kwargs: dict[str, Any]) -> Attent
 #: padded, windowed, soft-capped and sink paths): 2**24 fp32 logits are 64 MiB, whatever the
 #: prompt length, so the prefill's attention working set never grows with ``T x T``.
 PREFILL_BLOCK_ELEMENTS = 1 << 24
-
-
-def image_block_ids(modality: torch.Tensor) -> torch.Tensor:
-    """The image block of each prompt token, ``[B, T]`` long: -1 outside images, else the index of
-    its run of consecutive image tokens in the row (0, 1, ...).
-
-    ``modality [B, T]``: 1 at image tokens (``kvlab.models.base.IMAGE``). As transformers'
-    ``get_block_sequence_ids_for_mask`` for Gemma 3 (``token_type_ids == 1``): a block starts at an
-    image token whose predecessor is not one, so each image's soft tokens form one block (Gemma 3
-    writes ``<start_of_image>`` / ``<end_of_image>``, text, around them); padding is -1.
-    """
-    from kvlab.models.base import IMAGE
-
-    is_image = modality == IMAGE
-    previous = F.pad(is_image, (1, 0), value=False)[:, :-1]
-    starts = (is_image & ~previous).long().cumsum(-1) - 1
-    return torch.where(is_image, starts, torch.full_like(starts, -1))
 
 
 def prefill_attention(
@@ -691,7 +568,7 @@ def kvlab_attention(
     Raises:
         ConfigError: an attention keyword kvlab does not implement (:func:`attention_options`).
     """
-    session = _SESSION.get()
+    session = active_session()
     layer_idx = getattr(module, "layer_idx", None)
     if session is None or layer_idx is None:
         outside = attention_options(module, {**kwargs, "dropout": dropout})
@@ -710,8 +587,8 @@ def kvlab_attention(
     layer = session.cache.layers[layer_idx]
     if layer.compressed:
         out = layer.decode_attention(query, scaling, options)
-        if session.decode_attention is not None:
-            session.decode_attention[layer_idx] = layer.attention_probs(query, scaling, options)
+        if session.run.records_decode_attention:  # a decode policy (or decode_time) reads it
+            session.run.record_decode_attention(layer_idx, layer.attention_probs(query, scaling, options))
         return out.transpose(1, 2).contiguous(), None
     T, q, k = session.valid.shape[1], query.shape[2], key.shape[2]
     whole = q == k == T
@@ -721,8 +598,8 @@ def kvlab_attention(
             f"it when model.prefill_chunk is set (got {q} queries, {k} keys, prompt of {T}, "
             f"prefill_chunk {session.prefill_chunk})"
         )
-    blocks = session.image_blocks_on(query.device)  # None unless the model has image blocks (Gemma 3)
-    valid = session.masks_on(query.device)[0][:, :k]
+    blocks = session.run.image_blocks_on(query.device)  # None unless the model has image blocks (Gemma 3)
+    valid = session.run.masks_on(query.device)[0][:, :k]
     out = prefill_attention(
         query, key, value, valid, scaling, options, blocks=blocks[:, :k] if blocks is not None else None
     )
@@ -748,7 +625,7 @@ def _layer_context(
     sliding_window: int | None,
 ) -> LayerContext:
     """The :class:`LayerContext` of layer ``layer_idx`` after its prefill attention (shapes there)."""
-    valid, modality = session.masks_on(key.device)  # the layer's device (device_map)
+    valid, modality = session.run.masks_on(key.device)  # the layer's device (device_map)
     return LayerContext(
         layer_idx=layer_idx,
         num_layers=len(session.cache.layers),
@@ -759,9 +636,9 @@ def _layer_context(
         valid=valid,
         modality=modality,
         scaling=scaling,
-        state=session.state,
+        run=session.run,
         sliding_window=sliding_window,
-        image_blocks=session.image_blocks_on(key.device),
+        image_blocks=session.run.image_blocks_on(key.device),
     )
 
 
@@ -785,28 +662,10 @@ def _observe_layer(session: CompressionSession, ctx: LayerContext) -> None:
     start = time.perf_counter()
     with torch.no_grad():
         session.pipeline.observe(ctx)
-    _release_queries(ctx, session.global_queries)
+    ctx.release(session.global_queries)  # free what the context no longer needs while it waits
     session.pending[ctx.layer_idx] = (ctx, time.perf_counter() - start)
     if len(session.pending) == len(session.cache.layers):
         finish_global(session)
-
-
-def _release_queries(ctx: LayerContext, keep: int | None) -> None:
-    """Free what an observed layer's context no longer needs while it waits for the last layer.
-
-    Keeps the last ``keep`` queries (a copy, so the prefill's query tensor can be freed; None:
-    all) and, of the memoised attention helpers, only per-token statistics (at most one value per
-    sample, query head and token, e.g. ``cumulative_attention``); larger intermediates (the fp32
-    copy of the keys, window attention probabilities) are recomputed if asked for again.
-    """
-    if keep is not None and keep < ctx.queries.shape[2]:
-        ctx.queries = ctx.queries[:, :, ctx.queries.shape[2] - keep :].clone()
-        ctx.query_start = ctx.seq_len - keep
-    per_token = ctx.batch_size * ctx.num_heads * ctx.seq_len
-    for name in [
-        name for name, value in ctx._memo.items() if torch.is_tensor(value) and value.numel() > per_token
-    ]:
-        del ctx._memo[name]
 
 
 def finish_global(session: CompressionSession) -> None:

@@ -16,7 +16,6 @@ import torch
 from kvlab.compression.budget import Budget
 from kvlab.compression.context import LayerContext
 from kvlab.config.errors import ConfigError
-from kvlab.engine.attention import CompressionSession
 from kvlab.engine.generation import (
     DecodeResult,
     GenerationResult,
@@ -26,6 +25,7 @@ from kvlab.engine.generation import (
     prefill,
 )
 from kvlab.engine.protocols import PROTOCOLS, WHERE, Protocol, ProtocolResult, cut_at_limits, sample_limits
+from kvlab.engine.session import CompressionSession
 from kvlab.models.base import PAD, TEXT
 from kvlab.pipeline import Pipeline
 
@@ -280,14 +280,14 @@ class DecodeTimeCompressor:
     def _capture_next(self) -> None:
         """Ask the attention function for the next step's attention when that step is observed."""
         observed = self.window > 0 and self._fed + 1 > self.protocol.interval - self.window
-        self.session.decode_attention = {} if observed else None
+        self.session.run.want_decode_attention(self, observed)
 
     def after_step(self, step: int) -> None:
         """One more token is in every layer: add its attention, compress when ``interval`` is reached."""
         self._fed += 1
         self._generated += 1
-        if self.session.decode_attention:
-            for layer_idx, probs in self.session.decode_attention.items():  # [B, Hkv, G, 1, S_t]
+        if self.session.run.records_decode_attention:
+            for layer_idx, probs in self.session.run.take_decode_attention().items():  # [B, Hkv, G, 1, S_t]
                 step_sum = probs.sum(3)
                 held = self._sums.get(layer_idx)
                 if held is not None and held.shape[-1] < step_sum.shape[-1]:
@@ -309,7 +309,7 @@ class DecodeTimeCompressor:
 
     def finish(self) -> None:
         """After decoding: stop capturing attention."""
-        self.session.decode_attention = None
+        self.session.run.want_decode_attention(self, False)
 
     def compress_layer(self, layer_idx: int) -> None:
         """Compress layer ``layer_idx``'s prompt and generated entries to the protocol's target."""

@@ -25,17 +25,17 @@ from typing import Any
 import torch
 
 from kvlab.cache.cache import CompressedCache
+from kvlab.cache.state import RunState
 from kvlab.compression.context import sample_positions
 from kvlab.config.errors import ConfigError
 from kvlab.engine.attention import (
-    CompressionSession,
     check_prefill_chunk,
     check_prefill_done,
     chunked_vlm_message,
-    compression_session,
     global_query_window,
     observed_window,
 )
+from kvlab.engine.session import CompressionSession, compression_session
 from kvlab.models.base import LoadedModel
 from kvlab.models.placement import input_device
 from kvlab.pipeline import LayerReport, Pipeline
@@ -115,8 +115,9 @@ class PrefillState:
     Attributes:
         loaded: the model.
         pipeline: the compression method (its decode policy runs in :func:`decode`).
-        session: the batch's :class:`CompressionSession`: the cache, the padding mask ``valid
-            [B, T]``, the layer reports, the components' state. Decode steps run inside it again.
+        session: the batch's :class:`~kvlab.engine.session.CompressionSession`: the run state
+            (the cache, the padding mask ``valid [B, T]``, the components' state) and the layer
+            reports. Decode steps run inside it again.
         logits: ``[B, V]`` fp32 logits at each sample's last prompt token (the first generated
             token's distribution).
         next_positions: ``[B, 1]`` long, position of the next token within its own sample (its
@@ -210,12 +211,15 @@ def prefill(
     cache = CompressedCache(info.num_layers, decode_capacity=decode_capacity)
     T = input_ids.shape[1]
     chunk = prefill_chunk if prefill_chunk is not None and prefill_chunk < T else None
-    session = CompressionSession(
+    run = RunState(
         cache=cache,
-        pipeline=pipeline,
         valid=valid,
         modality=batch["modality"].to(device),
         bidirectional_image_blocks=info.bidirectional_image_blocks,
+    )
+    session = CompressionSession(
+        run=run,
+        pipeline=pipeline,
         record_scores=record_scores,
         prefill_chunk=chunk,
         held_queries=observed_window(pipeline, valid.sum(-1)) if chunk is not None else 0,
@@ -291,7 +295,7 @@ def decode(
     eos = stop_tokens(loaded, device)
     B = state.logits.shape[0]
     with compression_session(session):
-        policy.start(session)
+        session.start_decoding()
         logits = state.logits
         step_logits = [logits] if return_logits else []
         tokens = torch.empty(B, 0, dtype=torch.long, device=device)
@@ -317,7 +321,7 @@ def decode(
             logits = out.logits[:, -1].float()
             if return_logits:
                 step_logits.append(logits)
-            policy.after_step(session, step)
+            policy.after_step(session.run, step)
             if on_step is not None:
                 on_step(step)
         seconds = time.perf_counter() - start

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvlab.cache.selection import Selection
-from kvlab.compression.routing import RouteDecision
+from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import Registry, to_plain
 from kvlab.engine.generation import (
@@ -356,8 +356,7 @@ def _context_run(
     session = state.session
     kept = state.cache.kept_tokens()  # [L, C, Hkv] before any question
     rounds = max(len(members) for members in split.groups)
-    checkpoint = state.cache.checkpoint() if rounds > 1 else None
-    saved_state = dict(session.state)
+    checkpoint = session.run.checkpoint() if rounds > 1 else None  # the cache and the components' state
     tokens: list[list[int]] = [[] for _ in range(B)]
     logits: list[torch.Tensor | None] = [None] * B
     seconds = {"extend": 0.0, "decode": 0.0}
@@ -365,10 +364,7 @@ def _context_run(
     for r in range(rounds):
         members = [g[r] if r < len(g) else None for g in split.groups]  # one sample (or none) per context
         if r > 0:
-            state.cache.restore(checkpoint)
-            session.state.clear()
-            session.state.update(saved_state)
-            session.decode_attention = None
+            session.run.restore(checkpoint)
         ids, valid = _question_block([split.questions[m] if m is not None else None for m in members], pad_id)
         asked = extend(state, ids, valid)
         seconds["extend"] += asked.seconds - state.seconds

@@ -10,15 +10,29 @@ observed). Routed pipelines go through :class:`~kvlab.pipeline.routed.RoutedExec
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
 from kvlab.cache.selection import Selection
-from kvlab.compression.context import WHOLE_LAYERS, LayerContext
+from kvlab.compression.context import LayerContext
+from kvlab.compression.decision import RouteDecision
 from kvlab.compression.modality import group_topk_mask
 from kvlab.pipeline.report import LayerReport
 
-_SCORED = "pipeline_scores"  # ctx.state keys of what schedule: global observed, per pipeline and layer
+
+@dataclass
+class Observations:
+    """What one pipeline node saw of a run's layers, kept in the run state (``ctx.run.owned(node, ...)``).
+
+    Attributes:
+        scores: ``schedule: global``: each observed layer's scores by role and their fp32 mix
+            (``[B, Hkv, T]`` each), by layer index, until the layer is compressed (handed over once).
+        decisions: a route's decision for each layer, by layer index (a route node only).
+    """
+
+    scores: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    decisions: dict[int, RouteDecision] = field(default_factory=dict)
 
 
 def within_window(ctx: LayerContext) -> LayerContext:
@@ -34,18 +48,19 @@ class LayerExecution:
 
     def observe(self, ctx: LayerContext) -> None:
         """``schedule: global``, during the prefill of layer ``ctx.layer_idx``: everything that reads
-        its queries, kept in ``ctx.state`` for :meth:`compress` after the last layer.
+        its queries, kept in the run state (:class:`Observations`) for :meth:`compress` after the
+        last layer.
 
         The route decision (per branch taken: that branch's observation), the budget's protected
         tokens, every scorer's score ``[B, Hkv, T]`` and the mix, then the layer allocator's
         ``observe(ctx, scores, mixed)`` hook when it has one (how ``prefix_threshold`` sees every
         layer). A sliding-window layer kept whole (``sliding_layers: window``) observes nothing and
-        is listed in ``ctx.state[WHOLE_LAYERS]``.
+        is recorded in the run state (:meth:`~kvlab.cache.state.RunState.keep_whole`).
         """
         if ctx.sliding_window is not None:
             ctx = within_window(ctx)
             if self.sliding_layers == "window":
-                ctx.state.setdefault(WHOLE_LAYERS, set()).add(ctx.layer_idx)
+                ctx.run.keep_whole(ctx.layer_idx)
                 return
         self._observe(ctx)
 
@@ -57,7 +72,7 @@ class LayerExecution:
             return
         self._protect(ctx)
         scores, mixed = self._score(ctx)
-        ctx.state[(_SCORED, id(self), ctx.layer_idx)] = (scores, mixed)
+        ctx.run.owned(self, Observations).scores[ctx.layer_idx] = (scores, mixed)
         hook = getattr(self.layer_allocator, "observe", None)
         if hook is not None:
             hook(ctx, scores, mixed)
@@ -65,7 +80,7 @@ class LayerExecution:
     def _score(self, ctx: LayerContext) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Every scorer's ``[B, Hkv, T]`` score by role and their fp32 mix ``[B, Hkv, T]``: the ones
         :meth:`observe` kept for this layer (``schedule: global``, handed over once), else computed."""
-        held = ctx.state.pop((_SCORED, id(self), ctx.layer_idx), None)
+        held = ctx.run.owned(self, Observations).scores.pop(ctx.layer_idx, None)
         if held is not None:
             return held
         scores = {

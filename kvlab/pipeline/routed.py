@@ -3,8 +3,11 @@
 :class:`RoutedExecution` is a mixin of :class:`~kvlab.pipeline.spec.Pipeline` (the route's
 parent node): the rule decides per sample (or per (sample, KV head) for a per-head rule), every
 branch taken runs over the layer, and the branches' selections are combined row by row
-(:func:`combine_selections`). Under ``schedule: global`` the decision made while observing a
-layer is reused when it is compressed.
+(:func:`combine_selections`). The branches' components see the decision as ``ctx.route`` (and
+a per-head branch its heads as ``ctx.routed_heads``, :meth:`LayerContext.in_branch
+<kvlab.compression.context.LayerContext.in_branch>`); the route's decisions are kept per layer in
+the run's :class:`~kvlab.pipeline.execution.Observations`, so under ``schedule: global`` the
+decision made while observing a layer is reused when it is compressed.
 """
 
 from __future__ import annotations
@@ -15,11 +18,10 @@ import torch
 
 from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
-from kvlab.compression.routing import ROUTED_HEADS, RouteDecision
+from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
+from kvlab.pipeline.execution import Observations
 from kvlab.pipeline.report import LayerReport
-
-_DECIDED = "pipeline_route_decision"  # ctx.state key of the decision schedule: global observed
 
 
 class RoutedExecution:
@@ -30,32 +32,34 @@ class RoutedExecution:
         compression) and the observation of every branch it took."""
         if self.budget is not None:
             self._protect(ctx)
-        decision = self.route_rule.decide(ctx)
-        ctx.state[(_DECIDED, id(self), ctx.layer_idx)] = decision
+        decisions = ctx.run.owned(self, Observations).decisions
+        decision = decisions[ctx.layer_idx] = self.route_rule.decide(ctx)
         if decision.heads is None:
             for name in sorted(set(decision.branches)):
-                self.branches[name]._observe(ctx)
+                with ctx.in_branch(decision, decisions):
+                    self.branches[name]._observe(ctx)
             return
         heads = decision.heads.to(ctx.keys.device)
         for i in sorted(set(heads.flatten().tolist())):
-            ctx.state[ROUTED_HEADS] = heads == i
-            try:
+            with ctx.in_branch(decision, decisions, heads == i):
                 self.branches[decision.head_names[i]]._observe(ctx)
-            finally:
-                ctx.state.pop(ROUTED_HEADS, None)
 
     def _select_routed(self, ctx: LayerContext, record_scores: bool) -> tuple[Selection, LayerReport]:
         """Run the branch each sample (each KV head, for a per-head rule) is routed to; combine the
         selections row by row."""
         if self.budget is not None:  # the rule's metric observes the parent budget's window
             self._protect(ctx)
-        decision = ctx.state.pop((_DECIDED, id(self), ctx.layer_idx), None)  # schedule: global
+        decisions = ctx.run.owned(self, Observations).decisions
+        decision = decisions.get(ctx.layer_idx)  # schedule: global decided while observing
         if decision is None:
-            decision = self.route_rule.decide(ctx)
+            decision = decisions[ctx.layer_idx] = self.route_rule.decide(ctx)
         if decision.heads is not None:
-            return self._select_per_head(ctx, decision, record_scores)
+            return self._select_per_head(ctx, decision, decisions, record_scores)
         names = sorted(set(decision.branches))
-        runs = [self.branches[name]._select(ctx, record_scores) for name in names]
+        runs = []
+        for name in names:
+            with ctx.in_branch(decision, decisions):
+                runs.append(self.branches[name]._select(ctx, record_scores))
         if len(runs) == 1:
             selection, report = runs[0]
         else:
@@ -74,7 +78,11 @@ class RoutedExecution:
         return selection, report
 
     def _select_per_head(
-        self, ctx: LayerContext, decision: RouteDecision, record_scores: bool
+        self,
+        ctx: LayerContext,
+        decision: RouteDecision,
+        decisions: dict[int, RouteDecision],
+        record_scores: bool,
     ) -> tuple[Selection, LayerReport]:
         """Run every branch some KV head is routed to (each over the whole layer) and take each
         (sample, head) row from its own branch. The branches share the layer budget (checked when
@@ -83,11 +91,8 @@ class RoutedExecution:
         used = sorted(set(heads.flatten().tolist()))
         runs = []
         for i in used:
-            ctx.state[ROUTED_HEADS] = heads == i
-            try:
+            with ctx.in_branch(decision, decisions, heads == i):
                 runs.append(self.branches[decision.head_names[i]]._select(ctx, record_scores))
-            finally:
-                ctx.state.pop(ROUTED_HEADS, None)
         selection, report = runs[0]
         if len(runs) > 1:
             choice = torch.searchsorted(torch.tensor(used, device=heads.device), heads)  # index into runs
