@@ -78,7 +78,7 @@ def test_h2o_decode_matches_naive_simulation():
     run = RunState(cache=cache, valid=torch.ones(B, T, dtype=torch.bool), modality=torch.zeros(B, T))
     session = CompressionSession(run, pipeline=None)
     policy.seed(run, 0, seeds[mask], indices[mask])
-    run.want_decode_attention(policy, policy.decode_attention)  # as the engine's start_decoding
+    run.want_decode_attention(policy, policy.capabilities.decode_attention)  # as the engine's start_decoding
     policy.start(run)
     attention = torch.nn.Module()
     attention.layer_idx = 0  # what the attention function reads of a transformers attention module

@@ -20,6 +20,7 @@ import torch
 
 import kvlab
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
+from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.attention import check_prefill_chunk
@@ -154,7 +155,7 @@ def test_a_scorer_that_does_not_declare_chunked_prefill_is_refused():
 
     @dataclass
     class Declared(Undeclared):
-        chunked_prefill: ClassVar[bool] = True
+        capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)
 
     IMPORTANCE.register("test_undeclared")(Undeclared)
     IMPORTANCE.register("test_declared")(Declared)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvlab.config.capabilities import Component
 from kvlab.config.errors import ConfigError
 
 FORMAT = "kvlab-calibration"
@@ -191,7 +192,7 @@ def model_shape(model: str) -> dict[str, int]:
     return {"num_layers": info.num_layers, "num_heads": info.num_heads, "num_kv_heads": info.num_kv_heads}
 
 
-class UsesArtefact:
+class UsesArtefact(Component):
     """Mixin for components with an ``artefact`` parameter (a path, or ``auto``).
 
     The pipeline calls :meth:`bind_model` with the model name before the model loads (so a

@@ -10,9 +10,10 @@ step. A policy has three hooks, all optional:
   (``ctx.run.owned(self, factory)``, :class:`~kvlab.cache.state.RunState`);
 - :meth:`DecodePolicy.start` runs once before the first decode step with the batch's
   :class:`~kvlab.cache.state.RunState`. A policy that needs each step's decode attention declares
-  it (``decode_attention``); the engine then has the attention function record every layer's
-  attention probabilities of each step in the run state (:meth:`RunState.take_decode_attention
-  <kvlab.cache.state.RunState.take_decode_attention>` hands them over);
+  it (``Capabilities(decode_attention=True)``); the engine then has the attention function
+  record every layer's attention probabilities of each step in the run state
+  (:meth:`RunState.take_decode_attention <kvlab.cache.state.RunState.take_decode_attention>`
+  hands them over);
 - :meth:`DecodePolicy.after_step` runs after every decode step (the step's token is already in
   each layer's decode region). Evicting goes through
   :meth:`~kvlab.cache.slots.SlotLayout.evict_one`, which moves the newest token into the
@@ -36,15 +37,17 @@ from kvlab.cache.layer import CompressedLayer
 from kvlab.cache.state import RunState
 from kvlab.compression.context import LayerContext
 from kvlab.compression.ops import reduce_groups
+from kvlab.config.capabilities import Capabilities, Component
 from kvlab.config.registry import Registry
 
 
-class DecodePolicy:
-    """Base class: override :meth:`after_step` (and :meth:`on_compress` / :meth:`start` when needed)."""
+class DecodePolicy(Component):
+    """Base class: override :meth:`after_step` (and :meth:`on_compress` / :meth:`start` when needed).
 
-    registry_name: str = ""
-    #: True when the policy reads each decode step's attention (``run.take_decode_attention()``)
-    decode_attention: ClassVar[bool] = False
+    ``capabilities.decode_attention``: the policy reads each decode step's attention
+    (``run.take_decode_attention()``); ``capabilities.chunked_prefill`` False: it reads every
+    prompt query's attention at ``on_compress``.
+    """
 
     def on_compress(self, ctx: LayerContext, selection: Any) -> None:
         """Called right after layer ``ctx.layer_idx`` chose its ``Selection``."""
@@ -160,8 +163,8 @@ class H2ODecodePolicy(DecodePolicy):
     recent: int = 32
     gqa: Literal["mean", "sum"] = "mean"
 
-    chunked_prefill: ClassVar[bool] = False  # seeded with every prompt query's attention
-    decode_attention: ClassVar[bool] = True  # each step's attention accumulates into the scores
+    # seeded with every prompt query's attention; each step's attention accumulates into the scores
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=False, decode_attention=True)
 
     def __post_init__(self) -> None:
         if self.recent < 0:

@@ -26,6 +26,7 @@ the pipeline gives the branches' components as ``ctx.route``, and every layer's 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -37,6 +38,7 @@ from kvlab.compression.context import LayerContext, attention_probs
 from kvlab.compression.decision import RouteDecision
 from kvlab.compression.prefixkv import fit_to_total
 from kvlab.compression.routing import ROUTE_RULES, RouteRule
+from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.window_scores import REFERENCE_BLOCK_ELEMENTS
 
@@ -158,7 +160,8 @@ class TextSparsityRule(RouteRule):
     dynamic: str = "dynamic"
 
     per_head: ClassVar[bool] = True
-    chunked_prefill: ClassVar[bool] = False  # the text queries' attention rows, gone after their chunk
+    # the text queries' attention rows, gone after their chunk
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.topk <= 1.0:
@@ -314,11 +317,8 @@ class HybridKVHeadAllocator(HeadAllocator):
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.min_dynamic < 1:
             raise ValueError(f"min_dynamic must be >= 1 token, got {self.min_dynamic}")
-
-    @property
-    def needs_all_layers(self) -> bool:
-        """True with ``scope: global`` (every layer's classes are compared)."""
-        return self.scope == "global"
+        if self.scope == "global":  # every layer's classes are compared
+            self.capabilities = dataclasses.replace(type(self).capabilities, needs_all_layers=True)
 
     def allocate(self, scores: torch.Tensor, free: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         seen = {layer: d for layer, d in ctx.routes.items() if isinstance(d, HeadClassDecision)}

@@ -16,14 +16,13 @@ import torch
 
 from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.context import LayerContext
+from kvlab.config.capabilities import Component
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.registry import Registry
 
 
-class Mixer:
+class Mixer(Component):
     """Base class: override :meth:`mix` and :meth:`check_roles`."""
-
-    registry_name: str = ""
 
     def mix(self, scores: Mapping[str, torch.Tensor], ctx: LayerContext) -> torch.Tensor:
         """``scores`` maps each scorer's role to its ``[B, Hkv, T]`` score (importance roles first,

@@ -42,6 +42,7 @@ from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, round_to_total
 from kvlab.compression.context import LayerContext
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
+from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
 
 RATIOS_KIND = "prefixkv_layer_ratios"  # calibration artefact: budgets [R], ratios [R, L] (kept fractions)
@@ -222,7 +223,7 @@ class LayerCumulativeAttentionScorer(ImportanceScorer):
     ``I_l``, so the PrefixKV allocators see the same curves.
     """
 
-    chunked_prefill: ClassVar[bool] = False  # every query's attention row, gone after its chunk
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=False)  # every query's attention row
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         shared = layer_importance(ctx.cumulative_attention())  # [B, T]
@@ -271,7 +272,8 @@ class PrefixThresholdAllocator(LayerAllocator):
     rescale: Literal["largest_remainder", "evicted_floor"] = "largest_remainder"
     signal: str = "mixed"
 
-    needs_all_layers: ClassVar[bool] = True
+    # every layer's scores (seen through observe) before the first layer is compressed
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_all_layers=True, observes_layers=True)
 
     def __post_init__(self) -> None:
         if self.tol_tokens < 1 or self.max_iter < 1:

@@ -30,20 +30,18 @@ from kvlab.compression.context import LayerContext
 from kvlab.compression.decision import RouteDecision
 from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
+from kvlab.config.capabilities import Component
 from kvlab.config.registry import Registry
 
 # ---------------------------------------------------------------------------------------------
 # layer metrics
 
 
-class LayerMetric:
+class LayerMetric(Component):
     """Base class: override :meth:`measure` (one value per sample for the current layer).
 
     ``budget_settings``: parameters restating a budget setting (see :class:`ImportanceScorer`).
     """
-
-    registry_name: str = ""
-    budget_settings: ClassVar[dict[str, str]] = {}
 
     def measure(self, ctx: LayerContext) -> torch.Tensor:
         """``[B]`` float32; NaN where the metric is undefined for a sample."""
@@ -100,14 +98,13 @@ class NCARMetric(LayerMetric):
 # rules
 
 
-class RouteRule:
+class RouteRule(Component):
     """Base class: override :meth:`decide`; ``branch_names`` lists the branches a rule refers to.
 
     ``per_head``: the rule routes each KV head (its decisions carry ``heads``), not each sample;
     its branches then share the layer budget (they may not change ``budget`` or ``allocate.layer``).
     """
 
-    registry_name: str = ""
     before: str = ""
     after: str = ""
     per_head: ClassVar[bool] = False

@@ -13,13 +13,12 @@ import torch
 
 from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
+from kvlab.config.capabilities import Component
 from kvlab.config.registry import Registry
 
 
-class Selector:
+class Selector(Component):
     """Base class: override :meth:`select`."""
-
-    registry_name: str = ""
 
     def select(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> Selection:
         """Pick ``counts[b, h]`` tokens per (sample, head).

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +49,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlab.compression.context import LayerContext
+from kvlab.compression.diversity import DiversityScorer
+from kvlab.compression.importance import ImportanceScorer
+from kvlab.config.capabilities import Component
 from kvlab.config.errors import ConfigError
 from kvlab.engine.session import CompressionSession, active_session
 from kvlab.pipeline import Pipeline
@@ -442,31 +444,14 @@ def _blocked_attention(
 CHUNK_FIELD = "model.prefill_chunk"
 
 
-def _fields(pipeline: Pipeline, where: str = "model.compression") -> Iterator[tuple[str, Any]]:
-    """Every component of ``pipeline`` with its YAML field (branches and route parts included)."""
-    for role, scorer in [*pipeline.importance.items(), *pipeline.diversity.items()]:
-        kind = "importance" if role in pipeline.importance else "diversity"
-        yield f"{where}.{kind}.{role}", scorer
-    slots = {"mixer": pipeline.mixer, "allocate.layer": pipeline.layer_allocator,
-             "allocate.head": pipeline.head_allocator, "allocate.modality": pipeline.modality_allocator,
-             "select": pipeline.selector, "decode": pipeline.decode_policy}  # fmt: skip
-    yield from ((f"{where}.{name}", c) for name, c in slots.items() if c is not None)
-    if pipeline.route_rule is not None:
-        yield f"{where}.route.rule", pipeline.route_rule
-        for name, part in pipeline.route_rule.parts().items():
-            yield f"{where}.route.rule.{name}", part
-    for name, branch in pipeline.branches.items():
-        yield from _fields(branch, f"{where}.route.branches.{name}")
-
-
 def check_prefill_chunk(pipeline: Pipeline, prefill_chunk: int | None) -> None:
     """Refuse ``model.prefill_chunk`` when a component cannot score a prompt prefilled in chunks.
 
     A chunked prefill keeps every key and value of the prompt until the layer is compressed,
     but only the queries of the recent window (:attr:`CompressionSession.held_queries`). A
-    component says whether that suffices with the class attribute ``chunked_prefill``:
-    importance and diversity scorers must declare it (a scorer that does not is refused), any
-    other component is refused only when it declares ``chunked_prefill = False``.
+    component says whether that suffices in its declared capabilities (``chunked_prefill``):
+    importance and diversity scorers must declare it (their bases say False), any other component
+    is refused only when it declares ``chunked_prefill=False``.
     The table of the built-in components is in ``docs/scaling.md``.
 
     Raises:
@@ -488,29 +473,25 @@ def check_prefill_chunk(pipeline: Pipeline, prefill_chunk: int | None) -> None:
             f"{CHUNK_FIELD} to null (the prompt in one forward), or model.compression.schedule: layerwise "
             "(with a layer allocator that needs only its own layer, e.g. PrefixKV's prefix_calibrated)."
         )
-    from kvlab.compression.diversity import DiversityScorer
-    from kvlab.compression.importance import ImportanceScorer
-
-    for where, component in _fields(pipeline):
-        scorer = isinstance(component, ImportanceScorer | DiversityScorer)
-        supported = getattr(component, "chunked_prefill", not scorer)
-        if supported:
-            continue
-        name = getattr(component, "registry_name", "") or type(component).__name__
-        bases = (ImportanceScorer, DiversityScorer, object)
-        declared = any("chunked_prefill" in vars(cls) for cls in type(component).__mro__ if cls not in bases)
-        reason = (
-            "needs the attention of every prompt query, which a chunked prefill does not keep"
-            if declared
-            else "does not declare `chunked_prefill` (set `chunked_prefill = True` on its class if it "
-            "reads only keys, values and the queries of the recent budget.window)"
-        )
-        raise ConfigError(
-            f"{where} ({name}) {reason}, so it cannot run with {CHUNK_FIELD} = {prefill_chunk}. Set "
-            f"{CHUNK_FIELD} to null (the prompt in one forward), or use a method whose scorers observe only "
-            "the recent window (snapkv, pyramidkv, adakv, mixkv_*, knorm, keydiff, streamingllm); "
-            "docs/scaling.md lists which components support chunked prefill."
-        )
+    unchunked = pipeline.capabilities.unchunked
+    if not unchunked:
+        return
+    part = unchunked[0]
+    # a scorer whose class (below the scorer base) never declares its capabilities may read any query
+    bases = (ImportanceScorer, DiversityScorer, Component, object)
+    declared = any("capabilities" in vars(cls) for cls in type(part.component).__mro__ if cls not in bases)
+    reason = (
+        "needs the attention of every prompt query, which a chunked prefill does not keep"
+        if declared
+        else "does not declare `chunked_prefill` (set `capabilities = Capabilities(chunked_prefill=True)` "
+        "on its class if it reads only keys, values and the queries of the recent budget.window)"
+    )
+    raise ConfigError(
+        f"{part.field} ({part.name}) {reason}, so it cannot run with {CHUNK_FIELD} = {prefill_chunk}. Set "
+        f"{CHUNK_FIELD} to null (the prompt in one forward), or use a method whose scorers observe only "
+        "the recent window (snapkv, pyramidkv, adakv, mixkv_*, knorm, keydiff, streamingllm); "
+        "docs/scaling.md lists which components support chunked prefill."
+    )
 
 
 def chunked_vlm_message(model: str, prefill_chunk: int) -> str:
@@ -537,17 +518,11 @@ def global_query_window(pipeline: Pipeline, lengths: torch.Tensor) -> int | None
 
     The scorers and the route rule have run by then; what compression still reads is the recent
     window the pipeline observes (:func:`observed_window`), unless another component declares
-    ``chunked_prefill = False`` (it reads every prompt query, e.g. the ``h2o`` decode policy's
-    seed): then all of them (None).
+    ``chunked_prefill=False`` (it reads every prompt query, e.g. the ``h2o`` decode policy's
+    seed, ``PipelineCapabilities.reads_all_queries``): then all of them (None).
     """
-    from kvlab.compression.diversity import DiversityScorer
-    from kvlab.compression.importance import ImportanceScorer
-
-    for where, component in _fields(pipeline):
-        if isinstance(component, ImportanceScorer | DiversityScorer) or ".route.rule" in where:
-            continue
-        if getattr(component, "chunked_prefill", True) is False:
-            return None
+    if pipeline.capabilities.reads_all_queries:
+        return None
     return observed_window(pipeline, lengths)
 
 

@@ -123,11 +123,10 @@ class DecodeTime(Protocol):
                 f"{where}: routed pipelines (model.compression.route) are not supported at decode time; use "
                 "one without `route`, or `model.protocol: query_aware`."
             )
-        needs_all_layers = pipeline.all_layer_components()  # (field, component) comparing layers
-        if needs_all_layers:
-            field_name, component = needs_all_layers[0]
+        comparing = pipeline.capabilities.comparing_layers
+        if comparing:
             raise ConfigError(
-                f"{where}: {field_name} ({getattr(component, 'registry_name', type(component).__name__)}) "
+                f"{where}: {comparing[0].field} ({comparing[0].name}) "
                 "compares every layer and needs model.compression.schedule: global, but decode-time "
                 "compression compresses one layer at a time. Use a component that needs only its own layer "
                 "(for PrefixKV: prefix_calibrated with model.compression.schedule: layerwise), or "
@@ -153,7 +152,7 @@ class DecodeTime(Protocol):
         for role, scorer in [*pipeline.importance.items(), *pipeline.diversity.items()]:
             kind = "importance" if role in pipeline.importance else "diversity"
             name = getattr(scorer, "registry_name", type(scorer).__name__)
-            if not getattr(type(scorer), "chunked_prefill", False):
+            if not scorer.capabilities.chunked_prefill:
                 raise ConfigError(
                     f"{where}: model.compression.{kind}.{role} ({name}) needs the attention of queries older "
                     "than the recent window, which decode-time compression does not keep (it observes only "
@@ -161,7 +160,7 @@ class DecodeTime(Protocol):
                     "window's attention (window_attention, key_norm, value_norm, recency, random, keydiff, "
                     "mean_key_diversity), or `model.protocol: query_aware`."
                 )
-            if "window" in getattr(type(scorer), "budget_settings", {}).values():
+            if "window" in scorer.budget_settings.values():
                 observers.append(f"model.compression.{kind}.{role}")
         budget = pipeline.budget
         if observers and (budget.window_is_ratio or budget.max_window_share is not None):
@@ -187,7 +186,7 @@ class DecodeTime(Protocol):
     def observed_window(self, pipeline: Pipeline) -> int:
         """Decoded queries whose attention the compression observes (0 when no scorer observes any)."""
         observes = any(
-            "window" in getattr(type(s), "budget_settings", {}).values()
+            "window" in s.budget_settings.values()
             for s in [*pipeline.importance.values(), *pipeline.diversity.values()]
         )
         return int(pipeline.budget.window) if observes and pipeline.budget is not None else 0

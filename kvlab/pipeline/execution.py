@@ -53,9 +53,10 @@ class LayerExecution:
 
         The route decision (per branch taken: that branch's observation), the budget's protected
         tokens, every scorer's score ``[B, Hkv, T]`` and the mix, then the layer allocator's
-        ``observe(ctx, scores, mixed)`` hook when it has one (how ``prefix_threshold`` sees every
-        layer). A sliding-window layer kept whole (``sliding_layers: window``) observes nothing and
-        is recorded in the run state (:meth:`~kvlab.cache.state.RunState.keep_whole`).
+        ``observe(ctx, scores, mixed)`` hook when it declares ``observes_layers`` (how
+        ``prefix_threshold`` sees every layer). A sliding-window layer kept whole
+        (``sliding_layers: window``) observes nothing and is recorded in the run state
+        (:meth:`~kvlab.cache.state.RunState.keep_whole`).
         """
         if ctx.sliding_window is not None:
             ctx = within_window(ctx)
@@ -73,9 +74,8 @@ class LayerExecution:
         self._protect(ctx)
         scores, mixed = self._score(ctx)
         ctx.run.owned(self, Observations).scores[ctx.layer_idx] = (scores, mixed)
-        hook = getattr(self.layer_allocator, "observe", None)
-        if hook is not None:
-            hook(ctx, scores, mixed)
+        if self.layer_allocator.capabilities.observes_layers:
+            self.layer_allocator.observe(ctx, scores, mixed)
 
     def _score(self, ctx: LayerContext) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Every scorer's ``[B, Hkv, T]`` score by role and their fp32 mix ``[B, Hkv, T]``: the ones

@@ -92,6 +92,7 @@ from kvlab.compression.selectors import SELECTORS, Selector
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import merge
 from kvlab.config.registry import to_plain
+from kvlab.pipeline.capabilities import Part, PipelineCapabilities
 from kvlab.pipeline.execution import LayerExecution
 from kvlab.pipeline.routed import RoutedExecution
 from kvlab.pipeline.validation import (
@@ -208,46 +209,45 @@ class Pipeline(LayerExecution, RoutedExecution):
                 "`signal: mixed` (the mixed score) or the key of the scorer to allocate from."
             )
 
-    def _slots(self) -> list[tuple[str, Any]]:
-        """``(YAML field, component)`` of this node's own components (branches not included)."""
-        scorers = [(f"importance.{role}", c) for role, c in self.importance.items()]
-        scorers += [(f"diversity.{role}", c) for role, c in self.diversity.items()]
-        slots = [("mixer", self.mixer), ("allocate.layer", self.layer_allocator),
-                 ("allocate.head", self.head_allocator), ("allocate.modality", self.modality_allocator),
-                 ("select", self.selector), ("decode", self.decode_policy)]  # fmt: skip
-        return [(f"{WHERE}.{name}", c) for name, c in [*scorers, *slots] if c is not None]
+    def walk(self, where: str = WHERE) -> list[Part]:
+        """Every component with its YAML field: the scorers by role, the slots, the route rule and
+        its parts, then every branch's (the one walk the pipeline's checks and capabilities read)."""
+        parts = [Part(f"{where}.importance.{role}", c, "scorer") for role, c in self.importance.items()]
+        parts += [Part(f"{where}.diversity.{role}", c, "scorer") for role, c in self.diversity.items()]
+        slots = {"mixer": self.mixer, "allocate.layer": self.layer_allocator,
+                 "allocate.head": self.head_allocator, "allocate.modality": self.modality_allocator,
+                 "select": self.selector, "decode": self.decode_policy}  # fmt: skip
+        parts += [Part(f"{where}.{name}", c, "slot") for name, c in slots.items() if c is not None]
+        if self.route_rule is not None:
+            parts.append(Part(f"{where}.route.rule", self.route_rule, "route"))
+            parts += [Part(f"{where}.route.rule.{n}", c, "route") for n, c in self.route_rule.parts().items()]
+        for name, branch in self.branches.items():
+            parts += branch.walk(f"{where}.route.branches.{name}")
+        return parts
 
-    def all_layer_components(self) -> list[tuple[str, Any]]:
-        """``(field, component)`` of every component that compares layers (``needs_all_layers``),
-        branches included: they need ``schedule: global``."""
-        own = [(where, c) for where, c in self._slots() if getattr(c, "needs_all_layers", False)]
-        return own + [pair for branch in self.branches.values() for pair in branch.all_layer_components()]
+    @property
+    def capabilities(self) -> PipelineCapabilities:
+        """What this pipeline needs of the engine, from its components' declared capabilities."""
+        return PipelineCapabilities.of(self.walk())
 
     @property
     def needs_all_layers(self) -> bool:
         """True when a component compares layers, so no layer can be compressed before the last
         layer's prefill (``schedule: global``)."""
-        return bool(self.all_layer_components())
+        return bool(self.capabilities.comparing_layers)
 
     def _check_schedule(self) -> None:
         """A component comparing layers needs ``schedule: global``."""
-        needs = self.all_layer_components()
+        needs = self.capabilities.comparing_layers
         if needs and self.schedule != "global":
-            where, component = needs[0]
+            part = needs[0]
             raise ConfigError(
-                f"{where} ({getattr(component, 'registry_name', '') or type(component).__name__}) compares "
-                f"every layer, whose scores exist only after the last layer's prefill, so it cannot run "
-                f"with {WHERE}.schedule = {self.schedule}: set `{WHERE}.schedule: global` (memory during "
-                "the prefill is then the full cache), or use a component that needs only its own layer "
-                "(for PrefixKV: the offline `prefix_calibrated` allocator with a calibration artefact)."
+                f"{part.field} ({part.name}) compares every layer, whose scores exist only after the last "
+                f"layer's prefill, so it cannot run with {WHERE}.schedule = {self.schedule}: set "
+                f"`{WHERE}.schedule: global` (memory during the prefill is then the full cache), or use a "
+                "component that needs only its own layer (for PrefixKV: the offline `prefix_calibrated` "
+                "allocator with a calibration artefact)."
             )
-
-    def components(self) -> list[Any]:
-        """Every configured component (scorers, mixer, allocators, selector, decode policy, branches)."""
-        parts = [*self.importance.values(), *self.diversity.values(), self.mixer, self.layer_allocator]
-        branches = [c for branch in self.branches.values() for c in branch.components()]
-        slots = [self.head_allocator, self.modality_allocator, self.selector, self.decode_policy]
-        return [*parts, *slots, *branches]
 
     def bind_model(self, model: str) -> None:
         """Tell components that load per-model artefacts which model runs; fails fast on a mismatch.
@@ -256,9 +256,8 @@ class Pipeline(LayerExecution, RoutedExecution):
         """
         if getattr(self, "_bound_model", None) == model:
             return
-        for component in self.components():
-            if hasattr(component, "bind_model"):
-                component.bind_model(model)
+        for part in self.walk():
+            part.component.bind_model(model)
         self._bound_model = model
 
     @property
@@ -279,7 +278,7 @@ class Pipeline(LayerExecution, RoutedExecution):
             branch = check_branch_node(branch, f"{where}.branches.{name}", rule.per_head)
             branches[name] = cls.from_config(merge(parent, branch))
             allocator = branches[name].layer_allocator
-            if getattr(allocator, "needs_all_layers", False):
+            if allocator.capabilities.needs_all_layers:
                 raise ConfigError(
                     f"{where}: the layer allocator '{allocator.registry_name}' compares every layer's "
                     "scores, but in a routed pipeline each branch scores only the layers (or heads) routed "

@@ -96,7 +96,7 @@ def take_budget_settings(component: Any, where: str, budget: Budget | None) -> N
     ``component.budget_settings`` maps a parameter to a budget field (e.g. ``window``). Unset
     (None) parameters take the budget's value when it is a token count; a set one must equal it.
     """
-    for param, setting in getattr(component, "budget_settings", {}).items():
+    for param, setting in component.budget_settings.items():
         own = getattr(component, param)
         if budget is None:
             continue
