@@ -30,9 +30,10 @@ from kvlab.config.loader import find_config, load_config, merge
 from kvlab.config.plugins import IMPORTS_KEY, check_imports, import_plugins
 from kvlab.config.registry import to_plain
 from kvlab.data.sample import Sample
-from kvlab.engine.attention import ATTENTION_NAME, check_prefill_chunk, enable_kvlab_attention
 from kvlab.engine.generation import GenerationResult
+from kvlab.engine.prefill_plan import check_prefill_chunk
 from kvlab.engine.protocols import Protocol, build_protocol
+from kvlab.engine.registration import ATTENTION_NAME, enable_kvlab_attention
 from kvlab.models.base import PAD, TEXT, LoadedModel
 from kvlab.pipeline import Pipeline
 

@@ -4,8 +4,8 @@ import functools
 
 import torch
 
-from kvlab.engine.attention import enable_kvlab_attention
 from kvlab.engine.generation import GenerationResult, generate
+from kvlab.engine.registration import enable_kvlab_attention
 from kvlab.models import load_model
 from kvlab.pipeline import Pipeline
 

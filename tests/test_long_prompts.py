@@ -21,13 +21,14 @@ from naive import LENGTHS, make_ctx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvlab
+from kvlab.cache.options import AttentionOptions
 from kvlab.compression.context import LayerContext
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.compression.selectors import topk_indices
 from kvlab.config.errors import ConfigError
-from kvlab.engine import attention
-from kvlab.engine.attention import AttentionOptions, prefill_attention
+from kvlab.engine import prefill_attention as prefill_attention_module
+from kvlab.engine.prefill_attention import prefill_attention
 from kvlab.kernels import window_scores
 from kvlab.kernels.window_scores import window_attention_scores_reference
 
@@ -138,7 +139,7 @@ class SquareWatch(TorchDispatchMode):
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 2**14 elements (8 query rows of 2 samples x 4 heads x 256 keys)."""
-    monkeypatch.setattr(attention, "PREFILL_BLOCK_ELEMENTS", 1 << 14)
+    monkeypatch.setattr(prefill_attention_module, "PREFILL_BLOCK_ELEMENTS", 1 << 14)
     monkeypatch.setattr(window_scores, "REFERENCE_BLOCK_ELEMENTS", 1 << 14)
 
 

@@ -25,12 +25,13 @@ from PIL import Image
 
 import kvlab
 from kvlab.cache.masks import image_block_ids
+from kvlab.cache.options import AttentionOptions
 from kvlab.cache.state import RunState
 from kvlab.compression.context import LayerContext
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
-from kvlab.engine.attention import AttentionOptions, prefill_attention
 from kvlab.engine.generation import generate
+from kvlab.engine.prefill_attention import prefill_attention
 from kvlab.engine.verify import _native, verify_engine
 from kvlab.models.base import IMAGE, TEXT, LoadedModel
 from kvlab.models.common import seeded, text_config

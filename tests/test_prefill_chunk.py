@@ -23,8 +23,8 @@ from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
-from kvlab.engine.attention import check_prefill_chunk
 from kvlab.engine.generation import generate, prefill
+from kvlab.engine.prefill_plan import check_prefill_chunk
 from kvlab.pipeline import Pipeline
 from kvlab.runner.module import KVLabModule
 

@@ -241,7 +241,7 @@ def prefill_peaks(spec: dict[str, Any]) -> list[dict[str, Any]]:
     ``spec``: ``model``, ``contexts`` (longest prompt per point), ``batch``, ``spread``, ``method``
     (a preset), ``chunk`` (``model.prefill_chunk`` or None), ``threads``.
     """
-    from kvlab.engine.attention import check_prefill_chunk
+    from kvlab.engine.prefill_plan import check_prefill_chunk
 
     torch.set_num_threads(spec.get("threads", 1))
     loaded = kvlab.load_model(spec["model"])

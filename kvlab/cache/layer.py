@@ -236,7 +236,7 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
 
         The queries' own K/V must already be appended (``update``). Dispatches to
         :func:`kvlab.kernels.decode_attention.ragged_decode_attention`. ``options`` (a
-        :class:`kvlab.engine.attention.AttentionOptions` or None) adds the layer's sliding
+        :class:`kvlab.cache.options.AttentionOptions` or None) adds the layer's sliding
         window (over the stored original positions), logit soft-capping and sinks; padding
         entries of a padded block (``decode_valid``) are hidden. A layer whose selection
         offloaded K/V (a retrieve selector) hands the call to its store.

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvlab.cache.masks import sliding_window
 from kvlab.kernels.compaction import compact_kv
 from kvlab.kernels.decode_attention import FULL_PRECISION, grouped_logits
 
@@ -87,8 +88,8 @@ class SlotLayout:
         if options.sliding_window is not None:
             rows, _ = self.slot_rows()
             positions = torch.cat([self.prompt_positions[rows], self.decode_positions[:, :, :dl]], -1)
-            newest = self.next_positions - 1  # [B]: the newest token's window
-            valid = valid & (positions > (newest - options.sliding_window)[:, None, None])
+            newest = (self.next_positions - 1)[:, None, None]  # [B, 1, 1]: the newest token's window
+            valid = valid & sliding_window(options.sliding_window)(None, newest, positions)
         logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
         if options.sinks is not None:
             sinks = options.sinks.float().view(1, Hkv, H // Hkv, 1, 1).expand(B, -1, -1, q, 1)

@@ -96,7 +96,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
             f"calibration '{statistic.registry_name}' needs image tokens, but model '{model_name}' takes no "
             "images. Use a vision-language model (e.g. smollm2-qwen2-vl)."
         )
-    from kvlab.engine.attention import enable_kvlab_attention
+    from kvlab.engine.registration import enable_kvlab_attention
 
     enable_kvlab_attention(loaded.model, loaded.info.vision_language)
     info = loaded.info

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvlab.cache.masks import and_masks, build_mask, causal, key_padding, or_masks, same_image_block
 from kvlab.cache.state import RunState
 from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
@@ -319,14 +320,14 @@ def attention_probs(queries: torch.Tensor, ctx: LayerContext, first_query: int) 
     grouped = queries.float().reshape(B, ctx.num_kv_heads, ctx.group_size * q, D)
     logits = (torch.matmul(grouped, keys.transpose(-1, -2)) * ctx.scaling).view(B, H, q, T)
     query_pos = torch.arange(first_query, first_query + q, device=keys.device)
-    causal = torch.arange(T, device=keys.device)[None, :] <= query_pos[:, None]  # [q, T]
+    seen = causal
     if ctx.image_blocks is not None:  # a query inside an image block sees all of its block
-        own = ctx.image_blocks[:, first_query : first_query + q, None]  # [B, q, 1]
-        causal = causal[None] | ((own == ctx.image_blocks[:, None, :]) & (own >= 0))  # [B, q, T]
-        allowed = causal[:, None] & ctx.valid[:, None, None, :]
-    else:
-        allowed = causal[None, None] & ctx.valid[:, None, None, :]
-    logits = logits.masked_fill(~allowed, float("-inf"))
+        seen = or_masks(causal, same_image_block(ctx.image_blocks))
+    samples = torch.arange(B, device=keys.device)
+    allowed = build_mask(
+        and_masks(seen, key_padding(ctx.valid)), query_pos, torch.arange(T, device=keys.device), samples
+    )
+    logits = logits.masked_fill(~allowed[:, None], float("-inf"))  # [B, 1, q, T]
     query_valid = ctx.valid[:, first_query : first_query + q]  # [B, q]
     logits = logits.masked_fill(~query_valid[:, None, :, None], 0.0)
     probs = torch.softmax(logits, dim=-1)

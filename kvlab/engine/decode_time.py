@@ -2,7 +2,7 @@
 prefill, then the configured pipeline compresses every layer again during generation, every
 ``interval`` fed tokens, down to ``target_size`` tokens per head or ``ratio`` of the sample's
 prompt + generated tokens (kvpress' ``DecodingPress``; ``docs/protocols.md``). The protocols'
-base, registry and the other protocols are in :mod:`kvlab.engine.protocols`.
+base and registry are in :mod:`kvlab.engine.protocols`.
 """
 
 from __future__ import annotations

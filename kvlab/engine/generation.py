@@ -28,13 +28,13 @@ from kvlab.cache.cache import CompressedCache
 from kvlab.cache.state import RunState
 from kvlab.compression.context import sample_positions
 from kvlab.config.errors import ConfigError
-from kvlab.engine.attention import (
+from kvlab.engine.prefill_plan import (
     check_prefill_chunk,
-    check_prefill_done,
     chunked_vlm_message,
     global_query_window,
     observed_window,
 )
+from kvlab.engine.schedule import check_prefill_done
 from kvlab.engine.session import CompressionSession, compression_session
 from kvlab.models.base import LoadedModel
 from kvlab.models.placement import input_device
@@ -195,7 +195,7 @@ def prefill(
 
     Raises:
         ConfigError: a ``prefill_chunk`` the pipeline refuses
-            (:func:`~kvlab.engine.attention.check_prefill_chunk`), or any with a vision-language model.
+            (:func:`~kvlab.engine.prefill_plan.check_prefill_chunk`), or any with a vision-language model.
     """
     model, info = loaded.model, loaded.info
     pipeline.bind_model(info.name)

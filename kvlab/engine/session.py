@@ -92,7 +92,8 @@ class CompressionSession:
 
     def start_decoding(self) -> None:
         """Before the first decode step: the attention function records each step's attention when
-        the decode policy declares ``Capabilities(decode_attention=True)``, then the policy's ``start`` runs."""
+        the decode policy declares ``Capabilities(decode_attention=True)``, then the policy's ``start``
+        runs."""
         policy = self.pipeline.decode_policy
         self.run.want_decode_attention(policy, policy.capabilities.decode_attention)
         policy.start(self.run)

@@ -169,7 +169,7 @@ def _native(loaded: LoadedModel, batch: dict[str, Any], steps: int) -> tuple[tor
     """transformers' own greedy run: ``(logits [S, V] fp32, tokens [S], seconds)``."""
     from transformers import DynamicCache
 
-    from kvlab.engine.attention import enable_kvlab_attention
+    from kvlab.engine.registration import enable_kvlab_attention
     from kvlab.models.placement import input_device
 
     model = loaded.model
