@@ -19,9 +19,9 @@ from e2e import kvlab_model
 from preset_runs import is_vlm_preset, preset_models, preset_samples
 from transformers import DynamicCache
 
-from kvlab.calibration import Artefact
 from kvlab.calibration.synthetic import synthetic_visual_heads
 from kvlab.compression.retrieval import retrieval_record
+from kvlab.config.artefacts import Artefact
 from kvlab.config.loader import merge, preset_names, resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.masking import load_masked_model

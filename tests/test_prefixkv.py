@@ -24,7 +24,6 @@ from preset_runs import RECORD, is_vlm_preset, preset_compression, preset_models
 from kvlab.cache.cache import CompressedCache
 from kvlab.cache.selection import Selection
 from kvlab.cache.state import RunState
-from kvlab.calibration import Artefact
 from kvlab.calibration.command import calibrate
 from kvlab.calibration.prefixkv import PrefixLayerRatios, artefact_from_released_configs
 from kvlab.compression.allocators import LAYER_ALLOCATORS
@@ -39,6 +38,7 @@ from kvlab.compression.prefixkv import (
     solve_bisect,
     solve_exact,
 )
+from kvlab.config.artefacts import Artefact
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names, resolve
@@ -289,7 +289,8 @@ def test_released_configs_convert_from_evicted_to_kept_fractions():
     "model, shape", [("smollm2-135m", (30, 9, 3)), ("tiny-llama", (2, 4, 4)), ("tiny-qwen2", (3, 4, 2))]
 )
 def test_shipped_ratio_artefacts_fit_their_model_and_keep_their_budgets(tmp_path, monkeypatch, model, shape):
-    from kvlab.calibration.artefact import PACKAGED, model_shape, resolve_path
+    from kvlab.config.artefacts import PACKAGED, resolve_path
+    from kvlab.models.shape import model_shape
 
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))  # nothing calibrated locally
     path = resolve_path("auto", model, "prefixkv_layer_ratios", "artefact")

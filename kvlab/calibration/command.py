@@ -9,7 +9,7 @@
     calibration: {name: visual_heads}       # a registered statistic and its parameters
     data: {dataset: {name: synthetic_image_qa, num_samples: 32}}
     dtype: float32
-    output: auto                            # or a path (auto: see kvlab.calibration.cache_path)
+    output: auto                            # or a path (auto: see kvlab.config.artefacts.cache_path)
 
 Everything is validated before the model loads.
 """
@@ -24,9 +24,8 @@ from typing import Any
 import torch
 import yaml
 
-from kvlab.calibration import prefixkv as _prefixkv  # noqa: F401  (registers prefixkv_layer_ratios)
-from kvlab.calibration.artefact import Artefact, cache_path
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, Recorder, region_targets
+from kvlab.config.artefacts import Artefact, cache_path
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import find_config
 

@@ -14,8 +14,8 @@ from typing import Literal
 
 import torch
 
-from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.context import LayerContext
+from kvlab.config.artefacts import UsesArtefact
 from kvlab.config.capabilities import Component
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import Registry

@@ -24,24 +24,22 @@ This module holds the solver (pure functions on one sample, ``[L, n]`` tensors) 
 components built on it: the scorer ``layer_cumulative_attention``, the online allocator
 ``prefix_threshold`` (solves on the current input; needs ``schedule: global``) and the offline
 allocator ``prefix_calibrated`` (per-layer kept fractions from a ``prefixkv_layer_ratios``
-calibration artefact, see :mod:`kvlab.calibration.prefixkv`). The decode rule is
+calibration artefact, written by :mod:`kvlab.calibration.prefixkv`). The decode rule is
 :mod:`kvlab.compression.decode_prefixkv`. Choices and paper ambiguities:
 ``docs/methods/prefixkv.md``.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
 
-from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, round_to_total
 from kvlab.compression.context import LayerContext
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
+from kvlab.config.artefacts import UsesArtefact
 from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
 
@@ -420,19 +418,3 @@ class PrefixCalibratedAllocator(LayerAllocator, UsesArtefact):
         i = int(torch.searchsorted(grid, torch.tensor(r, dtype=grid.dtype)).clamp(1, len(grid) - 1))
         t = (r - float(grid[i - 1])) / max(float(grid[i] - grid[i - 1]), 1e-12)
         return rows[i - 1] + t * (rows[i] - rows[i - 1])
-
-
-def _register_calibration() -> None:
-    """Register the statistic writing ``prefix_calibrated``'s artefact (:mod:`kvlab.calibration.prefixkv`).
-
-    ``kvlab list`` only imports ``kvlab.compression`` and ``kvlab.calibration.statistics``. The
-    statistic's module needs the calibration registry, which is importable from here unless
-    ``kvlab.calibration.statistics`` is itself being imported (it imports this package first);
-    then whoever imports it registers the statistic (``kvlab calibrate`` does).
-    """
-    statistics = sys.modules.get("kvlab.calibration.statistics")
-    if statistics is None or hasattr(statistics, "CALIBRATIONS"):
-        importlib.import_module("kvlab.calibration.prefixkv")
-
-
-_register_calibration()

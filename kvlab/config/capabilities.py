@@ -11,6 +11,7 @@ components (:meth:`kvlab.pipeline.spec.Pipeline.walk`), and ``kvlab list`` print
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,7 +59,8 @@ class Component:
     budget_settings: ClassVar[dict[str, str]] = {}
     capabilities: ClassVar[Capabilities] = Capabilities()
 
-    def bind_model(self, model: str) -> None:
-        """Called with the model name before the model loads (components reading a per-model
-        calibration artefact check it here, so a wrong one fails early); nothing by default."""
+    def bind_model(self, model: str, shape: Mapping[str, int] | None = None) -> None:
+        """Called with the model name (and its ``num_layers`` / ``num_heads`` / ``num_kv_heads``
+        when known) before the model loads: components reading a per-model calibration artefact
+        check it here, so a wrong one fails early; nothing by default."""
         return None

@@ -92,6 +92,7 @@ from kvlab.compression.selectors import SELECTORS, Selector
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import merge
 from kvlab.config.registry import to_plain
+from kvlab.models.shape import model_shape
 from kvlab.pipeline.capabilities import Part, PipelineCapabilities
 from kvlab.pipeline.execution import LayerExecution
 from kvlab.pipeline.routed import RoutedExecution
@@ -256,8 +257,9 @@ class Pipeline(LayerExecution, RoutedExecution):
         """
         if getattr(self, "_bound_model", None) == model:
             return
+        shape = model_shape(model)  # read from the model's config, no weights; {} when unknown
         for part in self.walk():
-            part.component.bind_model(model)
+            part.component.bind_model(model, shape)
         self._bound_model = model
 
     @property
