@@ -169,7 +169,7 @@ def test_a_scorer_that_does_not_declare_chunked_prefill_is_refused():
         check_prefill_chunk(Pipeline.from_config(node), None)  # one forward: anything goes
     finally:
         for name in ("test_undeclared", "test_declared"):
-            IMPORTANCE._entries.pop(name, None)
+            IMPORTANCE.unregister(name)
 
 
 def test_vision_language_models_are_refused():

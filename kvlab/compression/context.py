@@ -30,8 +30,7 @@ from kvlab.cache.masks import and_masks, build_mask, causal, key_padding, or_mas
 from kvlab.cache.state import RunState
 from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
-from kvlab.kernels import window_scores
-from kvlab.kernels.window_scores import window_attention_scores
+from kvlab.kernels.window_scores import REFERENCE_BLOCK_ELEMENTS, window_attention_scores
 
 
 @dataclass
@@ -65,6 +64,9 @@ class LayerContext:
             :func:`kvlab.cache.masks.image_block_ids`) when the model lets the tokens of one
             image attend to each other in both directions (Gemma 3), else None (causal). The
             attention helpers then OR "same image block" into their causal mask.
+        block_elements: the most fp32 attention probabilities an attention helper holds at once
+            (``B x H x rows x T``; default :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`,
+            64 MiB): the helpers work in blocks of query rows of that size.
         route: inside a route's branch, the route's decision for this layer (a per-head rule's
             classes ride on it, e.g. HybridKV's); None outside a route. Set by the pipeline
             (:meth:`in_branch`).
@@ -89,6 +91,7 @@ class LayerContext:
     query_start: int = 0
     sliding_window: int | None = None
     image_blocks: torch.Tensor | None = None
+    block_elements: int = REFERENCE_BLOCK_ELEMENTS
     route: RouteDecision | None = None
     routed_heads: torch.Tensor | None = None
     routes: Mapping[int, RouteDecision] = field(default_factory=dict)
@@ -255,7 +258,9 @@ class LayerContext:
             if self._blocks_look_ahead(self.seq_len - window):
                 self._memo[key] = self._summed_attention(queries, self.seq_len - window)
             else:
-                self._memo[key] = window_attention_scores(queries, self.keys, self.valid, self.scaling)
+                self._memo[key] = window_attention_scores(
+                    queries, self.keys, self.valid, self.scaling, self.block_elements
+                )
         return self._memo[key]
 
     def _blocks_look_ahead(self, first_query: int) -> bool:
@@ -270,10 +275,10 @@ class LayerContext:
     ) -> torch.Tensor:
         """``sum_i`` of :func:`attention_probs` rows of ``queries [B, H, q, D]`` (positions
         ``first_query + i``), ``[B, H, T]`` fp32, ``chunk`` rows at a time (default: 256, fewer when
-        ``B x H x chunk x T`` would pass :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`)."""
+        ``B x H x chunk x T`` would pass :attr:`block_elements`)."""
         T = self.seq_len
         if chunk is None:
-            block = window_scores.REFERENCE_BLOCK_ELEMENTS
+            block = self.block_elements
             chunk = max(1, min(256, block // (self.batch_size * self.num_heads * T)))
         total = torch.zeros(self.batch_size, self.num_heads, T, dtype=torch.float32, device=self.keys.device)
         for start in range(0, queries.shape[2], chunk):
@@ -287,7 +292,7 @@ class LayerContext:
         """Column sums of the full causal prompt attention (H2O's accumulated attention), ``[B, H, T]`` fp32.
 
         Sums over every valid query, ``chunk`` queries at a time (default: 256, fewer when
-        ``B x H x chunk x T`` would pass :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`),
+        ``B x H x chunk x T`` would pass :attr:`block_elements`),
         so neither the ``T x T`` matrix nor an unbounded block of it is materialised. With
         :attr:`image_blocks` the rows are the model's (``causal | same image block``): an image
         token's column also receives the attention of the earlier tokens of its image.

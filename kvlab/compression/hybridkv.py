@@ -40,7 +40,6 @@ from kvlab.compression.prefixkv import fit_to_total
 from kvlab.compression.routing import ROUTE_RULES, RouteRule
 from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
-from kvlab.kernels.window_scores import REFERENCE_BLOCK_ELEMENTS
 
 TextSet = Literal["trailing", "all_text"]
 GroupReduce = Literal["mean", "max", "min"]
@@ -106,7 +105,7 @@ def text_centric_sparsity(
         S_h = 1/|T| sum_{i in T} sum_{j=1..k} TopK(P[i], k)_j
 
     then reduced over each GQA group by ``gqa``. Query rows are computed in blocks of at most
-    :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS` probabilities.
+    ``ctx.block_elements`` probabilities.
 
     Raises:
         ValueError: the context does not hold a text query (a chunked prefill keeps only the
@@ -122,7 +121,7 @@ def text_centric_sparsity(
             "keep: set model.prefill_chunk to null"
         )
     kmax = int(k.max())
-    block = max(1, REFERENCE_BLOCK_ELEMENTS // (B * H * T))
+    block = max(1, ctx.block_elements // (B * H * T))
     mass = torch.zeros(B, H, dtype=torch.float32, device=ctx.keys.device)
     rank = torch.arange(kmax, device=rows.device)
     for r0 in range(first, T, block):

@@ -115,6 +115,11 @@ class Registry(Generic[T]):
 
         return decorator
 
+    def unregister(self, name: str) -> None:
+        """Remove the registration of ``name`` (nothing when absent): a test undoes its own, a
+        module registering again after a reload starts clean."""
+        self._entries.pop(name, None)
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

@@ -95,7 +95,14 @@ def kvlab_attention(
     blocks = session.run.image_blocks_on(query.device)  # None unless the model has image blocks (Gemma 3)
     valid = session.run.masks_on(query.device)[0][:, :k]
     out = prefill_attention(
-        query, key, value, valid, scaling, options, blocks=blocks[:, :k] if blocks is not None else None
+        query,
+        key,
+        value,
+        valid,
+        scaling,
+        options,
+        block_elements=session.block_elements,
+        blocks=blocks[:, :k] if blocks is not None else None,
     )
     if k < T:  # a chunk before the last: the layer's dense K/V grow in the cache, nothing is compressed
         session.hold_queries(layer_idx, query)

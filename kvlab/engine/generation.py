@@ -172,6 +172,7 @@ def prefill(
     decode_capacity: int = 32,
     record_scores: bool = False,
     prefill_chunk: int | None = None,
+    block_elements: int | None = None,
 ) -> PrefillState:
     """One forward over the padded prompt of ``batch`` (or chunks); every layer is compressed inside it.
 
@@ -189,6 +190,9 @@ def prefill(
             (``docs/scaling.md``). Refused with ``model.compression.schedule: global``, under which
             every layer is scored during the forward and all are compressed after the last
             layer's attention (the full cache is held until then).
+        block_elements: the most attention elements (``B x H x rows x keys``) prefill attention and
+            the scorers' attention helpers hold at once (None: 2**24, 64 MiB of fp32): the working
+            set of a long prompt's prefill, whatever its length.
 
     Returns:
         the :class:`PrefillState` to hand to :func:`decode`.
@@ -226,6 +230,7 @@ def prefill(
         global_queries=global_query_window(pipeline, valid.sum(-1))
         if pipeline.schedule == "global"
         else None,
+        block_elements=block_elements,
     )
     positions = sample_positions(valid).clamp(min=0)  # [B, T]; padding gets 0, as in transformers
     with compression_session(session):

@@ -50,6 +50,10 @@ class CompressionSession:
             (None: all of them, for a component that reads every query after scoring).
         pending: ``schedule: global``: the observed layers waiting for the last one, by layer
             index, each ``(LayerContext, seconds spent observing it)``.
+        block_elements: the most attention elements (``B x H x rows x keys``) prefill attention
+            and the scorers' attention helpers hold at once; None: their defaults
+            (:data:`~kvlab.engine.prefill_attention.PREFILL_BLOCK_ELEMENTS`,
+            :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`, 64 MiB of fp32 each).
     """
 
     run: RunState
@@ -60,6 +64,7 @@ class CompressionSession:
     held_queries: int = 0
     global_queries: int | None = None
     pending: dict[int, tuple[LayerContext, float]] = field(default_factory=dict, repr=False)
+    block_elements: int | None = None
     _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
