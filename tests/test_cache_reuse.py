@@ -49,7 +49,7 @@ def extend(state: PrefillState, questions: list[list[int]]) -> PrefillState:
     positions = state.next_positions + valid.long().cumsum(1) - 1  # padding repeats a position: hidden
     with compression_session(state.session), state.cache.appending_valid(valid), torch.no_grad():
         out = state.loaded.model(
-            input_ids=ids, position_ids=positions.clamp(min=0), past_key_values=state.cache, use_cache=True
+            input_ids=ids, position_ids=positions.clamp(min=0), cache=state.cache, use_cache=True
         )
     return dataclasses.replace(
         state,

@@ -1,7 +1,7 @@
 """A model spread over devices with ``device_map`` (accelerate): the cache follows the layers.
 
 On a CPU-only machine every entry of the map is ``cpu``, but built-ins are dispatched with
-accelerate's hooks all the same, so the hook path (inputs moved per module, ``past_key_values``
+accelerate's hooks all the same, so the hook path (inputs moved per module, ``cache``
 skipped) runs; the cache of each layer must sit on that layer's parameters' device and the
 outputs must equal the plain single-device model's. With two GPUs the layers alternate between
 them and the same checks hold across real devices.

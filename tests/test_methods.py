@@ -320,11 +320,11 @@ def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
     ids = batch_of(loaded, item)["input_ids"]
     cache = DynamicCache()
     with torch.no_grad():
-        out = reference.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = reference.model(input_ids=ids, cache=cache, use_cache=True)
         logits = [out.logits[:, -1]]
         for step, token in enumerate(result.tokens[0][: NEW_TOKENS - 1]):
             pos = torch.tensor([[T + step]])
-            out = reference.model(input_ids=torch.tensor([[token]]), position_ids=pos, past_key_values=cache)
+            out = reference.model(input_ids=torch.tensor([[token]]), position_ids=pos, cache=cache)
             logits.append(out.logits[:, -1])
     want = torch.stack(logits, 1)[0]
     torch.testing.assert_close(result.step_logits[0, : want.shape[0]], want, atol=1e-4, rtol=1e-4)

@@ -11,7 +11,7 @@ counts from its own first token, padding or not), and decode positions continue 
 prefill from the attention mask (``get_rope_index``), which also stores per-sample
 ``rope_deltas`` (kept in the :class:`PrefillState`). At decode kvlab passes the new token's
 position itself, exactly as the model derives it from a full attention mask (valid tokens so
-far + ``rope_deltas``, the same on all three M-RoPE axes): Qwen2-VL 5.23 would otherwise build
+far + ``rope_deltas``, the same on all three M-RoPE axes): Qwen2-VL (transformers 5.24) would otherwise build
 positions for the whole sequence (given a mask) or ignore left padding (without one).
 """
 
@@ -239,7 +239,7 @@ def prefill(
             out = model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
                 **_prefill_positions(model, positions, extra),
@@ -252,7 +252,7 @@ def prefill(
                 out = model(
                     input_ids=input_ids[:, first:last],
                     attention_mask=attention_mask[:, :last],
-                    past_key_values=cache,
+                    cache=cache,
                     use_cache=True,
                     logits_to_keep=1,
                     position_ids=position_ids[..., first:last],
@@ -319,7 +319,7 @@ def decode(
             out = model(
                 input_ids=next_token[:, None],
                 position_ids=_decode_positions(model, next_pos, state.rope_deltas),
-                past_key_values=session.cache,
+                cache=session.cache,
                 use_cache=True,
             )
             next_pos = next_pos + 1
@@ -367,7 +367,7 @@ def extend(state: PrefillState, input_ids: torch.Tensor, valid: torch.Tensor) ->
         out = model(
             input_ids=input_ids,
             position_ids=positions,
-            past_key_values=session.cache,
+            cache=session.cache,
             use_cache=True,
             logits_to_keep=1,
         )

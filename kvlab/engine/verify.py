@@ -181,7 +181,7 @@ def _native(loaded: LoadedModel, batch: dict[str, Any], steps: int) -> tuple[tor
         out = model.generate(
             input_ids=batch["input_ids"].to(device),
             attention_mask=batch["attention_mask"].to(device),
-            past_key_values=DynamicCache(config=model.config),
+            cache=DynamicCache(config=model.config),
             max_new_tokens=steps,
             do_sample=False,
             temperature=None,
