@@ -20,6 +20,7 @@ model computed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,11 @@ class LayerContext:
     def lengths(self) -> torch.Tensor:
         """Valid (non-padding) tokens per sample, ``[B]`` long."""
         return self.valid.sum(-1)
+
+    def restricted(self, valid: torch.Tensor) -> LayerContext:
+        """This context with only the tokens of ``valid [B, T]`` left valid (a copy: the same tensors
+        and run state, its own memoised helpers, which depend on ``valid``)."""
+        return dataclasses.replace(self, valid=valid, _memo={})
 
     @contextlib.contextmanager
     def in_branch(

@@ -9,7 +9,6 @@ observed). Routed pipelines go through :class:`~kvlab.pipeline.routed.RoutedExec
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +39,7 @@ def within_window(ctx: LayerContext) -> LayerContext:
     ``sliding_window - 1`` of the padded row (left padding: each sample's own last tokens)."""
     T = ctx.valid.shape[1]
     visible = torch.arange(T, device=ctx.valid.device) >= T - (ctx.sliding_window - 1)
-    return dataclasses.replace(ctx, valid=ctx.valid & visible, _memo={})
+    return ctx.restricted(ctx.valid & visible)
 
 
 class LayerExecution:
