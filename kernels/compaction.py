@@ -1,6 +1,6 @@
 """Compaction: gather the kept positions of every (sample, KV head) into the flat cache layout.
 
-``compact_kv`` is what :meth:`kvlab.engine.cache.CompressedLayer.compress` calls; it dispatches
+``compact_kv`` is what :meth:`kvlab.cache.layer.CompressedLayer.compress` calls; it dispatches
 (:mod:`kvlab.kernels.dispatch`) to the Triton kernel in :mod:`kvlab.kernels.tl.compaction` on
 CUDA tensors (keys and values gathered in one pass, straight into the flat buffers, with no
 ``[B, Hkv, K, D]`` intermediate) and to :func:`compact_kv_reference` elsewhere.

@@ -1,4 +1,4 @@
-"""Decode attention over the ragged :class:`~kvlab.engine.cache.CompressedLayer` layout.
+"""Decode attention over the ragged :class:`~kvlab.cache.layer.CompressedLayer` layout.
 
 ``ragged_decode_attention`` is the entry point the attention function calls; it dispatches
 (:mod:`kvlab.kernels.dispatch`) to the split-K Triton kernel in

@@ -83,11 +83,17 @@ def window_attention_scores_reference(
 
 
 def window_attention_scores(
-    queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    block_elements: int | None = None,
 ) -> torch.Tensor:
-    """Dispatcher of :func:`window_attention_scores_reference` (same arguments and result)."""
+    """Dispatcher of :func:`window_attention_scores_reference` (same arguments and result;
+    ``block_elements`` bounds the reference's blocks, the Triton kernel holds no block)."""
     if use_triton("window_attention_scores", queries, keys):
-        from kvlab.kernels.tl.window_scores import window_attention_scores_triton as impl
-    else:
-        impl = window_attention_scores_reference
-    return impl(queries, keys, valid, scaling)
+        # triton is an optional dependency: imported only when the Triton path runs
+        from kvlab.kernels.tl.window_scores import window_attention_scores_triton
+
+        return window_attention_scores_triton(queries, keys, valid, scaling)
+    return window_attention_scores_reference(queries, keys, valid, scaling, block_elements)

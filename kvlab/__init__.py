@@ -26,10 +26,10 @@ if TYPE_CHECKING:
         load_pipeline,
         wrap_model,
     )
-    from kvlab.compression.pipeline import Pipeline
     from kvlab.config.errors import ConfigError
     from kvlab.config.loader import preset_names as presets
     from kvlab.models.base import LoadedModel, ModelInfo
+    from kvlab.pipeline import Pipeline
 
 #: public name -> module that defines it
 _EXPORTS = {
@@ -41,7 +41,7 @@ _EXPORTS = {
     "Output": "kvlab.api",
     "presets": "kvlab.config.loader",
     "ConfigError": "kvlab.config.errors",
-    "Pipeline": "kvlab.compression.pipeline",
+    "Pipeline": "kvlab.pipeline",
     "LoadedModel": "kvlab.models.base",
     "ModelInfo": "kvlab.models.base",
 }

@@ -7,7 +7,7 @@ Everything here is exported from :mod:`kvlab` (``import kvlab``); ``docs/api.md`
     [out] = kvlab.compress_and_generate(model, pipeline, ["What is the capital of France?"])
     out.text, out.kept_positions[layer][head], out.kv_ratio
 
-The functions only compose kvlab's internals (:class:`kvlab.compression.pipeline.Pipeline`,
+The functions only compose kvlab's internals (:class:`kvlab.pipeline.spec.Pipeline`,
 :func:`kvlab.models.load_model`, the processors' ``collate`` and the protocols of
 :mod:`kvlab.engine.protocols` over :mod:`kvlab.engine.generation`), which stay free to move behind them.
 """
@@ -25,16 +25,17 @@ import torch
 import yaml
 from PIL import Image
 
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import find_config, load_config, merge
 from kvlab.config.plugins import IMPORTS_KEY, check_imports, import_plugins
 from kvlab.config.registry import to_plain
 from kvlab.data.sample import Sample
-from kvlab.engine.attention import ATTENTION_NAME, check_prefill_chunk, enable_kvlab_attention
 from kvlab.engine.generation import GenerationResult
+from kvlab.engine.prefill_plan import check_prefill_chunk
 from kvlab.engine.protocols import Protocol, build_protocol
+from kvlab.engine.registration import ATTENTION_NAME, enable_kvlab_attention
 from kvlab.models.base import PAD, TEXT, LoadedModel
+from kvlab.pipeline import Pipeline
 
 __all__ = [
     "Output",

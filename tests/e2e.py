@@ -4,10 +4,10 @@ import functools
 
 import torch
 
-from kvlab.compression.pipeline import Pipeline
-from kvlab.engine.attention import enable_kvlab_attention
 from kvlab.engine.generation import GenerationResult, generate
+from kvlab.engine.registration import enable_kvlab_attention
 from kvlab.models import load_model
+from kvlab.pipeline import Pipeline
 
 
 @functools.cache

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from kvlab.cache.state import RunState
 from kvlab.compression.context import LayerContext
 
 INF = float("inf")
@@ -23,8 +24,10 @@ def make_ctx(
     layer_idx: int = 0,
     num_layers: int = 4,
     scale: float = 1.5,
+    run: RunState | None = None,
 ) -> LayerContext:
-    """A left-padded batch; padding positions hold random garbage that must be ignored."""
+    """A left-padded batch; padding positions hold random garbage that must be ignored. Contexts of
+    one prefill share one ``run`` (the engine's :class:`RunState`); None: a fresh one."""
     gen = torch.Generator().manual_seed(seed)
     B, T = len(lengths), max(lengths)
     valid = torch.zeros(B, T, dtype=torch.bool)
@@ -39,6 +42,7 @@ def make_ctx(
         valid=valid,
         modality=torch.where(valid, 0, -1),
         scaling=dim**-0.5,
+        run=run if run is not None else RunState(),
     )
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import e2e
 import torch
 
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.loader import preset_names, resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
+from kvlab.pipeline import Pipeline
 
 RECORD = Path(__file__).parent / "data" / "preset_selections.json"
 TEXT_MODELS = ("tiny-llama", "tiny-qwen2")

@@ -24,9 +24,9 @@ from naive import (
 from kvlab.compression.allocators import PyramidLayerAllocator
 from kvlab.compression.budget import Budget
 from kvlab.compression.context import LayerContext
-from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.selectors import SELECTORS, topk_indices
 from kvlab.config.errors import ConfigError
+from kvlab.pipeline import Pipeline
 
 # ---------------------------------------------------------------------------------------------
 # 6. PyramidKV

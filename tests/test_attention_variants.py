@@ -22,9 +22,9 @@ from transformers import (
 
 import kvlab
 from kvlab.api import _collate_ids
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import generate
+from kvlab.pipeline import Pipeline
 
 WINDOW = 6
 LENGTHS = (23, 17, 9)  # the longest prompts exceed the window many times over

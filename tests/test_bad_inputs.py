@@ -23,7 +23,7 @@ from PIL import Image
 import kvlab.data.datamodule as datamodule
 import kvlab.models
 import kvlab.runner.guards as guards
-from kvlab.calibration.artefact import Artefact
+from kvlab.config.artefacts import Artefact
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.data import KVLabDataModule, Sample

@@ -16,9 +16,9 @@ import torch
 from preset_runs import TOKEN_BUDGET, preset_compression, preset_models, preset_samples
 
 from kvlab.calibration.synthetic import synthetic_visual_heads
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.loader import preset_names, resolve
 from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.pipeline import Pipeline
 
 NEW_TOKENS = 4
 CASES = [(preset, model) for preset in preset_names() for model in preset_models(preset)]

@@ -4,8 +4,10 @@ the slot layout and eviction that decode policies use."""
 import torch
 import torch.nn.functional as F
 
-from kvlab.compression.selectors import Selection, topk_indices
-from kvlab.engine.cache import CompressedCache, CompressedLayer
+from kvlab.cache.cache import CompressedCache
+from kvlab.cache.layer import CompressedLayer
+from kvlab.cache.selection import Selection
+from kvlab.compression.selectors import topk_indices
 
 
 def random_selection(B, Hkv, T, counts, seed=0):

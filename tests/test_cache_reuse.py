@@ -9,7 +9,6 @@
 - :meth:`CompressedLayer.keep_slots` keeps exactly the marked entries.
 """
 
-import copy
 import dataclasses
 
 import pytest
@@ -18,10 +17,10 @@ from test_attention_variants import build, tokenizer
 
 import kvlab
 from kvlab.api import _collate_ids
-from kvlab.compression.pipeline import Pipeline
-from kvlab.engine.attention import compression_session
 from kvlab.engine.generation import PrefillState, decode, prefill
+from kvlab.engine.session import compression_session
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference
+from kvlab.pipeline import Pipeline
 
 CONTEXTS = (23, 17, 9)
 QUESTIONS = (3, 5, 1)
@@ -50,7 +49,7 @@ def extend(state: PrefillState, questions: list[list[int]]) -> PrefillState:
     positions = state.next_positions + valid.long().cumsum(1) - 1  # padding repeats a position: hidden
     with compression_session(state.session), state.cache.appending_valid(valid), torch.no_grad():
         out = state.loaded.model(
-            input_ids=ids, position_ids=positions.clamp(min=0), past_key_values=state.cache, use_cache=True
+            input_ids=ids, position_ids=positions.clamp(min=0), cache=state.cache, use_cache=True
         )
     return dataclasses.replace(
         state,
@@ -96,21 +95,18 @@ def test_restore_returns_to_the_checkpoint_after_in_place_evictions():
     first, second = rows((1, 1, 1), 6), rows((1, 1, 1), 7)  # one token: H2O's slot bookkeeping holds
     pipeline = Pipeline.from_config(H2O)
     state = prefill(loaded, pipeline, _collate_ids(loaded, contexts))
-    checkpoint, policy_state = state.cache.checkpoint(), copy.deepcopy(state.session.state)
+    checkpoint = state.session.run.checkpoint()  # the cache and the policy's own state
     saved = [(layer.prompt_keys.clone(), layer.lengths.clone()) for layer in state.cache.layers]
 
     def restore() -> None:
-        state.cache.restore(checkpoint)
-        state.session.state.clear()
-        state.session.state.update(copy.deepcopy(policy_state))
-        state.session.decode_attention = None
+        state.session.run.restore(checkpoint)
 
     a1 = run_after(state, first)
     assert any(
         not torch.equal(layer.prompt_keys, keys)
         for layer, (keys, _) in zip(state.cache.layers, saved, strict=False)
     )
-    for state_of_layer, (keys, _) in zip(checkpoint.layers, saved, strict=True):
+    for state_of_layer, (keys, _) in zip(checkpoint.cache.layers, saved, strict=True):
         assert torch.equal(state_of_layer["prompt_keys"], keys)  # the evictions wrote into copies
     restore()
     for layer, (keys, lengths) in zip(state.cache.layers, saved, strict=True):

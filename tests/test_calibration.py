@@ -7,9 +7,9 @@ import torch
 from naive import dot, make_ctx, softmax
 
 import kvlab.models
-from kvlab.calibration import Artefact
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, region_targets
 from kvlab.compression.mixers import head_redundancy
+from kvlab.config.artefacts import Artefact
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 
@@ -160,7 +160,7 @@ def test_calibrate_unknown_statistic_and_field(tmp_path, monkeypatch, capsys):
      ("smollm2-135m", "redundancy", (30, 3))],
 )  # fmt: skip
 def test_shipped_artefacts_are_found_by_auto_and_fit_their_model(tmp_path, monkeypatch, model, kind, shape):
-    from kvlab.calibration.artefact import PACKAGED, resolve_path
+    from kvlab.config.artefacts import PACKAGED, resolve_path
 
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))  # nothing calibrated locally
     path = resolve_path("auto", model, kind, "artefact")

@@ -150,7 +150,7 @@ def test_figures_are_readable_sizes():
 
 
 def test_run_label():
-    from kvlab.compression.pipeline import Pipeline
+    from kvlab.pipeline import Pipeline
 
     snap = Pipeline.from_config({"budget": {"tokens": 128, "window": 32}, "importance": ATTENTION})
     assert run_label("snapkv", snap) == "snapkv · 128 tokens/head, window 32"

@@ -4,9 +4,9 @@ import pytest
 import yaml
 
 from kvlab.compression.importance import IMPORTANCE
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import find_config, load_config, merge, preset_names, resolve, split_overrides
+from kvlab.pipeline import Pipeline
 
 SNAP = {"budget": {"tokens": 64, "window": 16}, "importance": {"attention": {"name": "window_attention"}}}
 
@@ -103,7 +103,7 @@ def test_unknown_pipeline_field():
 
 
 def test_every_component_describes_its_parameters():
-    rows = dict((name, params) for name, _, params in IMPORTANCE.describe())
+    rows = dict((name, params) for name, _, params, _ in IMPORTANCE.describe())
     window = dict((p, (t, d)) for p, t, d in rows["window_attention"])
     assert window["window"] == ("int | None", "None") and window["kernel"] == ("int", "5")
 

@@ -7,8 +7,10 @@ the runs the layer is cut into; ``kv_bytes()`` against the buffers."""
 import pytest
 import torch
 
-from kvlab.compression.selectors import Selection, topk_indices
-from kvlab.engine.cache import CompressedCache, CompressedLayer
+from kvlab.cache.cache import CompressedCache
+from kvlab.cache.layer import CompressedLayer
+from kvlab.cache.selection import Selection
+from kvlab.compression.selectors import topk_indices
 from kvlab.kernels.decode_attention import SegmentRuns
 
 B, HKV, G, T, D = 2, 2, 2, 24, 8
@@ -234,7 +236,7 @@ def test_plain_cpu_calls_read_in_place_and_variants_take_the_masked_path(monkeyp
     """A plain call on CPU never gathers (no call of the padded path); soft-capping, sinks and padding
     entries in the decode region always take it (the strided path implements none of them)."""
     import kvlab.kernels.decode_attention as decode_attention
-    from kvlab.engine.attention import AttentionOptions
+    from kvlab.cache.options import AttentionOptions
 
     masked = []
     padded = decode_attention.padded_decode_attention

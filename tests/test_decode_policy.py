@@ -8,12 +8,14 @@ from e2e import kvlab_model
 from naive import dot, softmax
 from test_methods import samples
 
+from kvlab.cache.cache import CompressedCache
+from kvlab.cache.selection import Selection
+from kvlab.cache.state import RunState
 from kvlab.compression.decode import DECODE_POLICIES, H2OEntries
-from kvlab.compression.pipeline import Pipeline
-from kvlab.compression.selectors import Selection
-from kvlab.engine.attention import CompressionSession, compression_session, kvlab_attention
-from kvlab.engine.cache import CompressedCache
+from kvlab.engine.attention import kvlab_attention
 from kvlab.engine.generation import decode, generate, prefill
+from kvlab.engine.session import CompressionSession, compression_session
+from kvlab.pipeline import Pipeline
 
 B, HKV, G, D, T = 2, 2, 2, 4, 10
 STORAGE = {
@@ -73,9 +75,11 @@ def test_h2o_decode_matches_naive_simulation():
     seeds = torch.rand(B, HKV, K, generator=gen)
     mask = torch.arange(K) < lengths[..., None]
     policy = DECODE_POLICIES.build({"name": "h2o", "recent": 2})
-    session = CompressionSession(cache, None, torch.ones(B, T, dtype=torch.bool), torch.zeros(B, T))
-    policy.seed(session.state, 0, seeds[mask], indices[mask])
-    policy.start(session)
+    run = RunState(cache=cache, valid=torch.ones(B, T, dtype=torch.bool), modality=torch.zeros(B, T))
+    session = CompressionSession(run, pipeline=None)
+    policy.seed(run, 0, seeds[mask], indices[mask])
+    run.want_decode_attention(policy, policy.capabilities.decode_attention)  # as the engine's start_decoding
+    policy.start(run)
     attention = torch.nn.Module()
     attention.layer_idx = 0  # what the attention function reads of a transformers attention module
     steps, scaling = 6, D**-0.5
@@ -90,9 +94,9 @@ def test_h2o_decode_matches_naive_simulation():
         with compression_session(session):  # the decode attention hands the policy its probabilities
             out, _ = kvlab_attention(attention, queries[step], *new_kv[step], None, scaling)
         got.append(out.transpose(1, 2))
-        policy.after_step(session, step)
+        policy.after_step(run, step)
         assert torch.equal(layer.lengths, lengths) and layer.decode_length == 0
-        assert session.decode_attention == {}  # taken by the policy
+        assert run.take_decode_attention() == {}  # taken by the policy
     want, kept = naive_h2o(
         (keys.double().tolist(), values.double().tolist()),
         counts,
@@ -106,7 +110,7 @@ def test_h2o_decode_matches_naive_simulation():
         torch.testing.assert_close(
             got[step][:, :, 0].double(), torch.tensor(want[step], dtype=torch.float64), atol=1e-5, rtol=0
         )
-    tracked = policy.entries(session)[0]  # the policy's bookkeeping follows the cache's moves
+    tracked = policy.entries(run)[0]  # the policy's bookkeeping follows the cache's moves
     for (b, h), positions in kept.items():
         slots = tracked.positions[b, h, : int(layer.lengths[b, h])].tolist()
         assert sorted(slots) == positions
@@ -131,9 +135,9 @@ def test_h2o_decode_holds_the_cache_size_and_none_appends():
         pipeline = pipe({"name": name})
         policy, seen = pipeline.decode_policy, []
 
-        def record(session, step, after_step=policy.after_step, seen=seen):
-            after_step(session, step)
-            seen.append([(layer.lengths.clone(), layer.decode_length) for layer in session.cache.layers])
+        def record(run, step, after_step=policy.after_step, seen=seen):
+            after_step(run, step)
+            seen.append([(layer.lengths.clone(), layer.decode_length) for layer in run.cache.layers])
 
         policy.after_step = record
         result = e2e.run(loaded, pipeline, samples(2, 60), 6)
@@ -154,7 +158,7 @@ def test_h2o_scores_live_in_the_policy_state_not_in_the_cache():
     pipeline = pipe({"name": "h2o"}, window=4)
     state = prefill(loaded, pipeline, loaded.processor.collate(samples(2, 60)), decode_capacity=4)
     decode(state, 4)
-    entries = pipeline.decode_policy.entries(state.session)
+    entries = pipeline.decode_policy.entries(state.session.run)
     assert sorted(entries) == list(range(len(state.cache.layers)))
     for layer_idx, layer in enumerate(state.cache.layers):
         tensors = {name for name, value in vars(layer).items() if torch.is_tensor(value)}

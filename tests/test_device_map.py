@@ -1,7 +1,7 @@
 """A model spread over devices with ``device_map`` (accelerate): the cache follows the layers.
 
 On a CPU-only machine every entry of the map is ``cpu``, but built-ins are dispatched with
-accelerate's hooks all the same, so the hook path (inputs moved per module, ``past_key_values``
+accelerate's hooks all the same, so the hook path (inputs moved per module, ``cache``
 skipped) runs; the cache of each layer must sit on that layer's parameters' device and the
 outputs must equal the plain single-device model's. With two GPUs the layers alternate between
 them and the same checks hold across real devices.
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvlab.api import load_model
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.generation import decode, prefill
+from kvlab.pipeline import Pipeline
 
 MODEL = "tiny-qwen2"  # GQA, 3 layers
 STEPS = 4

@@ -6,10 +6,10 @@ import pytest
 import torch
 from naive import INF, LENGTHS, make_ctx, naive_rank, naive_window_scores, sample_lists
 
-from kvlab.calibration import Artefact
 from kvlab.compression.allocators import round_to_total
-from kvlab.compression.pipeline import Pipeline
+from kvlab.config.artefacts import Artefact
 from kvlab.config.errors import ConfigError
+from kvlab.pipeline import Pipeline
 
 W = 4
 

@@ -16,17 +16,17 @@ from naive import (
     sample_lists,
 )
 
+from kvlab.cache.state import RunState
 from kvlab.compression.hybridkv import (
-    HEAD_CLASSES,
     allocate_pool,
     round_pow2,
     text_centric_sparsity,
     text_queries,
 )
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
+from kvlab.pipeline import Pipeline
 
 WINDOW = 4
 
@@ -170,7 +170,7 @@ def test_per_head_route_takes_each_head_from_its_branch():
     score = text_centric_sparsity(ctx)
     theta = float(score.flatten().sort().values[1:3].mean())  # some heads of each class
     selection, report = Pipeline.from_config(hybrid_node(tokens=16, theta=theta)).compress(ctx)
-    classes = ctx.state[HEAD_CLASSES][0]
+    classes = report.route  # the rule's decision carries its classes (HeadClassDecision)
     assert torch.equal(report.route.heads, (~classes.static).long())
     store = selection.offloaded
     assert sorted(map(tuple, store.rows.tolist())) == sorted(map(tuple, (~classes.static).nonzero().tolist()))
@@ -260,12 +260,8 @@ def test_global_scope_pools_the_heads_of_every_layer():
     """scope: global (schedule: global): one pool of L x Hkv heads per sample (Eq. 4-5 over all
     layers), against the loop; per-layer pools would give other budgets."""
     L, lengths = 3, [40, 33]
-    state: dict = {}
-    ctxs = []
-    for layer in range(L):
-        ctx = vlm_ctx(lengths, seed=10 + layer, layer_idx=layer, num_layers=L)
-        ctx.state = state
-        ctxs.append(ctx)
+    run = RunState()  # one prefill's shared state, as the engine gives every layer's context
+    ctxs = [vlm_ctx(lengths, seed=10 + layer, layer_idx=layer, num_layers=L, run=run) for layer in range(L)]
     scores = []
     for ctx in ctxs:
         ctx.window = torch.tensor([WINDOW, WINDOW])

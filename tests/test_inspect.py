@@ -8,7 +8,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_cli import predict, write_jsonl
 
-from kvlab.compression.selectors import Selection
+from kvlab.cache.selection import Selection
 from kvlab.runner.views import image_grids, modality_counts, patch_figure, render
 
 

@@ -14,10 +14,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from kvlab.cache.layer import CompressedLayer  # noqa: E402
+from kvlab.cache.selection import Selection  # noqa: E402
 from kvlab.compression.context import LayerContext  # noqa: E402
-from kvlab.compression.selectors import Selection, topk_indices  # noqa: E402
+from kvlab.compression.selectors import topk_indices  # noqa: E402
 from kvlab.config.errors import ConfigError  # noqa: E402
-from kvlab.engine.cache import CompressedLayer  # noqa: E402
 from kvlab.kernels import dispatch  # noqa: E402
 from kvlab.kernels.compaction import compact_kv_reference  # noqa: E402
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402
@@ -545,8 +546,8 @@ def test_generation_through_the_triton_kernels_equals_the_torch_path():
     """A whole compressed run (prefill, compaction, decode) gives the same tokens and logits."""
     from e2e import kvlab_model, run
 
-    from kvlab.compression.pipeline import Pipeline
     from kvlab.data.synthetic import SyntheticRetrieval
+    from kvlab.pipeline import Pipeline
 
     loaded = kvlab_model("tiny-qwen2")
     pipeline = Pipeline.from_config(

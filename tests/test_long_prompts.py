@@ -21,14 +21,13 @@ from naive import LENGTHS, make_ctx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvlab
+from kvlab.cache.options import AttentionOptions
 from kvlab.compression.context import LayerContext
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.compression.selectors import topk_indices
 from kvlab.config.errors import ConfigError
-from kvlab.engine import attention
-from kvlab.engine.attention import AttentionOptions, prefill_attention
-from kvlab.kernels import window_scores
+from kvlab.engine.prefill_attention import prefill_attention
 from kvlab.kernels.window_scores import window_attention_scores_reference
 
 # ---------------------------------------------------------------------------------------------
@@ -135,15 +134,12 @@ class SquareWatch(TorchDispatchMode):
         return out
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Blocks of 2**14 elements (8 query rows of 2 samples x 4 heads x 256 keys)."""
-    monkeypatch.setattr(attention, "PREFILL_BLOCK_ELEMENTS", 1 << 14)
-    monkeypatch.setattr(window_scores, "REFERENCE_BLOCK_ELEMENTS", 1 << 14)
+#: blocks of 2**14 elements (8 query rows of 2 samples x 4 heads x 256 keys)
+SMALL_BLOCKS = 1 << 14
 
 
 @pytest.mark.parametrize("preset, chunk", [("snapkv", None), ("h2o", None), ("mixkv_adakv", 96)])
-def test_no_op_of_a_padded_prefill_creates_a_t_by_t_tensor(preset, chunk, small_blocks):
+def test_no_op_of_a_padded_prefill_creates_a_t_by_t_tensor(preset, chunk):
     """Attention, scores (window and accumulated attention), selection: nothing is ``T x T``; the
     largest tensors are O(T) (hidden states, MLP, one layer's K/V)."""
     from kvlab.bench.memory import padded_batch
@@ -154,7 +150,9 @@ def test_no_op_of_a_padded_prefill_creates_a_t_by_t_tensor(preset, chunk, small_
     batch = padded_batch(loaded, [T, 170])
     pipeline = kvlab.load_pipeline(preset, {"budget.tokens": 48})
     with SquareWatch(T * 3 // 4) as watch:
-        state = prefill(loaded, pipeline, batch, decode_capacity=1, prefill_chunk=chunk)
+        state = prefill(
+            loaded, pipeline, batch, decode_capacity=1, prefill_chunk=chunk, block_elements=SMALL_BLOCKS
+        )
     assert int(state.cache.kept_tokens().sum()) == 3 * 2 * 2 * 48  # layers x samples x KV heads x budget
     assert watch.found == []
 
@@ -182,11 +180,11 @@ def test_window_score_reference_blocks_equal_one_block():
         torch.testing.assert_close(got, whole, atol=1e-6, rtol=1e-6)
 
 
-def test_cumulative_attention_blocks_bounded(monkeypatch):
+def test_cumulative_attention_blocks_bounded():
     ctx = make_ctx(LENGTHS, seed=3)
     whole = ctx.cumulative_attention()
-    monkeypatch.setattr(window_scores, "REFERENCE_BLOCK_ELEMENTS", 2 * 4 * 3 * ctx.seq_len)  # 3 rows
     blocked = make_ctx(LENGTHS, seed=3)
+    blocked.block_elements = 2 * 4 * 3 * ctx.seq_len  # 3 rows of [B, H, rows, T] at a time
     with SquareWatch(ctx.seq_len) as watch:
         got = blocked.cumulative_attention()
     torch.testing.assert_close(got, whole, atol=1e-6, rtol=1e-6)
@@ -308,3 +306,21 @@ def test_context_helpers_say_which_queries_they_need():
         tail.window_attention_scores(9)
     with pytest.raises(ConfigError, match="cumulative_attention"):
         tail.cumulative_attention()
+
+
+def test_the_block_size_reaches_hybridkvs_classifier():
+    """``block_elements`` reaches every attention helper, HybridKV's text-sparsity classifier
+    included (it used to bind the default at import, so a smaller block never reached it)."""
+    from kvlab.bench.memory import padded_batch
+    from kvlab.engine.generation import prefill
+
+    loaded = kvlab.load_model("tiny-qwen2")
+    T = 256
+    batch = padded_batch(loaded, [T, 170])
+    pipeline = kvlab.load_pipeline("hybridkv", {"budget.tokens": 48})
+    with SquareWatch(T * 3 // 4) as watch:
+        prefill(loaded, pipeline, batch, decode_capacity=1, block_elements=SMALL_BLOCKS)
+    assert watch.found == []
+    with SquareWatch(T * 3 // 4) as default:  # the default block holds every query row at once
+        prefill(loaded, pipeline, batch, decode_capacity=1)
+    assert default.found

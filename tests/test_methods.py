@@ -19,14 +19,14 @@ from e2e import kvlab_model
 from preset_runs import is_vlm_preset, preset_models, preset_samples
 from transformers import DynamicCache
 
-from kvlab.calibration import Artefact
 from kvlab.calibration.synthetic import synthetic_visual_heads
-from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.retrieval import retrieval_record
+from kvlab.config.artefacts import Artefact
 from kvlab.config.loader import merge, preset_names, resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.masking import load_masked_model
 from kvlab.models.base import TEXT
+from kvlab.pipeline import Pipeline
 
 PRESETS = [name for name in preset_names() if resolve([name], [])["model"].get("compression")]  # not `full`
 # every preset on each of its tiny models
@@ -320,11 +320,11 @@ def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
     ids = batch_of(loaded, item)["input_ids"]
     cache = DynamicCache()
     with torch.no_grad():
-        out = reference.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = reference.model(input_ids=ids, cache=cache, use_cache=True)
         logits = [out.logits[:, -1]]
         for step, token in enumerate(result.tokens[0][: NEW_TOKENS - 1]):
             pos = torch.tensor([[T + step]])
-            out = reference.model(input_ids=torch.tensor([[token]]), position_ids=pos, past_key_values=cache)
+            out = reference.model(input_ids=torch.tensor([[token]]), position_ids=pos, cache=cache)
             logits.append(out.logits[:, -1])
     want = torch.stack(logits, 1)[0]
     torch.testing.assert_close(result.step_logits[0, : want.shape[0]], want, atol=1e-4, rtol=1e-4)

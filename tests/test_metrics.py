@@ -10,7 +10,6 @@ import pytest
 import torch
 from e2e import kvlab_model, run
 
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
 from kvlab.engine.generation import generate
@@ -21,6 +20,7 @@ from kvlab.metrics.reference import ReferenceStore
 from kvlab.metrics.run import RunMetrics, summarize
 from kvlab.metrics.tasks import TASK_METRICS, picked_choice, score_output, validate_task_metrics
 from kvlab.metrics.text import lcs_length, position_match, rouge_l, token_f1
+from kvlab.pipeline import Pipeline
 from kvlab.runner.fidelity_run import FidelityEvaluator
 from kvlab.runner.progress import format_summary
 

@@ -18,7 +18,7 @@ from naive import (
 
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.mixers import MIXERS, head_redundancy
-from kvlab.compression.pipeline import Pipeline
+from kvlab.pipeline import Pipeline
 
 EPS = 1e-8
 W = 4
@@ -236,7 +236,7 @@ def test_math_sanity_of_naive_helpers():
 
 
 def test_mixkv_offline_redundancy_reads_the_layer_row_of_a_calibration_artefact(tmp_path):
-    from kvlab.calibration import Artefact
+    from kvlab.config.artefacts import Artefact
 
     table = torch.tensor([[0.1, 0.9], [0.7, 0.3], [0.5, 0.5], [0.0, 1.0]])  # [L = 4, Hkv = 2]
     path = Artefact("redundancy", "tiny", 4, 4, 2, {"redundancy": table}).save(tmp_path / "r.safetensors")

@@ -7,9 +7,9 @@ import torch
 from e2e import kvlab_model
 from naive import make_ctx, naive_cumulative, naive_rank, sample_lists
 
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
+from kvlab.pipeline import Pipeline
 
 LOOKM = ["lookm", "lookm_avg", "lookm_pivot", "lookm_weighted", "lookm_h2o"]
 DAVID = ["david", "david_h2o", "david_mixkv"]

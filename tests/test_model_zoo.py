@@ -24,18 +24,21 @@ import torch
 from PIL import Image
 
 import kvlab
+from kvlab.cache.masks import image_block_ids
+from kvlab.cache.options import AttentionOptions
+from kvlab.cache.state import RunState
 from kvlab.compression.context import LayerContext
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
-from kvlab.engine.attention import AttentionOptions, CompressionSession, image_block_ids, prefill_attention
 from kvlab.engine.generation import generate
+from kvlab.engine.prefill_attention import prefill_attention
 from kvlab.engine.verify import _native, verify_engine
 from kvlab.models.base import IMAGE, TEXT, LoadedModel
 from kvlab.models.common import seeded, text_config
 from kvlab.models.info import model_info
 from kvlab.models.scaffolding.tiny import TINY_TOKEN_IDS, text_dims
 from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
+from kvlab.pipeline import Pipeline
 
 #: the sliding window of the windowed families: every zoo prompt is several windows long
 WINDOW = 12
@@ -691,11 +694,11 @@ def test_causal_models_keep_the_plain_paths():
         assert not model_info(config, "c").bidirectional_image_blocks
     _, _, _, modality = _block_batch()
     valid = modality >= 0
-    plain = CompressionSession(None, None, valid, modality)
+    plain = RunState(valid=valid, modality=modality)
     assert plain.image_blocks_on(valid.device) is None
-    text_only = CompressionSession(None, None, valid, modality.clamp(max=0), bidirectional_image_blocks=True)
+    text_only = RunState(valid=valid, modality=modality.clamp(max=0), bidirectional_image_blocks=True)
     assert text_only.image_blocks_on(valid.device) is None
-    gemma = CompressionSession(None, None, valid, modality, bidirectional_image_blocks=True)
+    gemma = RunState(valid=valid, modality=modality, bidirectional_image_blocks=True)
     assert torch.equal(gemma.image_blocks_on(valid.device), image_block_ids(modality))
 
 

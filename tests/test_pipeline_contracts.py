@@ -8,14 +8,16 @@ import pytest
 import torch
 from naive import make_ctx
 
+from kvlab.compression.allocators import LAYER_ALLOCATORS
 from kvlab.compression.budget import Budget
-from kvlab.compression.importance import WindowAttentionScorer
-from kvlab.compression.pipeline import Pipeline
+from kvlab.compression.decode import DECODE_POLICIES
+from kvlab.compression.importance import IMPORTANCE, WindowAttentionScorer
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 from kvlab.data.sample import Sample
 from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.pipeline import Pipeline
 
 MIXKV = {
     "budget": {"tokens": 24, "window": 8},
@@ -252,3 +254,31 @@ def test_overshoot_reaches_predictions_metrics_and_the_summary(tmp_path, capsys)
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["budget_overshoot_samples"] == 1
     assert "1 samples kept more than their budget" in capsys.readouterr().out
+
+
+def test_capabilities_are_declared_once_and_read_in_one_walk():
+    """Each component declares its capabilities on its class (the base of its kind sets the
+    default); ``kvlab list`` shows them and the pipeline reads them in one walk over its parts."""
+    rows = {name: caps for name, _, _, caps in IMPORTANCE.describe()}
+    assert rows["window_attention"] == "chunked_prefill" and rows["cumulative_attention"] == "none"
+    policies = {name: caps for name, _, _, caps in DECODE_POLICIES.describe()}
+    assert policies["h2o"] == "decode_attention" and policies["none"] == "chunked_prefill"
+    allocators = {name: caps for name, _, _, caps in LAYER_ALLOCATORS.describe()}
+    assert allocators["prefix_threshold"] == "chunked_prefill, needs_all_layers, observes_layers"
+    snap = Pipeline.from_config(resolve(["snapkv"], [])["model"]["compression"])
+    assert [part.field for part in snap.walk()][:2] == [
+        "model.compression.importance.attention",
+        "model.compression.mixer",
+    ]
+    caps = snap.capabilities
+    assert not (caps.comparing_layers or caps.unchunked or caps.reads_all_queries or caps.decode_attention)
+    node = {**resolve(["h2o"], [])["model"]["compression"], "decode": {"name": "h2o"}}
+    h2o = Pipeline.from_config(node).capabilities
+    assert h2o.reads_all_queries and h2o.decode_attention
+    assert [p.field for p in h2o.unchunked] == [
+        "model.compression.importance.attention",
+        "model.compression.decode",
+    ]
+    online = Pipeline.from_config(resolve(["prefixkv_online"], [])["model"]["compression"])
+    assert [p.name for p in online.capabilities.comparing_layers] == ["prefix_threshold"]
+    assert online.needs_all_layers

@@ -20,11 +20,12 @@ import torch
 
 import kvlab
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
-from kvlab.compression.pipeline import Pipeline
+from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
-from kvlab.engine.attention import check_prefill_chunk
 from kvlab.engine.generation import generate, prefill
+from kvlab.engine.prefill_plan import check_prefill_chunk
+from kvlab.pipeline import Pipeline
 from kvlab.runner.module import KVLabModule
 
 STEPS = 4
@@ -64,8 +65,6 @@ def test_chunked_prefill_keeps_and_generates_what_one_forward_does(preset, chunk
 def test_chunks_reach_every_layer_and_only_the_last_one_compresses(monkeypatch):
     """The forwards are the chunks (input ids of N tokens, positions continuing), and the context
     that compresses holds the window's queries and the last chunk's."""
-    from kvlab.engine import attention
-
     loaded = e2e.kvlab_model("tiny-qwen2")
     batch = padded_batch()
     seen, contexts = [], []
@@ -73,14 +72,15 @@ def test_chunks_reach_every_layer_and_only_the_last_one_compresses(monkeypatch):
     monkeypatch.setattr(
         loaded.model, "forward", lambda **kw: seen.append(kw["input_ids"].shape[1]) or forward(**kw)
     )
-    compress = attention._compress_layer
+    pipeline = kvlab.load_pipeline("snapkv")
+    compress = pipeline.compress  # the engine hands each layer's context to the pipeline
 
-    def compressing(session, layer_idx, query, *rest):
-        contexts.append(query.shape[2])
-        return compress(session, layer_idx, query, *rest)
+    def compressing(ctx, **kwargs):
+        contexts.append(ctx.queries.shape[2])
+        return compress(ctx, **kwargs)
 
-    monkeypatch.setattr(attention, "_compress_layer", compressing)
-    state = prefill(loaded, kvlab.load_pipeline("snapkv"), batch, prefill_chunk=100)
+    monkeypatch.setattr(pipeline, "compress", compressing)
+    state = prefill(loaded, pipeline, batch, prefill_chunk=100)
     assert seen == [100, 100, 83] and contexts == [32 + 83] * loaded.info.num_layers
     assert state.next_positions.flatten().tolist() == batch["attention_mask"].sum(-1).tolist()
 
@@ -155,7 +155,7 @@ def test_a_scorer_that_does_not_declare_chunked_prefill_is_refused():
 
     @dataclass
     class Declared(Undeclared):
-        chunked_prefill: ClassVar[bool] = True
+        capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)
 
     IMPORTANCE.register("test_undeclared")(Undeclared)
     IMPORTANCE.register("test_declared")(Declared)
@@ -169,7 +169,7 @@ def test_a_scorer_that_does_not_declare_chunked_prefill_is_refused():
         check_prefill_chunk(Pipeline.from_config(node), None)  # one forward: anything goes
     finally:
         for name in ("test_undeclared", "test_declared"):
-            IMPORTANCE._entries.pop(name, None)
+            IMPORTANCE.unregister(name)
 
 
 def test_vision_language_models_are_refused():

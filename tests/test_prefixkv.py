@@ -21,13 +21,14 @@ from naive import (
 )
 from preset_runs import RECORD, is_vlm_preset, preset_compression, preset_models, preset_samples
 
-from kvlab.calibration import Artefact
+from kvlab.cache.cache import CompressedCache
+from kvlab.cache.selection import Selection
+from kvlab.cache.state import RunState
 from kvlab.calibration.command import calibrate
 from kvlab.calibration.prefixkv import PrefixLayerRatios, artefact_from_released_configs
 from kvlab.compression.allocators import LAYER_ALLOCATORS
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.importance import IMPORTANCE
-from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.prefixkv import (
     exclusive_priority,
     fit_to_total,
@@ -37,16 +38,17 @@ from kvlab.compression.prefixkv import (
     solve_bisect,
     solve_exact,
 )
-from kvlab.compression.selectors import Selection
+from kvlab.config.artefacts import Artefact
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names, resolve
 from kvlab.data import build_dataset
 from kvlab.data.synthetic import SyntheticRetrieval
-from kvlab.engine.attention import CompressionSession, compression_session, kvlab_attention
-from kvlab.engine.cache import CompressedCache
+from kvlab.engine.attention import kvlab_attention
 from kvlab.engine.generation import generate, prefill
 from kvlab.engine.protocols import build_protocol
+from kvlab.engine.session import CompressionSession, active_session, compression_session
+from kvlab.pipeline import Pipeline
 
 RECORDED = json.loads(RECORD.read_text())
 
@@ -195,13 +197,14 @@ def test_fit_to_total_respects_bounds_and_total():
 def test_online_allocator_splits_each_sample_by_its_own_threshold():
     """``prefix_threshold`` fed every layer's scores (what the pipeline's global schedule does)
     returns, per sample, the exact solution on that sample's own valid tokens."""
-    L, state = 3, {}
+    L, run = 3, RunState()  # one prefill's shared state, as the engine gives every layer
     allocator = LAYER_ALLOCATORS.build({"name": "prefix_threshold"})
     scorer = IMPORTANCE.build({"name": "layer_cumulative_attention"})
     sharpness = (0.3, 1.5, 4.0)  # larger logits: attention concentrated on fewer tokens
-    contexts = [make_ctx(LENGTHS, layer_idx=i, num_layers=L, seed=i, scale=sharpness[i]) for i in range(L)]
+    contexts = [
+        make_ctx(LENGTHS, layer_idx=i, num_layers=L, seed=i, scale=sharpness[i], run=run) for i in range(L)
+    ]
     for ctx in contexts:
-        ctx.state = state
         ctx.protected = ctx.valid & (ctx.positions() == 0)  # one sink
         scores = {"attention": scorer.score(ctx)}
         allocator.observe(ctx, scores, scores["attention"])
@@ -286,7 +289,8 @@ def test_released_configs_convert_from_evicted_to_kept_fractions():
     "model, shape", [("smollm2-135m", (30, 9, 3)), ("tiny-llama", (2, 4, 4)), ("tiny-qwen2", (3, 4, 2))]
 )
 def test_shipped_ratio_artefacts_fit_their_model_and_keep_their_budgets(tmp_path, monkeypatch, model, shape):
-    from kvlab.calibration.artefact import PACKAGED, model_shape, resolve_path
+    from kvlab.config.artefacts import PACKAGED, resolve_path
+    from kvlab.models.shape import model_shape
 
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))  # nothing calibrated locally
     path = resolve_path("auto", model, "prefixkv_layer_ratios", "artefact")
@@ -489,21 +493,21 @@ def test_global_schedule_refuses_what_cannot_work():
 def test_global_prefill_compresses_every_layer_once_the_last_is_observed(monkeypatch):
     """Observed layers wait with their dense K/V and only the recent window's queries (the scorer
     ran already); all are compressed after the last layer's attention, in layer order."""
-    from kvlab.engine import attention
-
     loaded = e2e.kvlab_model("tiny-qwen2")
     batch = loaded.processor.collate(list(items(60, 35)))
     waiting = []
-    compress = attention._compress_context
+    pipeline = online()
+    compress = pipeline.compress  # the engine hands each layer's context to the pipeline
 
-    def spy(session, ctx, seconds=0.0):
+    def spy(ctx, **kwargs):
+        session = active_session()  # the run's session, as the attention function sees it
         waiting.append(
             (ctx.layer_idx, len(session.pending), ctx.queries.shape[2], session.cache.layers[-1].compressed)
         )
-        compress(session, ctx, seconds)
+        return compress(ctx, **kwargs)
 
-    monkeypatch.setattr(attention, "_compress_context", spy)
-    state = prefill(loaded, online(), batch)
+    monkeypatch.setattr(pipeline, "compress", spy)
+    state = prefill(loaded, pipeline, batch)
     L = loaded.info.num_layers
     assert [w[0] for w in waiting] == list(range(L))
     assert [w[1] for w in waiting] == list(range(L - 1, -1, -1))  # all observed before the first compression
@@ -573,8 +577,9 @@ def test_decode_rule_matches_a_naive_list_simulation():
     layer.update(keys, values)
     layer.compress(Selection(indices=indices, counts=counts))
     policy = DECODE_POLICIES.build({"name": "fixed_index_evict", "distance": distance})
-    session = CompressionSession(cache, None, valid, torch.zeros(B, T))
-    policy.start(session)
+    run = RunState(cache=cache, valid=valid, modality=torch.zeros(B, T))
+    session = CompressionSession(run, pipeline=None)
+    policy.start(run)
     attention = torch.nn.Module()
     attention.layer_idx = 0
     queries = [torch.randn(B, HKV * G, 1, D, generator=gen) for _ in range(steps)]
@@ -604,7 +609,7 @@ def test_decode_rule_matches_a_naive_list_simulation():
             for b in range(B)
             for h in range(HKV)
         ]
-        policy.after_step(session, step)
+        policy.after_step(run, step)
         for b in range(B):
             for h in range(HKV):
                 seen = before[b * HKV + h] + [("new", step)]  # what the step's query attended to

@@ -12,17 +12,17 @@ import torch
 from e2e import kvlab_model
 from naive import dot, naive_attention, naive_chunk_choice
 
+from kvlab.cache.layer import CompressedLayer
 from kvlab.compression import retrieval as retrieval_module
 from kvlab.compression.context import LayerContext
-from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.retrieval import ChunkStore, RetrieveSelector, retrieval_record
-from kvlab.compression.routing import combine_selections
 from kvlab.config.cli import main
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
-from kvlab.engine.cache import CompressedLayer
 from kvlab.kernels import dispatch
 from kvlab.kernels.retrieval import chunk_scores_reference
+from kvlab.pipeline import Pipeline
+from kvlab.pipeline.routed import combine_selections
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -142,9 +142,9 @@ def test_padded_question_block_and_several_queries_per_step():
     gen = torch.Generator().manual_seed(9)
     block = torch.randn(2, 2, 2, 8, generator=gen), torch.randn(2, 2, 2, 8, generator=gen)
     block_valid = torch.tensor([[True, True], [False, True]])
-    layer.pending_valid = block_valid
+    layer.expect_block(block_valid)
     layer.update(*block)
-    layer.pending_valid = None
+    layer.expect_block(None)
     query = torch.randn(2, 4, 2, 8, generator=gen)
     got = layer.decode_attention(query, ctx.scaling)
     counts, T, G, chunk = [[9, 9], [13, 8]], ctx.seq_len, 2, 4

@@ -10,11 +10,12 @@ from e2e import kvlab_model
 from naive import make_ctx
 from test_modality import WINDOW, mixed_samples, with_modality
 
-from kvlab.compression.pipeline import Pipeline
+from kvlab.cache.state import RunState
 from kvlab.compression.routing import LAYER_METRICS, ROUTE_RULES
 from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
+from kvlab.pipeline import Pipeline
 
 VLMS = ["tiny-qwen2-vl", "tiny-llava"]
 
@@ -54,11 +55,10 @@ def test_latch_switches_once_and_stays(test, switch):
     """DAVID's latch (Alg. 1) by hand: theta = [0.6, 0.25, 0.2, 0.9] with threshold 0.3."""
     rule = ROUTE_RULES.build({"name": "latch", "test": test, "threshold": 0.3})
     rule._metric = Sequence([0.6, 0.25, 0.2, 0.9])
-    state = {}
+    run = RunState()  # one prefill's shared state: the latch keeps its own there
     got = []
     for layer in range(4):
-        ctx = make_ctx([6], layer_idx=layer)
-        ctx.state = state
+        ctx = make_ctx([6], layer_idx=layer, run=run)
         got.append(rule.decide(ctx).branches[0])
     assert got == ["decoupled"] * switch + ["unified"] * (4 - switch)
 

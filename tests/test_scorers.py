@@ -24,8 +24,8 @@ from kvlab.compression.context import LayerContext
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.compression.mixers import MIXERS
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
+from kvlab.pipeline import Pipeline
 
 # ---------------------------------------------------------------------------------------------
 # 1. window_attention (SnapKV)

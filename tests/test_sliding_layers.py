@@ -11,9 +11,9 @@ from test_attention_variants import WINDOW, build, prompts, tokenizer
 
 import kvlab
 from kvlab.api import _collate_ids
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import generate
+from kvlab.pipeline import Pipeline
 
 SNAPKV = {"budget": {"tokens": 8, "window": 2}, "importance": {"attention": {"name": "window_attention"}}}
 

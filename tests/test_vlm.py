@@ -7,11 +7,11 @@ import torch
 from e2e import kvlab_model
 from preset_runs import VLM_MODELS
 
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.loader import merge, resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
 from kvlab.models import load_model
 from kvlab.models.base import IMAGE
+from kvlab.pipeline import Pipeline
 
 VLMS = list(VLM_MODELS)
 BUDGET = 40  # below every mixed sample's prompt length

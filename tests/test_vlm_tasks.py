@@ -6,10 +6,10 @@ from pathlib import Path
 import e2e
 import pytest
 
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
 from kvlab.data import DATASETS
 from kvlab.metrics.tasks import score_output, validate_task_metrics
+from kvlab.pipeline import Pipeline
 
 FIXTURES = Path(__file__).parent / "data" / "vlm_tasks"
 SHORT = "\nAnswer the question using a single word or phrase."

@@ -193,7 +193,7 @@ def _transformers_contenders(
     model, T = loaded.model, batch["input_ids"].shape[1]
     with sdpa_attention(model), torch.no_grad():
         full = DynamicCache(config=model.config)
-        model(input_ids=batch["input_ids"], past_key_values=full, use_cache=True, logits_to_keep=1)
+        model(input_ids=batch["input_ids"], cache=full, use_cache=True, logits_to_keep=1)
     caches = [("transformers DynamicCache + sdpa", T, full)]
     for budget in budgets:
         kept = kept_count(budget, T)
@@ -221,7 +221,7 @@ def _transformers_decode(model: Any, cache: Any, kept: int, tokens: torch.Tensor
             model(
                 input_ids=tokens[:, step : step + 1],
                 position_ids=position,
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
             )
         return CLOCK() - start

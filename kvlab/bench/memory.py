@@ -91,12 +91,12 @@ def masked_decode(
     loaded = load_masked_model(model_name, reports, T)
     cache = DynamicCache()
     with torch.no_grad():
-        loaded.model(input_ids=batch["input_ids"], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        loaded.model(input_ids=batch["input_ids"], cache=cache, use_cache=True, logits_to_keep=1)
         start = time.perf_counter()
         for step in range(steps):
             token = torch.tensor([[row[min(step, len(row) - 1)]] for row in tokens])
             pos = torch.full((B, 1), T + step)
-            loaded.model(input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True)
+            loaded.model(input_ids=token, position_ids=pos, cache=cache, use_cache=True)
         seconds = (time.perf_counter() - start) / steps
     kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
     return kv + sum(m.numel() for m in MASKS.values()), seconds
@@ -241,7 +241,7 @@ def prefill_peaks(spec: dict[str, Any]) -> list[dict[str, Any]]:
     ``spec``: ``model``, ``contexts`` (longest prompt per point), ``batch``, ``spread``, ``method``
     (a preset), ``chunk`` (``model.prefill_chunk`` or None), ``threads``.
     """
-    from kvlab.engine.attention import check_prefill_chunk
+    from kvlab.engine.prefill_plan import check_prefill_chunk
 
     torch.set_num_threads(spec.get("threads", 1))
     loaded = kvlab.load_model(spec["model"])

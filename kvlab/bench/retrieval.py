@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from kvlab.bench.common import DTYPES, add_threads_option, context_label, device_name, parse_list, print_table
+from kvlab.cache.layer import CompressedLayer
 from kvlab.compression.context import LayerContext
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.loader import resolve
-from kvlab.engine.cache import CompressedLayer
+from kvlab.pipeline import Pipeline
 
 METHODS = ("full", "snapkv", "retrieval", "hybridkv")
 TEXT_TAIL = 64  # text tokens at the end of the synthetic prompt (HybridKV's text queries)

@@ -1,9 +1,9 @@
 """Calibration: per-model statistics measured once (``kvlab calibrate``) and loaded by components.
 
-See docs/calibration.md. ``Artefact`` is the file format; ``CALIBRATIONS`` the registry of
-statistics (``visual_heads`` for SparseMM, ``redundancy`` for MixKV's offline r̄).
+See docs/calibration.md. ``CALIBRATIONS`` (:mod:`kvlab.calibration.statistics`) is the registry of
+statistics (``visual_heads`` for SparseMM, ``redundancy`` for MixKV's offline r̄,
+``prefixkv_layer_ratios`` for PrefixKV's offline allocator); importing the package registers every
+one. The artefact file format the components read is ground: :mod:`kvlab.config.artefacts`.
 """
 
-from kvlab.calibration.artefact import Artefact, UsesArtefact, cache_path
-
-__all__ = ["Artefact", "UsesArtefact", "cache_path"]
+from kvlab.calibration import prefixkv, statistics  # noqa: F401  (imported for their registrations)

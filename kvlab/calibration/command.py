@@ -9,7 +9,7 @@
     calibration: {name: visual_heads}       # a registered statistic and its parameters
     data: {dataset: {name: synthetic_image_qa, num_samples: 32}}
     dtype: float32
-    output: auto                            # or a path (auto: see kvlab.calibration.cache_path)
+    output: auto                            # or a path (auto: see kvlab.config.artefacts.cache_path)
 
 Everything is validated before the model loads.
 """
@@ -24,11 +24,15 @@ from typing import Any
 import torch
 import yaml
 
-from kvlab.calibration import prefixkv as _prefixkv  # noqa: F401  (registers prefixkv_layer_ratios)
-from kvlab.calibration.artefact import Artefact, cache_path
+from kvlab import models  # module attribute: load_model stays replaceable (tests)
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, Recorder, region_targets
+from kvlab.config.artefacts import Artefact, cache_path
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import find_config
+from kvlab.data import build_dataset
+from kvlab.engine.generation import generate
+from kvlab.engine.registration import enable_kvlab_attention
+from kvlab.pipeline import Pipeline
 
 CONFIGS = Path(__file__).parent / "configs"
 FIELDS = ("model", "calibration", "data", "dtype", "output")
@@ -68,13 +72,8 @@ def load_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def calibrate(settings: dict[str, Any]) -> Path:
     """Run the calibration described by ``settings``; returns the artefact path."""
-    from kvlab.compression.pipeline import Pipeline
-    from kvlab.data import build_dataset
-    from kvlab.engine.generation import generate
-    from kvlab.models import load_model, validate_model_name
-
     model_name = settings.get("model")
-    validate_model_name(model_name)
+    models.validate_model_name(model_name)
     statistic = CALIBRATIONS.build(settings.get("calibration"), "calibration")
     dataset_node = (settings.get("data") or {}).get("dataset")
     if dataset_node is None:
@@ -90,14 +89,12 @@ def calibrate(settings: dict[str, Any]) -> Path:
     output = settings.get("output", "auto")
     path = cache_path(model_name, statistic.registry_name) if output in (None, "auto") else Path(output)
 
-    loaded = load_model(model_name, settings.get("dtype", "float32"))
+    loaded = models.load_model(model_name, settings.get("dtype", "float32"))
     if statistic.needs_targets and not loaded.extras.get("tokens_per_image"):
         raise ConfigError(
             f"calibration '{statistic.registry_name}' needs image tokens, but model '{model_name}' takes no "
             "images. Use a vision-language model (e.g. smollm2-qwen2-vl)."
         )
-    from kvlab.engine.attention import enable_kvlab_attention
-
     enable_kvlab_attention(loaded.model, loaded.info.vision_language)
     info = loaded.info
     statistic.start(info.num_layers, info.num_heads, info.num_kv_heads)

@@ -23,10 +23,10 @@ from typing import Literal
 
 import torch
 
-from kvlab.calibration.artefact import Artefact
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, CalibrationStatistic
 from kvlab.compression.context import LayerContext
 from kvlab.compression.prefixkv import RATIOS_KIND, exclusive_priority, global_sizes, layer_importance
+from kvlab.config.artefacts import Artefact
 from kvlab.config.errors import ConfigError
 
 PAPER_BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # the kept budgets of Tables 1-2

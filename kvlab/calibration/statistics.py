@@ -127,7 +127,7 @@ class KeyRedundancy(CalibrationStatistic):
 
 
 class Recorder:
-    """A stand-in for a :class:`~kvlab.compression.pipeline.Pipeline` that keeps the full cache
+    """A stand-in for a :class:`~kvlab.pipeline.spec.Pipeline` that keeps the full cache
     and shows every prefill layer to a statistic. Everything else is the full pipeline's."""
 
     def __init__(self, statistic: CalibrationStatistic, full_pipeline: Any):

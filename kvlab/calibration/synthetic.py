@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvlab.calibration.artefact import Artefact
+from kvlab.config.artefacts import Artefact
 
 
 def synthetic_visual_heads(info: Any, directory: str) -> str:

@@ -14,16 +14,22 @@ from typing import Literal
 
 import torch
 
-from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.context import LayerContext
+from kvlab.config.artefacts import UsesArtefact
+from kvlab.config.capabilities import Component
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import Registry
 
 
-class LayerAllocator:
-    """Base class: override :meth:`allocate`."""
+class LayerAllocator(Component):
+    """Base class: override :meth:`allocate` (and :meth:`observe` when it declares
+    ``observes_layers``)."""
 
-    registry_name: str = ""
+    def observe(self, ctx: LayerContext, scores: dict[str, torch.Tensor], mixed: torch.Tensor) -> None:
+        """``schedule: global``: see layer ``ctx.layer_idx``'s scores by role and their mix
+        (``[B, Hkv, T]`` each) before any layer is compressed. Called only when the allocator
+        declares ``Capabilities(observes_layers=True)``."""
+        return None
 
     def allocate(
         self, budget: torch.Tensor, lengths: torch.Tensor, protected: torch.Tensor, ctx: LayerContext
@@ -39,7 +45,7 @@ class LayerAllocator:
         raise NotImplementedError
 
 
-class HeadAllocator:
+class HeadAllocator(Component):
     """Base class: override :meth:`allocate`.
 
     ``signal`` says which score the allocator compares across heads: ``mixed`` (the pipeline's
@@ -48,7 +54,6 @@ class HeadAllocator:
     the MixKV release allocates AdaKV budgets (``docs/methods/mixkv.md``).
     """
 
-    registry_name: str = ""
     signal: str = "mixed"
 
     def allocate(self, scores: torch.Tensor, free: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
@@ -64,10 +69,8 @@ class HeadAllocator:
         raise NotImplementedError
 
 
-class ModalityAllocator:
+class ModalityAllocator(Component):
     """Base class: override :meth:`allocate` (returns None for a unified, modality-blind budget)."""
-
-    registry_name: str = ""
 
     def allocate(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> torch.Tensor | None:
         """A :class:`~kvlab.compression.modality.ModalityQuota` (groups ``[B, T]``, quotas

@@ -19,14 +19,19 @@ model computed.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvlab.cache.masks import and_masks, build_mask, causal, key_padding, or_masks, same_image_block
+from kvlab.cache.state import RunState
+from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
-from kvlab.kernels import window_scores
-from kvlab.kernels.window_scores import window_attention_scores
+from kvlab.kernels.window_scores import REFERENCE_BLOCK_ELEMENTS, window_attention_scores
 
 
 @dataclass
@@ -44,8 +49,9 @@ class LayerContext:
         valid: ``[B, T]`` bool, False on padding.
         modality: ``[B, T]`` long, 0 text, 1 image, 2 video, -1 padding.
         scaling: softmax scale of the layer (usually ``D ** -0.5``).
-        state: per-prompt scratch space shared across layers (reset every prefill), for
-            components that carry state from one layer to the next.
+        run: the run's shared state (:class:`~kvlab.cache.state.RunState`: the cache, each
+            component's own bookkeeping via ``run.owned(self, factory)``, the layers kept whole),
+            the same object for every layer of a prefill; a standalone context has an empty one.
         protected: ``[B, T]`` bool, tokens the budget always keeps (window, sinks); set by the
             pipeline before any scorer runs (None outside a pipeline: nothing protected).
         window: ``[B]`` long, the recent window of each sample (``budget.window``, per sample):
@@ -56,9 +62,20 @@ class LayerContext:
             positions), None for a full-attention layer; the pipeline then keeps only tokens the
             next query can see (``model.compression.sliding_layers``).
         image_blocks: ``[B, T]`` long image block of each token (-1 outside images;
-            :func:`kvlab.engine.attention.image_block_ids`) when the model lets the tokens of one
+            :func:`kvlab.cache.masks.image_block_ids`) when the model lets the tokens of one
             image attend to each other in both directions (Gemma 3), else None (causal). The
             attention helpers then OR "same image block" into their causal mask.
+        block_elements: the most fp32 attention probabilities an attention helper holds at once
+            (``B x H x rows x T``; default :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`,
+            64 MiB): the helpers work in blocks of query rows of that size.
+        route: inside a route's branch, the route's decision for this layer (a per-head rule's
+            classes ride on it, e.g. HybridKV's); None outside a route. Set by the pipeline
+            (:meth:`in_branch`).
+        routed_heads: inside a per-head route's branch, ``[B, Hkv]`` bool, the heads routed to
+            this branch (the rows of its selection that will be kept; a selector may skip the
+            others); None otherwise.
+        routes: inside a route's branch, the route's decision for every layer decided so far in
+            this run, by layer index (all of them under ``schedule: global``).
     """
 
     layer_idx: int
@@ -69,12 +86,16 @@ class LayerContext:
     valid: torch.Tensor
     modality: torch.Tensor
     scaling: float
-    state: dict[str, Any] = field(default_factory=dict)
+    run: RunState = field(default_factory=RunState)
     protected: torch.Tensor | None = None
     window: torch.Tensor | None = None
     query_start: int = 0
     sliding_window: int | None = None
     image_blocks: torch.Tensor | None = None
+    block_elements: int = REFERENCE_BLOCK_ELEMENTS
+    route: RouteDecision | None = None
+    routed_heads: torch.Tensor | None = None
+    routes: Mapping[int, RouteDecision] = field(default_factory=dict)
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -101,6 +122,44 @@ class LayerContext:
     def lengths(self) -> torch.Tensor:
         """Valid (non-padding) tokens per sample, ``[B]`` long."""
         return self.valid.sum(-1)
+
+    def restricted(self, valid: torch.Tensor) -> LayerContext:
+        """This context with only the tokens of ``valid [B, T]`` left valid (a copy: the same tensors
+        and run state, its own memoised helpers, which depend on ``valid``)."""
+        return dataclasses.replace(self, valid=valid, _memo={})
+
+    @contextlib.contextmanager
+    def in_branch(
+        self,
+        route: RouteDecision,
+        routes: Mapping[int, RouteDecision],
+        routed_heads: torch.Tensor | None = None,
+    ) -> Iterator[LayerContext]:
+        """Within the block this context is a route branch's: :attr:`route`, :attr:`routes` and
+        :attr:`routed_heads` are set (the pipeline's routed execution), then restored."""
+        saved = (self.route, self.routes, self.routed_heads)
+        self.route, self.routes, self.routed_heads = route, routes, routed_heads
+        try:
+            yield self
+        finally:
+            self.route, self.routes, self.routed_heads = saved
+
+    def release(self, keep_queries: int | None) -> None:
+        """Free what this context no longer needs while it waits to be compressed (``schedule: global``).
+
+        Keeps the last ``keep_queries`` queries (a copy, so the prefill's query tensor can be freed;
+        None: all) and, of the memoised attention helpers, only per-token statistics (at most one
+        value per sample, query head and token, e.g. ``cumulative_attention``); larger
+        intermediates (the fp32 copy of the keys, window attention probabilities) are recomputed if
+        asked for again.
+        """
+        if keep_queries is not None and keep_queries < self.queries.shape[2]:
+            self.queries = self.queries[:, :, self.queries.shape[2] - keep_queries :].clone()
+            self.query_start = self.seq_len - keep_queries
+        per_token = self.batch_size * self.num_heads * self.seq_len
+        large = [k for k, v in self._memo.items() if torch.is_tensor(v) and v.numel() > per_token]
+        for name in large:
+            del self._memo[name]
 
     def positions(self) -> torch.Tensor:
         """Position of each token within its own sample, ``[B, T]`` (see :func:`sample_positions`)."""
@@ -205,7 +264,9 @@ class LayerContext:
             if self._blocks_look_ahead(self.seq_len - window):
                 self._memo[key] = self._summed_attention(queries, self.seq_len - window)
             else:
-                self._memo[key] = window_attention_scores(queries, self.keys, self.valid, self.scaling)
+                self._memo[key] = window_attention_scores(
+                    queries, self.keys, self.valid, self.scaling, self.block_elements
+                )
         return self._memo[key]
 
     def _blocks_look_ahead(self, first_query: int) -> bool:
@@ -220,10 +281,10 @@ class LayerContext:
     ) -> torch.Tensor:
         """``sum_i`` of :func:`attention_probs` rows of ``queries [B, H, q, D]`` (positions
         ``first_query + i``), ``[B, H, T]`` fp32, ``chunk`` rows at a time (default: 256, fewer when
-        ``B x H x chunk x T`` would pass :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`)."""
+        ``B x H x chunk x T`` would pass :attr:`block_elements`)."""
         T = self.seq_len
         if chunk is None:
-            block = window_scores.REFERENCE_BLOCK_ELEMENTS
+            block = self.block_elements
             chunk = max(1, min(256, block // (self.batch_size * self.num_heads * T)))
         total = torch.zeros(self.batch_size, self.num_heads, T, dtype=torch.float32, device=self.keys.device)
         for start in range(0, queries.shape[2], chunk):
@@ -237,7 +298,7 @@ class LayerContext:
         """Column sums of the full causal prompt attention (H2O's accumulated attention), ``[B, H, T]`` fp32.
 
         Sums over every valid query, ``chunk`` queries at a time (default: 256, fewer when
-        ``B x H x chunk x T`` would pass :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`),
+        ``B x H x chunk x T`` would pass :attr:`block_elements`),
         so neither the ``T x T`` matrix nor an unbounded block of it is materialised. With
         :attr:`image_blocks` the rows are the model's (``causal | same image block``): an image
         token's column also receives the attention of the earlier tokens of its image.
@@ -270,14 +331,14 @@ def attention_probs(queries: torch.Tensor, ctx: LayerContext, first_query: int) 
     grouped = queries.float().reshape(B, ctx.num_kv_heads, ctx.group_size * q, D)
     logits = (torch.matmul(grouped, keys.transpose(-1, -2)) * ctx.scaling).view(B, H, q, T)
     query_pos = torch.arange(first_query, first_query + q, device=keys.device)
-    causal = torch.arange(T, device=keys.device)[None, :] <= query_pos[:, None]  # [q, T]
+    seen = causal
     if ctx.image_blocks is not None:  # a query inside an image block sees all of its block
-        own = ctx.image_blocks[:, first_query : first_query + q, None]  # [B, q, 1]
-        causal = causal[None] | ((own == ctx.image_blocks[:, None, :]) & (own >= 0))  # [B, q, T]
-        allowed = causal[:, None] & ctx.valid[:, None, None, :]
-    else:
-        allowed = causal[None, None] & ctx.valid[:, None, None, :]
-    logits = logits.masked_fill(~allowed, float("-inf"))
+        seen = or_masks(causal, same_image_block(ctx.image_blocks))
+    samples = torch.arange(B, device=keys.device)
+    allowed = build_mask(
+        and_masks(seen, key_padding(ctx.valid)), query_pos, torch.arange(T, device=keys.device), samples
+    )
+    logits = logits.masked_fill(~allowed[:, None], float("-inf"))  # [B, 1, q, T]
     query_valid = ctx.valid[:, first_query : first_query + q]  # [B, q]
     logits = logits.masked_fill(~query_valid[:, None, :, None], 0.0)
     probs = torch.softmax(logits, dim=-1)

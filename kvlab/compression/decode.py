@@ -6,55 +6,59 @@ papers). ``h2o`` holds each (sample, KV head) at its post-prefill size by evicti
 step. A policy has three hooks, all optional:
 
 - :meth:`DecodePolicy.on_compress` sees each layer's prefill selection (and its context), e.g.
-  to seed per-entry scores; it may keep state in ``ctx.state`` (the batch's scratch space,
-  :attr:`~kvlab.engine.attention.CompressionSession.state`);
+  to seed per-entry scores; it keeps what it needs in the run's state
+  (``ctx.run.owned(self, factory)``, :class:`~kvlab.cache.state.RunState`);
 - :meth:`DecodePolicy.start` runs once before the first decode step with the batch's
-  :class:`~kvlab.engine.attention.CompressionSession`. A policy that needs the decode attention
-  sets ``session.decode_attention = {}`` there; the attention function then stores every
-  layer's attention probabilities of each step in it;
+  :class:`~kvlab.cache.state.RunState`. A policy that needs each step's decode attention declares
+  it (``Capabilities(decode_attention=True)``); the engine then has the attention function
+  record every layer's attention probabilities of each step in the run state
+  (:meth:`RunState.take_decode_attention <kvlab.cache.state.RunState.take_decode_attention>`
+  hands them over);
 - :meth:`DecodePolicy.after_step` runs after every decode step (the step's token is already in
   each layer's decode region). Evicting goes through
-  :meth:`~kvlab.engine.cache.CompressedLayer.evict_one`, which moves the newest token into the
+  :meth:`~kvlab.cache.slots.SlotLayout.evict_one`, which moves the newest token into the
   victim's slot, so memory stays what was allocated and nothing is masked.
 
-The cache only stores K/V: a policy keeps its per-entry bookkeeping itself, per batch, in
-``session.state`` (a pipeline and its policy serve many batches). Other eviction rules, e.g. a
-victim picked by index or by age rather than by score, would fit the same hooks; only ``none``
-and ``h2o`` exist.
+The cache only stores K/V: a policy keeps its per-entry bookkeeping itself, per batch, in the
+run state (a pipeline and its policy serve many batches). Other eviction rules, e.g. a victim
+picked by index or by age rather than by score, fit the same hooks (PrefixKV's fixed index,
+:mod:`kvlab.compression.decode_prefixkv`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 
+from kvlab.cache.layer import CompressedLayer
+from kvlab.cache.state import RunState
 from kvlab.compression.context import LayerContext
 from kvlab.compression.ops import reduce_groups
+from kvlab.config.capabilities import Capabilities, Component
 from kvlab.config.registry import Registry
-from kvlab.engine.cache import CompressedLayer
-
-if TYPE_CHECKING:
-    from kvlab.engine.attention import CompressionSession
 
 
-class DecodePolicy:
-    """Base class: override :meth:`after_step` (and :meth:`on_compress` / :meth:`start` when needed)."""
+class DecodePolicy(Component):
+    """Base class: override :meth:`after_step` (and :meth:`on_compress` / :meth:`start` when needed).
 
-    registry_name: str = ""
+    ``capabilities.decode_attention``: the policy reads each decode step's attention
+    (``run.take_decode_attention()``); ``capabilities.chunked_prefill`` False: it reads every
+    prompt query's attention at ``on_compress``.
+    """
 
     def on_compress(self, ctx: LayerContext, selection: Any) -> None:
         """Called right after layer ``ctx.layer_idx`` chose its ``Selection``."""
         return None
 
-    def start(self, session: CompressionSession) -> None:
-        """Called once before the first decode step, with the batch's session (cache, state)."""
+    def start(self, run: RunState) -> None:
+        """Called once before the first decode step, with the batch's run state (cache, own state)."""
         return None
 
-    def after_step(self, session: CompressionSession, step: int) -> None:
-        """Called after every decode step; ``session.cache`` holds the step's token."""
+    def after_step(self, run: RunState, step: int) -> None:
+        """Called after every decode step; ``run.cache`` holds the step's token."""
         raise NotImplementedError
 
 
@@ -66,7 +70,7 @@ DECODE_POLICIES: Registry[DecodePolicy] = Registry("decode policy", "model.compr
 class AppendOnly(DecodePolicy):
     """Append every decoded token; never evict."""
 
-    def after_step(self, session: CompressionSession, step: int) -> None:
+    def after_step(self, run: RunState, step: int) -> None:
         return None
 
 
@@ -75,7 +79,7 @@ class H2OEntries:
     """H2O's bookkeeping for one layer: accumulated attention and position of every stored entry.
 
     Both tensors are in the cache's slot layout (see
-    :meth:`~kvlab.engine.cache.CompressedLayer.slot_valid`): slot ``s < K`` is a prompt row of the
+    :meth:`~kvlab.cache.slots.SlotLayout.slot_valid`): slot ``s < K`` is a prompt row of the
     (sample, head), then its decode tokens; they hold at least ``K + decode_length`` slots. Empty
     slots hold leftovers that are never read unmasked.
 
@@ -115,7 +119,7 @@ class H2OEntries:
         self.scores[:, :, :slots] += per_query.mean(2) if gqa == "mean" else per_query.sum(2)
 
     def evict(self, victim: torch.Tensor, newest: int) -> None:
-        """Mirror :meth:`~kvlab.engine.cache.CompressedLayer.evict_one`: slot ``newest`` moves into
+        """Mirror :meth:`~kvlab.cache.slots.SlotLayout.evict_one`: slot ``newest`` moves into
         ``victim [B, Hkv]`` and is freed (its score reset for the next token)."""
         b, h = torch.meshgrid(
             torch.arange(victim.shape[0], device=victim.device),
@@ -125,6 +129,15 @@ class H2OEntries:
         self.scores[b, h, victim] = self.scores[b, h, newest]
         self.positions[b, h, victim] = self.positions[b, h, newest]
         self.scores[:, :, newest] = 0
+
+
+@dataclass
+class H2OState:
+    """H2O's state in one run: each layer's prefill seeds ``(scores [N], positions [N])`` until
+    :meth:`H2ODecodePolicy.start` turns them into :class:`H2OEntries`."""
+
+    seeds: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    entries: dict[int, H2OEntries] = field(default_factory=dict)
 
 
 @DECODE_POLICIES.register("h2o")
@@ -142,17 +155,16 @@ class H2ODecodePolicy(DecodePolicy):
     stays at its post-prefill size. Inside a pipeline, ``recent`` comes from ``budget.window``
     when that is a token count.
 
-    The scores live in the batch's ``session.state`` (one :class:`H2OEntries` per layer, see
+    The scores live in the batch's run state (one :class:`H2OEntries` per layer, see
     :meth:`entries`), not in the cache; the attention function hands each step's probabilities
-    over through ``session.decode_attention``.
+    over through the run state (``decode_attention``, declared).
     """
 
     recent: int = 32
     gqa: Literal["mean", "sum"] = "mean"
 
-    chunked_prefill: ClassVar[bool] = False  # seeded with every prompt query's attention
-    SEEDS: ClassVar[str] = "h2o_seeds"  # session.state keys
-    ENTRIES: ClassVar[str] = "h2o_entries"
+    # seeded with every prompt query's attention; each step's attention accumulates into the scores
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=False, decode_attention=True)
 
     def __post_init__(self) -> None:
         if self.recent < 0:
@@ -162,34 +174,33 @@ class H2ODecodePolicy(DecodePolicy):
         scores = reduce_groups(ctx.cumulative_attention(), ctx.num_kv_heads, self.gqa)  # [B, Hkv, T]
         mask = selection.mask()
         kept = scores.gather(-1, selection.indices)[mask]  # [N] in the cache's flat order
-        self.seed(ctx.state, ctx.layer_idx, kept, selection.indices[mask])
+        self.seed(ctx.run, ctx.layer_idx, kept, selection.indices[mask])
 
-    def seed(
-        self, state: dict[str, Any], layer_idx: int, scores: torch.Tensor, positions: torch.Tensor
-    ) -> None:
+    def seed(self, run: RunState, layer_idx: int, scores: torch.Tensor, positions: torch.Tensor) -> None:
         """Record layer ``layer_idx``'s prefill scores ``[N]`` of its kept entries, at ``positions [N]``.
 
         ``N`` follows the layer's flat cache order; :meth:`start` turns the seeds into entries.
         """
-        state.setdefault(self.SEEDS, {})[layer_idx] = (scores, positions)
+        run.owned(self, H2OState).seeds[layer_idx] = (scores, positions)
 
-    def start(self, session: CompressionSession) -> None:
-        seeds = session.state.pop(self.SEEDS, {})
-        session.state[self.ENTRIES] = {
+    def start(self, run: RunState) -> None:
+        state = run.owned(self, H2OState)
+        seeds, state.seeds = state.seeds, {}
+        state.entries = {
             layer_idx: H2OEntries.seed(layer, *seeds[layer_idx])
-            for layer_idx, layer in enumerate(session.cache.layers)
+            for layer_idx, layer in enumerate(run.cache.layers)
         }
-        session.decode_attention = {}
 
-    def entries(self, session: CompressionSession) -> dict[int, H2OEntries]:
+    def entries(self, run: RunState) -> dict[int, H2OEntries]:
         """The batch's :class:`H2OEntries` per layer index (after :meth:`start`)."""
-        return session.state[self.ENTRIES]
+        return run.owned(self, H2OState).entries
 
-    def after_step(self, session: CompressionSession, step: int) -> None:
-        entries = self.entries(session)
-        for layer_idx, layer in enumerate(session.cache.layers):
+    def after_step(self, run: RunState, step: int) -> None:
+        entries = self.entries(run)
+        attention = run.take_decode_attention()  # by layer: [B, Hkv, G, 1, slots]
+        for layer_idx, layer in enumerate(run.cache.layers):
             tracked = entries[layer_idx]
-            tracked.accumulate(layer, session.decode_attention.pop(layer_idx), self.gqa)
+            tracked.accumulate(layer, attention[layer_idx], self.gqa)
             slots = layer.prompt_slots + layer.decode_length  # slot slots - 1 is the newest token
             scores, positions = tracked.scores[:, :, :slots], tracked.positions[:, :, :slots]
             valid = layer.slot_valid()  # [B, Hkv, slots]

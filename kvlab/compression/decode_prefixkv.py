@@ -16,114 +16,23 @@ Importance is not updated during decoding. Positions are not renumbered: kvlab's
 each token's true position (the release gives new tokens layer 0's compressed length).
 
 The cache stores ``[B, Hkv]`` ragged prompt segments and one decode region shared by the batch,
-and :meth:`~kvlab.engine.cache.CompressedLayer.evict_one` evicts in every row at once, while
-here each (sample, head) follows its own schedule. :func:`evict_rows` therefore drops one entry
-from chosen rows only, using the slack the cache already has (see its docstring); attention is
+and :meth:`~kvlab.cache.slots.SlotLayout.evict_one` evicts in every row at once, while
+here each (sample, head) follows its own schedule.
+:meth:`~kvlab.cache.slots.SlotLayout.evict_rows` therefore drops one entry from chosen rows
+only, using the slack the cache already has (see its docstring); attention is
 order-invariant over stored entries (RoPE is applied before caching), so where an entry sits
 does not matter, only which entries are stored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from kvlab.cache.state import RunState
 from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
-from kvlab.engine.cache import CompressedLayer
-
-if TYPE_CHECKING:
-    from kvlab.engine.attention import CompressionSession
-
-
-def _read(prompt: torch.Tensor, decode: torch.Tensor, layer: CompressedLayer, b, h, slots) -> torch.Tensor:
-    """Entries at ``slots`` (slot layout, see ``CompressedLayer.slot_valid``) of rows ``(b, h)``."""
-    K = layer.prompt_slots
-    rows = (layer.starts[b, h] + slots).clamp(max=max(prompt.shape[0] - 1, 0))
-    inside = (slots < K).view(-1, *([1] * (prompt.dim() - 1)))
-    return torch.where(inside, prompt[rows], decode[b, h, (slots - K).clamp(min=0)])
-
-
-def _write(prompt: torch.Tensor, decode: torch.Tensor, layer: CompressedLayer, b, h, slots, values) -> None:
-    inside = slots < layer.prompt_slots
-    prompt[layer.starts[b[inside], h[inside]] + slots[inside]] = values[inside]
-    decode[b[~inside], h[~inside], slots[~inside] - layer.prompt_slots] = values[~inside]
-
-
-def move_entries(
-    layer: CompressedLayer,
-    source: torch.Tensor,
-    target: torch.Tensor,
-    rows: torch.Tensor,
-    tracked: Sequence[torch.Tensor] = (),
-) -> None:
-    """In every row ``(b, h)`` where ``rows`` is True, copy the entry at slot ``source[b, h]`` to
-    slot ``target[b, h]`` (keys, values, stored positions, and the ``[B, Hkv, S]`` ``tracked``
-    bookkeeping of the caller). All sources are read before anything is written."""
-    b, h = rows.nonzero(as_tuple=True)
-    if b.numel() == 0:
-        return
-    layer._own_buffers()  # a checkpoint may share these buffers: copy before writing in place
-    src, dst = source[b, h], target[b, h]
-    pairs = [(layer.prompt_keys, layer.decode_keys), (layer.prompt_values, layer.decode_values)]
-    if layer.prompt_positions is not None:
-        pairs.append((layer.prompt_positions, layer.decode_positions))
-    moved = [_read(prompt, decode, layer, b, h, src) for prompt, decode in pairs]
-    extra = [t[b, h, src] for t in tracked]
-    for (prompt, decode), values in zip(pairs, moved, strict=True):
-        _write(prompt, decode, layer, b, h, dst, values)
-    for t, values in zip(tracked, extra, strict=True):
-        t[b, h, dst] = values
-
-
-def evict_rows(
-    layer: CompressedLayer,
-    victim: torch.Tensor,
-    rows: torch.Tensor,
-    capacity: torch.Tensor,
-    tracked: Sequence[torch.Tensor] = (),
-) -> None:
-    """Drop the entry at slot ``victim [B, Hkv]`` from the rows where ``rows [B, Hkv]`` is True only.
-
-    A row's entries are its prompt segment (``lengths[b, h]`` rows of the flat buffer, physically
-    ``capacity[b, h]`` long: its prefill count) and the decode region (``decode_length`` slots,
-    the same for every row). One row's total can only change through its ``lengths``:
-
-    - when every row that keeps its entries has a free prompt row (``lengths < capacity``), the
-      decode region shrinks by one: the newest slot's entry moves into the victim's slot in the
-      evicting rows and into the first free prompt row elsewhere (with a single sample this is
-      always the case, as in ``evict_one``);
-    - otherwise the evicting rows' last prompt row moves into the victim's slot and their
-      ``lengths`` drop by one.
-
-    ``lengths`` therefore drifts below the prefill count only while samples of a batch evict on
-    different steps. ``tracked`` tensors (``[B, Hkv, S]``, slot layout) follow every move.
-
-    Raises:
-        RuntimeError: a row must evict but holds every entry in the shared decode region (the
-            other rows cannot give one up); the cache would need per-row decode lengths.
-    """
-    K, D = layer.prompt_slots, layer.decode_length
-    stay = ~rows
-    if D >= 1 and bool((layer.lengths[stay] < capacity[stay]).all()):
-        source = torch.full_like(victim, K + D - 1)
-        target = torch.where(rows, victim, layer.lengths)
-        move_entries(layer, source, target, source != target, tracked)
-        layer.lengths = layer.lengths + stay.long()  # not in place: lengths may be the selection's counts
-        layer.decode_length = D - 1
-        return
-    if bool((layer.lengths[rows] < 1).any()):
-        raise RuntimeError(
-            "fixed_index_evict: a sample must drop an entry, but all of its entries sit in the decode region "
-            "shared with the rest of the batch, which does not drop one on this step. Run this decode policy "
-            "with data.batch_size 1 (or fewer new tokens)."
-        )
-    source = layer.lengths - 1
-    move_entries(layer, source, victim, rows & (source != victim), tracked)
-    layer.lengths = layer.lengths - rows.long()
 
 
 @dataclass
@@ -149,6 +58,13 @@ class FixedIndexRows:
             self.order = F.pad(self.order, (0, slots - self.order.shape[-1]))
 
 
+@dataclass
+class FixedIndexState:
+    """The policy's state in one run: :class:`FixedIndexRows` by layer index."""
+
+    layers: dict[int, FixedIndexRows] = field(default_factory=dict)
+
+
 @DECODE_POLICIES.register("fixed_index_evict")
 @dataclass
 class FixedIndexEvict(DecodePolicy):
@@ -159,39 +75,37 @@ class FixedIndexEvict(DecodePolicy):
     release's ``trunc(len - n_tok (1 - forget)) > 0``), the entry at index ``e = n0 - distance``
     (``n0 // 2`` if that is below 1) in arrival order is dropped. Rows that were not compressed
     (``n0 = T``) never drop, nor do sliding-window layers: the model bounds what they see, and
-    the fixed index would drop entries still inside the window. Bookkeeping lives in
-    ``session.state``; see the module docstring.
+    the fixed index would drop entries still inside the window. Bookkeeping lives in the run
+    state; see the module docstring.
     """
 
     distance: int = 25
-
-    STATE: ClassVar[str] = "fixed_index_evict"
 
     def __post_init__(self) -> None:
         if self.distance < 0:
             raise ValueError(f"distance must be >= 0, got {self.distance}")
 
-    def start(self, session: CompressionSession) -> None:
-        prompt = session.valid.sum(-1, keepdim=True)  # [B, 1]
+    def start(self, run: RunState) -> None:
+        prompt = run.valid.sum(-1, keepdim=True)  # [B, 1]
         layers = {}
-        for layer_idx, layer in enumerate(session.cache.layers):
+        for layer_idx, layer in enumerate(run.cache.layers):
             kept = layer.lengths.clone()
             index = kept - self.distance
             index = torch.where(index >= 1, index, kept // 2)
             slots = layer.prompt_slots + layer.decode_keys.shape[2]
             order = torch.arange(slots, device=kept.device).expand(*kept.shape, -1).clone()
             layers[layer_idx] = FixedIndexRows(kept, prompt.to(kept.device), index, order)
-        session.state[self.STATE] = layers
+        run.owned(self, FixedIndexState).layers = layers
 
-    def rows(self, session: CompressionSession) -> dict[int, FixedIndexRows]:
+    def rows(self, run: RunState) -> dict[int, FixedIndexRows]:
         """The batch's :class:`FixedIndexRows` per layer index (after :meth:`start`)."""
-        return session.state[self.STATE]
+        return run.owned(self, FixedIndexState).layers
 
-    def after_step(self, session: CompressionSession, step: int) -> None:
-        for layer_idx, layer in enumerate(session.cache.layers):
+    def after_step(self, run: RunState, step: int) -> None:
+        for layer_idx, layer in enumerate(run.cache.layers):
             if layer.sliding_window is not None:  # entries leave its window by position, not here
                 continue
-            rows = self.rows(session)[layer_idx]
+            rows = self.rows(run)[layer_idx]
             K, D = layer.prompt_slots, layer.decode_length
             rows.grow(K + D)
             rows.order[:, :, K + D - 1] = K + step  # the step's token: the newest arrival
@@ -202,4 +116,4 @@ class FixedIndexEvict(DecodePolicy):
                 continue
             arrival = rows.order[..., : K + D].masked_fill(~layer.slot_valid(), torch.iinfo(torch.long).max)
             victim = arrival.argsort(-1).gather(-1, rows.index[..., None]).squeeze(-1)
-            evict_rows(layer, victim, evict, rows.kept, [rows.order])
+            layer.evict_rows(victim, evict, rows.kept, [rows.order])

@@ -1,8 +1,8 @@
 """Diversity scorers: LayerContext -> ``[B, Hkv, T]`` float32, higher means more distinct from the rest.
 
 Keys are cast to fp32 before every reduction (the anchor means, the norms, the projections).
-``chunked_prefill`` as for importance scorers (:mod:`kvlab.compression.importance`): these read
-keys only, so a chunked prefill supports them.
+``capabilities`` (``chunked_prefill``) as for importance scorers
+(:mod:`kvlab.compression.importance`): these read keys only, so a chunked prefill supports them.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.compression.context import LayerContext
+from kvlab.config.capabilities import Capabilities, Component
 from kvlab.config.registry import Registry
 
 
-class DiversityScorer:
-    """Base class: override :meth:`score`; set ``chunked_prefill`` (see the module docstring)."""
+class DiversityScorer(Component):
+    """Base class: override :meth:`score`; declare ``chunked_prefill`` (see the module docstring)."""
 
-    registry_name: str = ""
-    chunked_prefill: ClassVar[bool] = False
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=False)
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         """Return ``[B, Hkv, T]`` float32 scores, higher means keep."""
@@ -52,7 +52,7 @@ class KeyDiffScorer(DiversityScorer):
     """
 
     anchor: Literal["unit_mean", "raw_mean"] = "unit_mean"
-    chunked_prefill: ClassVar[bool] = True  # keys only
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # keys only
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         keys = ctx.keys_fp32()  # [B, Hkv, T, D]
@@ -77,7 +77,7 @@ class MeanKeyDiversityScorer(DiversityScorer):
     Shapes: keys ``[B, Hkv, T, D]`` -> scores ``[B, Hkv, T]`` fp32.
     """
 
-    chunked_prefill: ClassVar[bool] = True  # keys only
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # keys only
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         projection = (ctx.keys_fp32() @ ctx.unit_key_mean()[..., None]).squeeze(-1)  # k_t . mean

@@ -19,12 +19,14 @@ Language Model Inference", ACL 2026) gives each KV head of each input one of two
    window) with the ``text_prior`` modality allocator (``overflow: strict``) and ``topk``.
    Dynamic heads retrieve: the ``retrieve`` selector (:mod:`kvlab.compression.retrieval`).
 
-The rule hands the classes to the allocator through ``ctx.state`` (:data:`HEAD_CLASSES`: the
-layer's :class:`HeadClasses`). Paper ambiguities and the choices made: ``docs/methods/hybridkv.md``.
+The rule hands the classes to the allocator in its decision (:class:`HeadClassDecision`, which
+the pipeline gives the branches' components as ``ctx.route``, and every layer's as
+``ctx.routes``). Paper ambiguities and the choices made: ``docs/methods/hybridkv.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -33,23 +35,31 @@ import torch
 
 from kvlab.compression.allocators import HEAD_ALLOCATORS, HeadAllocator, round_to_total
 from kvlab.compression.context import LayerContext, attention_probs
+from kvlab.compression.decision import RouteDecision
 from kvlab.compression.prefixkv import fit_to_total
-from kvlab.compression.routing import ROUTE_RULES, RouteDecision, RouteRule
+from kvlab.compression.routing import ROUTE_RULES, RouteRule
+from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
-from kvlab.kernels.window_scores import REFERENCE_BLOCK_ELEMENTS
 
-#: ``ctx.state`` key: ``{layer index: HeadClasses}`` written by the ``text_sparsity`` rule
-HEAD_CLASSES = "hybridkv_head_classes"
 TextSet = Literal["trailing", "all_text"]
 GroupReduce = Literal["mean", "max", "min"]
 
 
 @dataclass
-class HeadClasses:
-    """One layer's classification: ``score [B, Hkv]`` fp32 (S of Eq. 3) and ``static [B, Hkv]`` bool."""
+class HeadClassDecision(RouteDecision):
+    """The ``text_sparsity`` rule's decision at one layer, with its classification: ``score [B, Hkv]``
+    fp32 (S of Eq. 3) and ``static [B, Hkv]`` bool (the heads routed to the static branch)."""
 
-    score: torch.Tensor
-    static: torch.Tensor
+    score: torch.Tensor | None = None
+    static: torch.Tensor | None = None
+
+
+@dataclass
+class GlobalPools:
+    """``scope: global``: the layers of the pool and each sample's budgets ``[B, L', Hkv]`` (one prompt)."""
+
+    layers: list[int]
+    budgets: torch.Tensor
 
 
 def text_queries(ctx: LayerContext, text: TextSet = "trailing", min_text: int = 8) -> torch.Tensor:
@@ -95,7 +105,7 @@ def text_centric_sparsity(
         S_h = 1/|T| sum_{i in T} sum_{j=1..k} TopK(P[i], k)_j
 
     then reduced over each GQA group by ``gqa``. Query rows are computed in blocks of at most
-    :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS` probabilities.
+    ``ctx.block_elements`` probabilities.
 
     Raises:
         ValueError: the context does not hold a text query (a chunked prefill keeps only the
@@ -111,7 +121,7 @@ def text_centric_sparsity(
             "keep: set model.prefill_chunk to null"
         )
     kmax = int(k.max())
-    block = max(1, REFERENCE_BLOCK_ELEMENTS // (B * H * T))
+    block = max(1, ctx.block_elements // (B * H * T))
     mass = torch.zeros(B, H, dtype=torch.float32, device=ctx.keys.device)
     rank = torch.arange(kmax, device=rows.device)
     for r0 in range(first, T, block):
@@ -135,8 +145,8 @@ class TextSparsityRule(RouteRule):
 
     ``S >= theta`` (:func:`text_centric_sparsity`, an absolute cutoff on the top-``topk`` mass)
     sends the head to branch ``static``, otherwise to ``dynamic``; per input and per layer. The
-    classes and scores go to ``ctx.state[HEAD_CLASSES]`` for the ``hybridkv`` allocator; the
-    decision's ``metric`` is the mean S over the sample's heads. ``text``, ``min_text`` and
+    classes and scores are in its decision (:class:`HeadClassDecision`) for the ``hybridkv``
+    allocator; the decision's ``metric`` is the mean S over the sample's heads. ``text``, ``min_text`` and
     ``gqa``: see :func:`text_queries` and :func:`text_centric_sparsity`.
     """
 
@@ -149,7 +159,8 @@ class TextSparsityRule(RouteRule):
     dynamic: str = "dynamic"
 
     per_head: ClassVar[bool] = True
-    chunked_prefill: ClassVar[bool] = False  # the text queries' attention rows, gone after their chunk
+    # the text queries' attention rows, gone after their chunk
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.topk <= 1.0:
@@ -166,14 +177,15 @@ class TextSparsityRule(RouteRule):
     def decide(self, ctx: LayerContext) -> RouteDecision:
         score = text_centric_sparsity(ctx, self.topk, self.text, self.min_text, self.gqa)
         static = score >= self.theta
-        ctx.state.setdefault(HEAD_CLASSES, {})[ctx.layer_idx] = HeadClasses(score, static)
         dynamic = (~static).any(-1).tolist()
-        return RouteDecision(
+        return HeadClassDecision(
             branches=[self.dynamic if d else self.static for d in dynamic],
             switched=torch.zeros(ctx.batch_size, dtype=torch.bool),
             metric=score.float().mean(-1).cpu(),
             heads=(~static).long(),
             head_names=(self.static, self.dynamic),
+            score=score,
+            static=static,
         )
 
 
@@ -304,15 +316,12 @@ class HybridKVHeadAllocator(HeadAllocator):
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.min_dynamic < 1:
             raise ValueError(f"min_dynamic must be >= 1 token, got {self.min_dynamic}")
-
-    @property
-    def needs_all_layers(self) -> bool:
-        """True with ``scope: global`` (every layer's classes are compared)."""
-        return self.scope == "global"
+        if self.scope == "global":  # every layer's classes are compared
+            self.capabilities = dataclasses.replace(type(self).capabilities, needs_all_layers=True)
 
     def allocate(self, scores: torch.Tensor, free: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        seen = ctx.state.get(HEAD_CLASSES, {})
-        if ctx.layer_idx not in seen:
+        seen = {layer: d for layer, d in ctx.routes.items() if isinstance(d, HeadClassDecision)}
+        if not isinstance(ctx.route, HeadClassDecision):
             raise ConfigError(
                 "model.compression.allocate.head 'hybridkv' splits budgets by head class: it needs a "
                 "per-head route whose rule classifies the heads, `route: {rule: {name: text_sparsity}, "
@@ -325,7 +334,7 @@ class HybridKVHeadAllocator(HeadAllocator):
         if self.scope == "global":
             budgets = self._global(seen, per_head, protected, ctx)
         else:
-            classes = seen[ctx.layer_idx]
+            classes = ctx.route
             budgets = torch.stack([
                 self._pool(classes.score[b], classes.static[b], per_head[b], ctx.lengths[b], protected[b])
                 for b in range(ctx.batch_size)
@@ -338,13 +347,13 @@ class HybridKVHeadAllocator(HeadAllocator):
             self.r, self.alpha, self.pow2, self.min_dynamic, self.rounding,
         )  # fmt: skip
 
-    def _global(self, seen: dict[int, HeadClasses], per_head, protected, ctx: LayerContext) -> torch.Tensor:
+    def _global(
+        self, seen: dict[int, HeadClassDecision], per_head, protected, ctx: LayerContext
+    ) -> torch.Tensor:
         """This layer's rows of one pool over every layer (computed once per prompt)."""
-        from kvlab.compression.pipeline import WHOLE_LAYERS  # the pipeline imports this module's registry
-
-        key = ("hybridkv_global", id(self))
-        if key not in ctx.state:
-            whole = ctx.state.get(WHOLE_LAYERS, set())  # sliding-window layers kept whole, never classified
+        pools = ctx.run.owned(self, lambda: GlobalPools([], torch.empty(0)))
+        if not pools.layers:
+            whole = ctx.run.whole_layers  # sliding-window layers kept whole, never classified
             if len(seen) + len(whole) != ctx.num_layers:
                 raise ConfigError(
                     "model.compression.allocate.head.scope 'global' pools every layer's heads, whose "
@@ -353,12 +362,11 @@ class HybridKVHeadAllocator(HeadAllocator):
                 )
             layers = sorted(seen)
             B, Hkv = seen[layers[0]].score.shape
-            pools = torch.empty(B, len(layers), Hkv, dtype=torch.long)
+            budgets = torch.empty(B, len(layers), Hkv, dtype=torch.long)
             for b in range(B):
                 score = torch.stack([seen[layer].score[b] for layer in layers]).flatten()
                 static = torch.stack([seen[layer].static[b] for layer in layers]).flatten()
                 pool = self._pool(score, static, per_head[b], ctx.lengths[b], protected[b])
-                pools[b] = pool.view(len(layers), Hkv)
-            ctx.state[key] = (layers, pools)
-        layers, pools = ctx.state[key]
-        return pools[:, layers.index(ctx.layer_idx)]
+                budgets[b] = pool.view(len(layers), Hkv)
+            pools.layers, pools.budgets = layers, budgets
+        return pools.budgets[:, pools.layers.index(ctx.layer_idx)]

@@ -6,7 +6,7 @@ casts to fp32 before it reduces (norms, softmax, sums over the window or the GQA
 pooling): with 16-bit keys and queries the scores equal those of the fp32-upcast inputs, so a
 bf16 rounding tie never decides which token is kept.
 
-``chunked_prefill`` (class attribute) says whether a scorer works after a chunked prefill
+``capabilities.chunked_prefill`` (declared on the class) says whether a scorer works after a chunked prefill
 (``model.prefill_chunk``), where the layer holds every key and value but only the queries of
 the recent window: True for scorers of keys, values, positions and the window's attention;
 False for H2O's accumulated attention, which needs every query. A scorer that does not
@@ -22,22 +22,22 @@ import torch
 
 from kvlab.compression.context import LayerContext
 from kvlab.compression.ops import GqaReduce, Pool, pool_tokens, reduce_groups
+from kvlab.config.capabilities import Capabilities, Component
 from kvlab.config.registry import Registry
 
 
-class ImportanceScorer:
+class ImportanceScorer(Component):
     """Base class: override :meth:`score`.
 
     ``budget_settings`` maps a parameter that restates a budget setting to that setting (e.g.
     ``{"window": "window"}``): the pipeline fills it from ``budget`` when it is unset and
-    refuses a config where the two differ. ``chunked_prefill``: True when the scores need no
-    query older than the recent ``budget.window`` (see the module docstring); a subclass must
-    set it for ``model.prefill_chunk`` to accept it.
+    refuses a config where the two differ. ``capabilities.chunked_prefill``: True when the scores
+    need no query older than the recent ``budget.window`` (see the module docstring); a subclass
+    must declare it (``capabilities = Capabilities(chunked_prefill=True)``) for
+    ``model.prefill_chunk`` to accept it.
     """
 
-    registry_name: str = ""
-    budget_settings: ClassVar[dict[str, str]] = {}
-    chunked_prefill: ClassVar[bool] = False
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=False)
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         """Return ``[B, Hkv, T]`` float32 scores, higher means keep."""
@@ -82,7 +82,9 @@ class WindowAttentionScorer(ImportanceScorer):
     gqa_order: Literal["group_then_pool", "pool_then_group"] = "group_then_pool"
 
     budget_settings: ClassVar[dict[str, str]] = {"window": "window"}
-    chunked_prefill: ClassVar[bool] = True  # the window's queries are held after a chunked prefill
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        chunked_prefill=True
+    )  # the window's queries are held after a chunked prefill
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -141,7 +143,9 @@ class CumulativeAttentionScorer(ImportanceScorer):
     Needs every prompt query, so a chunked prefill (``model.prefill_chunk``) refuses it.
     """
 
-    chunked_prefill: ClassVar[bool] = False  # every query's attention row, gone after its chunk
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        chunked_prefill=False
+    )  # every query's attention row, gone after its chunk
     gqa: GqaReduce = "mean"
     normalize: Literal["none", "by_count"] = "none"
 
@@ -161,7 +165,7 @@ class KeyNormScorer(ImportanceScorer):
     ``sign: 1`` flips it (keep high-norm keys) for ablations.
     """
 
-    chunked_prefill: ClassVar[bool] = True  # keys only
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # keys only
     sign: Literal[-1, 1] = -1
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
@@ -173,7 +177,7 @@ class KeyNormScorer(ImportanceScorer):
 class ValueNormScorer(ImportanceScorer):
     """Value norm: ``s_t = ||v_t||_2`` (MixKV's intrinsic importance term, VNorm)."""
 
-    chunked_prefill: ClassVar[bool] = True  # values only
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # values only
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         return ctx.values.float().norm(dim=-1)
@@ -188,7 +192,7 @@ class RecencyScorer(ImportanceScorer):
     first ``sinks`` tokens plus the most recent ``budget - sinks`` tokens.
     """
 
-    chunked_prefill: ClassVar[bool] = True  # positions only
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # positions only
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         pos = ctx.positions().float()  # [B, T]
@@ -204,7 +208,7 @@ class RandomScorer(ImportanceScorer):
     sample's own coordinates and right-aligned into the padded batch).
     """
 
-    chunked_prefill: ClassVar[bool] = True  # nothing from the model
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # nothing from the model
     seed: int = 0
 
     def score(self, ctx: LayerContext) -> torch.Tensor:

@@ -33,8 +33,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
-from kvlab.compression.selectors import SELECTORS, Selection, Selector, topk_indices
+from kvlab.compression.selectors import SELECTORS, Selector, topk_indices
 from kvlab.kernels.merge import merge_scatter
 
 EPS = 1e-6

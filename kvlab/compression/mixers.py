@@ -14,16 +14,15 @@ from typing import Literal
 
 import torch
 
-from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.context import LayerContext
+from kvlab.config.artefacts import UsesArtefact
+from kvlab.config.capabilities import Component
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.registry import Registry
 
 
-class Mixer:
+class Mixer(Component):
     """Base class: override :meth:`mix` and :meth:`check_roles`."""
-
-    registry_name: str = ""
 
     def mix(self, scores: Mapping[str, torch.Tensor], ctx: LayerContext) -> torch.Tensor:
         """``scores`` maps each scorer's role to its ``[B, Hkv, T]`` score (importance roles first,
@@ -230,9 +229,9 @@ class MixKVMixer(Mixer, UsesArtefact):
                 "List each under the mixer's extrinsic, intrinsic or diversity, or remove the scorer."
             )
 
-    def bind_model(self, model: str) -> None:
+    def bind_model(self, model: str, shape: Mapping[str, int] | None = None) -> None:
         if self.redundancy == "offline":
-            super().bind_model(model)
+            super().bind_model(model, shape)
 
     def redundancy_of(self, ctx: LayerContext) -> torch.Tensor:
         """r̄ ``[B, Hkv]`` for this layer, as configured."""

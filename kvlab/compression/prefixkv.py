@@ -24,24 +24,23 @@ This module holds the solver (pure functions on one sample, ``[L, n]`` tensors) 
 components built on it: the scorer ``layer_cumulative_attention``, the online allocator
 ``prefix_threshold`` (solves on the current input; needs ``schedule: global``) and the offline
 allocator ``prefix_calibrated`` (per-layer kept fractions from a ``prefixkv_layer_ratios``
-calibration artefact, see :mod:`kvlab.calibration.prefixkv`). The decode rule is
+calibration artefact, written by :mod:`kvlab.calibration.prefixkv`). The decode rule is
 :mod:`kvlab.compression.decode_prefixkv`. Choices and paper ambiguities:
 ``docs/methods/prefixkv.md``.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import torch
 
-from kvlab.calibration.artefact import UsesArtefact
 from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, round_to_total
 from kvlab.compression.context import LayerContext
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
+from kvlab.config.artefacts import UsesArtefact
+from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
 
 RATIOS_KIND = "prefixkv_layer_ratios"  # calibration artefact: budgets [R], ratios [R, L] (kept fractions)
@@ -222,11 +221,23 @@ class LayerCumulativeAttentionScorer(ImportanceScorer):
     ``I_l``, so the PrefixKV allocators see the same curves.
     """
 
-    chunked_prefill: ClassVar[bool] = False  # every query's attention row, gone after its chunk
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=False)  # every query's attention row
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         shared = layer_importance(ctx.cumulative_attention())  # [B, T]
         return shared[:, None, :].expand(-1, ctx.num_kv_heads, -1).contiguous()
+
+
+@dataclass
+class ThresholdObservations:
+    """What ``prefix_threshold`` saw of one prompt (``schedule: global``): ``valid [B, T]``, each observed
+    layer's ``I_l [B, T]`` by layer index, the protected tokens ``[B, T]``, and the solved layer
+    budgets ``[B]`` by layer index once the first layer is compressed."""
+
+    valid: torch.Tensor
+    importance: dict[int, torch.Tensor] = field(default_factory=dict)
+    protected: torch.Tensor | None = None
+    sizes: dict[int, torch.Tensor] | None = None
 
 
 @LAYER_ALLOCATORS.register("prefix_threshold")
@@ -259,15 +270,12 @@ class PrefixThresholdAllocator(LayerAllocator):
     rescale: Literal["largest_remainder", "evicted_floor"] = "largest_remainder"
     signal: str = "mixed"
 
-    needs_all_layers: ClassVar[bool] = True
+    # every layer's scores (seen through observe) before the first layer is compressed
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_all_layers=True, observes_layers=True)
 
     def __post_init__(self) -> None:
         if self.tol_tokens < 1 or self.max_iter < 1:
             raise ValueError(f"tol_tokens and max_iter must be >= 1, got {self.tol_tokens}, {self.max_iter}")
-
-    @property
-    def _key(self) -> tuple[str, int]:
-        return ("prefix_threshold", id(self))
 
     def observe(self, ctx: LayerContext, scores: dict[str, torch.Tensor], mixed: torch.Tensor) -> None:
         """Keep layer ``ctx.layer_idx``'s ``I_l [B, T]`` (mean of the signal over KV heads) for the solve."""
@@ -284,44 +292,41 @@ class PrefixThresholdAllocator(LayerAllocator):
                 "(sliding layers keep their window; the threshold is shared by the full-attention layers)."
             )
         signal = mixed if self.signal == "mixed" else scores[self.signal]
-        seen = ctx.state.setdefault(self._key, {"importance": {}, "valid": ctx.valid})
+        seen = ctx.run.owned(self, lambda: ThresholdObservations(ctx.valid))
         signal = signal.float().masked_fill(~torch.isfinite(signal), 0.0)  # e.g. SnapKV's +inf window
-        seen["importance"][ctx.layer_idx] = signal.mean(1).masked_fill(~ctx.valid, 0.0)
-        seen["protected"] = ctx.protected if ctx.protected is not None else torch.zeros_like(ctx.valid)
+        seen.importance[ctx.layer_idx] = signal.mean(1).masked_fill(~ctx.valid, 0.0)
+        seen.protected = ctx.protected if ctx.protected is not None else torch.zeros_like(ctx.valid)
 
     def allocate(self, budget, lengths, protected, ctx):
-        from kvlab.compression.pipeline import WHOLE_LAYERS  # the pipeline imports this module's registry
-
-        seen = ctx.state.get(self._key)
-        whole = ctx.state.get(WHOLE_LAYERS, set())
-        if seen is None or len(seen["importance"]) + len(whole) != ctx.num_layers:
+        seen = ctx.run.owned(self, lambda: ThresholdObservations(ctx.valid))
+        if len(seen.importance) + len(ctx.run.whole_layers) != ctx.num_layers:
             raise ConfigError(
                 "model.compression.allocate.layer 'prefix_threshold' compares every layer's scores, which "
                 "exist only after the last layer's prefill: set `model.compression.schedule: global` (or "
                 "use the offline `prefix_calibrated` allocator with a calibration artefact)."
             )
-        if "sizes" not in seen:
-            layers = sorted(seen["importance"])  # every layer the pipeline compresses (all observed)
-            seen["sizes"] = dict(zip(layers, self.sizes(seen, budget, lengths, layers), strict=True))
-        return seen["sizes"][ctx.layer_idx].to(lengths.device)
+        if seen.sizes is None:
+            layers = sorted(seen.importance)  # every layer the pipeline compresses (all observed)
+            seen.sizes = dict(zip(layers, self.sizes(seen, budget, lengths, layers), strict=True))
+        return seen.sizes[ctx.layer_idx].to(lengths.device)
 
     def sizes(
-        self, seen: dict[str, Any], budget: torch.Tensor, lengths: torch.Tensor, layers: list[int]
+        self, seen: ThresholdObservations, budget: torch.Tensor, lengths: torch.Tensor, layers: list[int]
     ) -> torch.Tensor:
         """``[len(layers), B]`` budgets of ``layers`` for every sample from the observed ``I_l``
         (``seen``), the per-head budgets ``[B]`` and prompt lengths ``[B]`` (a sample whose budget
         covers it keeps all): the layers keep ``len(layers) x budget`` tokens in total."""
-        device = seen["valid"].device
-        importance = torch.stack([seen["importance"][layer].to(device) for layer in layers])  # [L, B, T]
+        device = seen.valid.device
+        importance = torch.stack([seen.importance[layer].to(device) for layer in layers])  # [L, B, T]
         L = len(layers)
         out = budget.to(device)[None].repeat(L, 1)
         for b, (c, n) in enumerate(zip(budget.tolist(), lengths.tolist(), strict=True)):
             if c >= n:
                 continue
-            valid = seen["valid"][b]
+            valid = seen.valid[b]
             out[:, b] = global_sizes(
                 importance[:, b, valid],
-                seen["protected"][b, valid].to(device),
+                seen.protected[b, valid].to(device),
                 L * c,
                 self.solver,
                 self.tol_tokens,
@@ -413,19 +418,3 @@ class PrefixCalibratedAllocator(LayerAllocator, UsesArtefact):
         i = int(torch.searchsorted(grid, torch.tensor(r, dtype=grid.dtype)).clamp(1, len(grid) - 1))
         t = (r - float(grid[i - 1])) / max(float(grid[i] - grid[i - 1]), 1e-12)
         return rows[i - 1] + t * (rows[i] - rows[i - 1])
-
-
-def _register_calibration() -> None:
-    """Register the statistic writing ``prefix_calibrated``'s artefact (:mod:`kvlab.calibration.prefixkv`).
-
-    ``kvlab list`` only imports ``kvlab.compression`` and ``kvlab.calibration.statistics``. The
-    statistic's module needs the calibration registry, which is importable from here unless
-    ``kvlab.calibration.statistics`` is itself being imported (it imports this package first);
-    then whoever imports it registers the statistic (``kvlab calibrate`` does).
-    """
-    statistics = sys.modules.get("kvlab.calibration.statistics")
-    if statistics is None or hasattr(statistics, "CALIBRATIONS"):
-        importlib.import_module("kvlab.calibration.prefixkv")
-
-
-_register_calibration()

@@ -17,7 +17,7 @@ Inference", Sec. 3.3 and Appendix A; the chunk-wise retrieval of Quest and Shado
   far, and the protected prompt tokens with ``local: protected``), in one softmax.
 
 Kernels: :mod:`kvlab.kernels.retrieval` (scoring + exact top-k, gather; Triton on CUDA). The
-store implements :class:`~kvlab.compression.selectors.OffloadedStore`: the layer hands it every
+store implements :class:`~kvlab.cache.selection.OffloadedStore`: the layer hands it every
 decode call, and it answers for all heads of the layer (a head that does not retrieve attends
 to its local entries only). Budget semantics, accounting and choices: ``docs/methods/hybridkv.md``.
 """
@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 import torch
 
+from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
-from kvlab.compression.routing import ROUTED_HEADS
-from kvlab.compression.selectors import SELECTORS, Selection, Selector, topk_indices
+from kvlab.compression.selectors import SELECTORS, Selector, topk_indices
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.retrieval import chunk_topk, gather_chunks
 
@@ -57,7 +57,7 @@ class RetrieveSelector(Selector):
     0, so the predictions show it. Scores
     are not read otherwise: retrieval ranks chunks by the decode query, not by prefill scores.
     Under a per-head route only the heads routed to this branch are offloaded
-    (``ROUTED_HEADS``); the other rows of this selection are discarded by the route.
+    (``ctx.routed_heads``); the other rows of this selection are discarded by the route.
     """
 
     chunk: int = 8
@@ -71,7 +71,7 @@ class RetrieveSelector(Selector):
         valid = ctx.valid[:, None, :].expand_as(scores)  # [B, Hkv, T]
         lengths = ctx.lengths
         retrieve = counts < lengths[:, None]  # [B, Hkv]: the budget does not cover the prompt
-        routed = ctx.state.get(ROUTED_HEADS)  # a per-head route keeps only its heads' rows of this selection
+        routed = ctx.routed_heads  # a per-head route keeps only its heads' rows of this selection
         if routed is not None:
             retrieve = retrieve & routed.to(retrieve.device)
         if ctx.sliding_window is not None and bool(retrieve.any()):
@@ -185,7 +185,7 @@ class ChunkStore:
                 "soft-capping, sinks and sliding windows are not implemented for retrieved chunks. Use "
                 "an eviction selector (e.g. topk) for this model."
             )
-        out = _local_attention(layer, query, scaling, options).contiguous()
+        out = layer.local_decode_attention(query, scaling, options).contiguous()
         B, H, q, D = query.shape
         Hkv = self.num_kv_heads
         G = H // Hkv
@@ -332,15 +332,6 @@ def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
     out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
     out.copy_(tensor)
     return out
-
-
-def _local_attention(layer: Any, query: torch.Tensor, scaling: float, options: Any) -> torch.Tensor:
-    """The layer's own decode attention over its local entries (its store set aside for the call)."""
-    store, layer.offloaded = layer.offloaded, None
-    try:
-        return layer.decode_attention(query, scaling, options)
-    finally:
-        layer.offloaded = store
 
 
 def retrieval_record(reports: list[Any], b: int, kept_bytes: int) -> dict[str, Any]:

@@ -11,7 +11,8 @@ the parent node) and a rule that picks one branch per sample at every layer::
         unified: {}
 
 Rules may read runtime layer metrics (:data:`LAYER_METRICS`) of the current and earlier layers
-(state lives in ``LayerContext.state``, one prompt at a time), which is how DAVID's "decouple
+(a rule keeps its state in the run's :meth:`~kvlab.cache.state.RunState.owned`, one prompt at a
+time), which is how DAVID's "decouple
 until the NCAR drop falls below a threshold" is plain YAML. Which branch each sample took at
 each layer, the metric and the switch are reported per layer (:class:`RouteDecision`) and end
 up in the predictions (``route_switch_layer``, ``route_metric``) and TensorBoard.
@@ -26,24 +27,21 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from kvlab.compression.context import LayerContext
+from kvlab.compression.decision import RouteDecision
 from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
-from kvlab.compression.selectors import Selection
-from kvlab.config.errors import ConfigError
+from kvlab.config.capabilities import Component
 from kvlab.config.registry import Registry
 
 # ---------------------------------------------------------------------------------------------
 # layer metrics
 
 
-class LayerMetric:
+class LayerMetric(Component):
     """Base class: override :meth:`measure` (one value per sample for the current layer).
 
     ``budget_settings``: parameters restating a budget setting (see :class:`ImportanceScorer`).
     """
-
-    registry_name: str = ""
-    budget_settings: ClassVar[dict[str, str]] = {}
 
     def measure(self, ctx: LayerContext) -> torch.Tensor:
         """``[B]`` float32; NaN where the metric is undefined for a sample."""
@@ -99,40 +97,14 @@ class NCARMetric(LayerMetric):
 # ---------------------------------------------------------------------------------------------
 # rules
 
-#: ``ctx.state`` key while a per-head route runs one of its branches: ``[B, Hkv]`` bool, the heads
-#: routed to that branch (the rows of its selection that will be kept; a selector may skip the others)
-ROUTED_HEADS = "routed_heads"
 
-
-@dataclass
-class RouteDecision:
-    """What a route did at one layer.
-
-    Attributes:
-        branches: branch name per sample (``[B]`` strings).
-        switched: ``[B]`` bool, True once the rule has switched to its ``after`` branch.
-        metric: ``[B]`` the rule's metric at this layer (NaN where not evaluated), or None.
-        heads: per-head rules (``per_head``): ``[B, Hkv]`` long, the branch of every (sample, KV
-            head) as an index into ``head_names``; the pipeline then combines the branches'
-            selections head by head (``branches`` only summarises each sample). None otherwise.
-        head_names: the branch names ``heads`` indexes.
-    """
-
-    branches: list[str]
-    switched: torch.Tensor
-    metric: torch.Tensor | None = None
-    heads: torch.Tensor | None = None
-    head_names: tuple[str, ...] = ()
-
-
-class RouteRule:
+class RouteRule(Component):
     """Base class: override :meth:`decide`; ``branch_names`` lists the branches a rule refers to.
 
     ``per_head``: the rule routes each KV head (its decisions carry ``heads``), not each sample;
     its branches then share the layer budget (they may not change ``budget`` or ``allocate.layer``).
     """
 
-    registry_name: str = ""
     before: str = ""
     after: str = ""
     per_head: ClassVar[bool] = False
@@ -171,6 +143,14 @@ class LayerSplitRule(RouteRule):
         return self._decision(switched)
 
 
+@dataclass
+class Latch:
+    """A ``latch`` rule's state over one prompt's layers: ``switched [B]`` bool, ``previous [B]`` metric."""
+
+    switched: torch.Tensor
+    previous: torch.Tensor
+
+
 @ROUTE_RULES.register("latch")
 @dataclass
 class MetricLatchRule(RouteRule):
@@ -202,11 +182,10 @@ class MetricLatchRule(RouteRule):
         return {"metric": self._metric}
 
     def decide(self, ctx: LayerContext) -> RouteDecision:
-        key = ("route_latch", id(self))
         B = ctx.batch_size
-        if key not in ctx.state:
-            ctx.state[key] = (torch.zeros(B, dtype=torch.bool), torch.full((B,), float(self.initial)))
-        switched, prev = ctx.state[key]
+        fresh = lambda: Latch(torch.zeros(B, dtype=torch.bool), torch.full((B,), float(self.initial)))
+        latch = ctx.run.owned(self, fresh)
+        switched, prev = latch.switched, latch.previous
         metric = torch.full((B,), float("nan"))
         if not bool(switched.all()):
             value = self._metric.measure(ctx).float().cpu()
@@ -220,84 +199,8 @@ class MetricLatchRule(RouteRule):
                 trip = delta > self.threshold
             switched = switched | trip | torch.isnan(value)
             prev = torch.where(torch.isnan(value), prev, value)
-            ctx.state[key] = (switched, prev)
+            latch.switched, latch.previous = switched, prev
         return self._decision(switched.clone(), metric)
-
-
-# ---------------------------------------------------------------------------------------------
-# combining the branches' selections row by row
-
-
-def pick_rows(tensors: list[torch.Tensor | None], choice: torch.Tensor) -> torch.Tensor | None:
-    """Row b of ``tensors[choice[b]]`` for every b (tensors share shapes; None if any is None).
-
-    A ``[B, Hkv]`` choice (per-head routes) picks row ``(b, h)`` of tensors shaped ``[B, Hkv, ...]``.
-    """
-    if any(t is None for t in tensors):
-        return None
-    stacked = torch.stack(tensors)  # [branches, B, ...]
-    rows = torch.arange(stacked.shape[1], device=stacked.device)
-    choice = choice.to(stacked.device)
-    if choice.dim() == 2:
-        heads = torch.arange(stacked.shape[2], device=stacked.device)
-        return stacked[choice, rows[:, None], heads[None, :]]
-    return stacked[choice, rows]
-
-
-def combine_selections(selections: list[Selection], choice: torch.Tensor, ctx: LayerContext) -> Selection:
-    """One :class:`Selection` whose sample b (head ``(b, h)`` for a ``[B, Hkv]`` choice) comes from
-    ``selections[choice[b]]``.
-
-    Index lists are padded to the longest; when some branch merges (carries keys/values) the
-    others' kept entries are gathered from the prefill K/V so every row has replacements. A
-    branch's offloaded store (a retrieve selector) is kept for that branch's rows only
-    (:func:`restrict_store`).
-    """
-    K = max(s.indices.shape[-1] for s in selections)
-    merged = any(s.keys is not None for s in selections)
-    indices, keys, values = [], [], []
-    for s in selections:
-        pad = K - s.indices.shape[-1]
-        idx = torch.nn.functional.pad(s.indices, (0, pad))
-        indices.append(idx)
-        if merged:
-            k, v = s.keys, s.values
-            if k is None:
-                gather = s.indices[..., None].expand(-1, -1, -1, ctx.keys.shape[-1])
-                k, v = ctx.keys.gather(2, gather), ctx.values.gather(2, gather)
-            keys.append(torch.nn.functional.pad(k, (0, 0, 0, pad)))
-            values.append(torch.nn.functional.pad(v, (0, 0, 0, pad)))
-    return Selection(
-        indices=pick_rows(indices, choice),
-        counts=pick_rows([s.counts for s in selections], choice),
-        keys=pick_rows(keys, choice) if merged else None,
-        values=pick_rows(values, choice) if merged else None,
-        offloaded=restrict_store(selections, choice, ctx.num_kv_heads),
-    )
-
-
-def restrict_store(selections: list[Selection], choice: torch.Tensor, num_kv_heads: int) -> Any:
-    """The offloaded store of the combined selection: the one branch's store, for its rows only.
-
-    ``choice`` is ``[B]`` or ``[B, Hkv]`` (see :func:`combine_selections`). A store must offer
-    ``restrict(keep [B, Hkv]) -> store | None`` (:class:`kvlab.compression.retrieval.ChunkStore`).
-
-    Raises:
-        ConfigError: more than one branch offloads K/V in the same layer.
-    """
-    stores = [(i, s.offloaded) for i, s in enumerate(selections) if s.offloaded is not None]
-    if not stores:
-        return None
-    if len(stores) > 1:
-        raise ConfigError(
-            "model.compression.route: two branches offload K/V (retrieve selectors) in the same layer, "
-            "which one layer's cache cannot hold; route the retrieving heads to one branch."
-        )
-    branch, store = stores[0]
-    keep = choice == branch
-    if keep.dim() == 1:
-        keep = keep[:, None].expand(-1, num_kv_heads)
-    return store.restrict(keep)
 
 
 def switch_layers(reports: list[Any]) -> list[int | None] | None:

@@ -1,81 +1,24 @@
 """Selectors: scores and per-head counts -> what the cache keeps.
 
-A :class:`Selection` lists, per (sample, KV head), the kept prompt positions (ascending) and
-optionally replacement keys/values for them (merge selectors write merged entries there).
+A :class:`~kvlab.cache.selection.Selection` (a storage-layer type: the cache stores it) lists, per
+(sample, KV head), the kept prompt positions (ascending) and optionally replacement keys/values
+for them (merge selectors write merged entries there).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
+from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
+from kvlab.config.capabilities import Component
 from kvlab.config.registry import Registry
 
 
-@dataclass
-class Selection:
-    """What one layer keeps.
-
-    Attributes:
-        indices: ``[B, Hkv, K]`` long, kept positions in ascending order; entries past
-            ``counts[b, h]`` are padding (0) and must be ignored. K = max count.
-        counts: ``[B, Hkv]`` long, kept tokens per (sample, head).
-        keys / values: optional ``[B, Hkv, K, D]`` replacements for the kept entries (merge
-            selectors); None means gather them from the prefill K/V.
-        offloaded: optional store of K/V kept outside the compressed cache (a retrieve
-            selector: full K/V of some heads off the accelerator, fetched per decode step); the
-            layer hands its decode attention to it (:class:`OffloadedStore`).
-    """
-
-    indices: torch.Tensor
-    counts: torch.Tensor
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    offloaded: OffloadedStore | None = None
-
-    def mask(self) -> torch.Tensor:
-        """``[B, Hkv, K]`` bool, True on real entries."""
-        K = self.indices.shape[-1]
-        return torch.arange(K, device=self.counts.device) < self.counts[..., None]
-
-    def kept_mask(self, length: int) -> torch.Tensor:
-        """``[B, Hkv, length]`` bool (on the indices' device): which prompt positions each (sample,
-        head) kept. Unused slots (index 0 past a row's count) go to a spare column, so they can
-        never clear or set position 0."""
-        B, Hkv, _ = self.indices.shape
-        mask = torch.zeros(B, Hkv, length + 1, dtype=torch.bool, device=self.indices.device)
-        mask.scatter_(2, torch.where(self.mask(), self.indices, length), True)
-        return mask[..., :length]
-
-    def kept_positions(self, b: int, h: int) -> list[int]:
-        """Kept positions of one (sample, head) as a Python list."""
-        return self.indices[b, h, : int(self.counts[b, h])].tolist()
-
-
-class OffloadedStore(Protocol):
-    """K/V a selector keeps outside the compressed cache, attended at decode (retrieval)."""
-
-    def decode_attention(self, layer: Any, query: torch.Tensor, scaling: float, options: Any) -> torch.Tensor:
-        """Attention of ``query [B, H, q, D]`` over ``layer``'s kept entries and what the store
-        fetches -> ``[B, H, q, D]`` (replaces :meth:`CompressedLayer.decode_attention`)."""
-        ...
-
-    def device_bytes(self) -> int:
-        """Bytes the store holds on the layer's device (e.g. a chunk index)."""
-        ...
-
-    def offloaded_bytes(self) -> int:
-        """Bytes the store holds elsewhere (host memory)."""
-        ...
-
-
-class Selector:
+class Selector(Component):
     """Base class: override :meth:`select`."""
-
-    registry_name: str = ""
 
     def select(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> Selection:
         """Pick ``counts[b, h]`` tokens per (sample, head).

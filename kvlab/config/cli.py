@@ -154,8 +154,10 @@ def print_components(out: Any = None) -> None:
     out = out or sys.stdout
     for registry in sorted(all_registries(), key=lambda r: r.field):
         print(f"{plural(registry.kind)}  (YAML field: {registry.field})", file=out)
-        for name, doc, params in registry.describe():
+        for name, doc, params, capabilities in registry.describe():
             print(f"  {name}: {doc}", file=out)
+            if capabilities is not None:
+                print(f"      capabilities: {capabilities}", file=out)
             for param, type_name, default in params:
                 print(f"      {param}: {type_name} = {default}", file=out)
         print(file=out)

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.plugins import load_entry_points
 
@@ -114,6 +115,11 @@ class Registry(Generic[T]):
 
         return decorator
 
+    def unregister(self, name: str) -> None:
+        """Remove the registration of ``name`` (nothing when absent): a test undoes its own, a
+        module registering again after a reload starts clean."""
+        self._entries.pop(name, None)
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 
@@ -162,8 +168,13 @@ class Registry(Generic[T]):
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{self.kind} '{name}' ({where}): {exc}") from None
 
-    def describe(self) -> list[tuple[str, str, list[tuple[str, str, str]]]]:
-        """``[(name, first docstring line, [(param, type, default)])]`` for ``kvlab list``."""
+    def describe(self) -> list[tuple[str, str, list[tuple[str, str, str]], str | None]]:
+        """``[(name, first docstring line, [(param, type, default)], capabilities)]`` for ``kvlab list``.
+
+        ``capabilities``: what a pipeline component declares (:meth:`Capabilities.describe
+        <kvlab.config.capabilities.Capabilities.describe>`, e.g. ``chunked_prefill``); None for
+        registries of other things (datasets, models, protocols).
+        """
         rows = []
         for name in self.names():
             cls = self._entries[name]
@@ -181,7 +192,9 @@ class Registry(Generic[T]):
                     else:
                         default = "(required)"
                     params.append((f.name, _type_name(hints.get(f.name, Any)), default))
-            rows.append((name, doc[0] if doc else "", params))
+            declared = getattr(cls, "capabilities", None)  # registries hold more than components
+            capabilities = declared.describe() if isinstance(declared, Capabilities) else None
+            rows.append((name, doc[0] if doc else "", params, capabilities))
         return rows
 
 

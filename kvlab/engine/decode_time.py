@@ -2,7 +2,7 @@
 prefill, then the configured pipeline compresses every layer again during generation, every
 ``interval`` fed tokens, down to ``target_size`` tokens per head or ``ratio`` of the sample's
 prompt + generated tokens (kvpress' ``DecodingPress``; ``docs/protocols.md``). The protocols'
-base, registry and the other protocols are in :mod:`kvlab.engine.protocols`.
+base and registry are in :mod:`kvlab.engine.protocols`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ import torch
 
 from kvlab.compression.budget import Budget
 from kvlab.compression.context import LayerContext
-from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
-from kvlab.engine.attention import CompressionSession
 from kvlab.engine.generation import (
     DecodeResult,
     GenerationResult,
@@ -27,7 +25,9 @@ from kvlab.engine.generation import (
     prefill,
 )
 from kvlab.engine.protocols import PROTOCOLS, WHERE, Protocol, ProtocolResult, cut_at_limits, sample_limits
+from kvlab.engine.session import CompressionSession
 from kvlab.models.base import PAD, TEXT
+from kvlab.pipeline import Pipeline
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,10 @@ class DecodeTime(Protocol):
                 f"{where}: routed pipelines (model.compression.route) are not supported at decode time; use "
                 "one without `route`, or `model.protocol: query_aware`."
             )
-        needs_all_layers = pipeline.all_layer_components()  # (field, component) comparing layers
-        if needs_all_layers:
-            field_name, component = needs_all_layers[0]
+        comparing = pipeline.capabilities.comparing_layers
+        if comparing:
             raise ConfigError(
-                f"{where}: {field_name} ({getattr(component, 'registry_name', type(component).__name__)}) "
+                f"{where}: {comparing[0].field} ({comparing[0].name}) "
                 "compares every layer and needs model.compression.schedule: global, but decode-time "
                 "compression compresses one layer at a time. Use a component that needs only its own layer "
                 "(for PrefixKV: prefix_calibrated with model.compression.schedule: layerwise), or "
@@ -153,7 +152,7 @@ class DecodeTime(Protocol):
         for role, scorer in [*pipeline.importance.items(), *pipeline.diversity.items()]:
             kind = "importance" if role in pipeline.importance else "diversity"
             name = getattr(scorer, "registry_name", type(scorer).__name__)
-            if not getattr(type(scorer), "chunked_prefill", False):
+            if not scorer.capabilities.chunked_prefill:
                 raise ConfigError(
                     f"{where}: model.compression.{kind}.{role} ({name}) needs the attention of queries older "
                     "than the recent window, which decode-time compression does not keep (it observes only "
@@ -161,7 +160,7 @@ class DecodeTime(Protocol):
                     "window's attention (window_attention, key_norm, value_norm, recency, random, keydiff, "
                     "mean_key_diversity), or `model.protocol: query_aware`."
                 )
-            if "window" in getattr(type(scorer), "budget_settings", {}).values():
+            if "window" in scorer.budget_settings.values():
                 observers.append(f"model.compression.{kind}.{role}")
         budget = pipeline.budget
         if observers and (budget.window_is_ratio or budget.max_window_share is not None):
@@ -187,7 +186,7 @@ class DecodeTime(Protocol):
     def observed_window(self, pipeline: Pipeline) -> int:
         """Decoded queries whose attention the compression observes (0 when no scorer observes any)."""
         observes = any(
-            "window" in getattr(type(s), "budget_settings", {}).values()
+            "window" in s.budget_settings.values()
             for s in [*pipeline.importance.values(), *pipeline.diversity.values()]
         )
         return int(pipeline.budget.window) if observes and pipeline.budget is not None else 0
@@ -280,14 +279,14 @@ class DecodeTimeCompressor:
     def _capture_next(self) -> None:
         """Ask the attention function for the next step's attention when that step is observed."""
         observed = self.window > 0 and self._fed + 1 > self.protocol.interval - self.window
-        self.session.decode_attention = {} if observed else None
+        self.session.run.want_decode_attention(self, observed)
 
     def after_step(self, step: int) -> None:
         """One more token is in every layer: add its attention, compress when ``interval`` is reached."""
         self._fed += 1
         self._generated += 1
-        if self.session.decode_attention:
-            for layer_idx, probs in self.session.decode_attention.items():  # [B, Hkv, G, 1, S_t]
+        if self.session.run.records_decode_attention:
+            for layer_idx, probs in self.session.run.take_decode_attention().items():  # [B, Hkv, G, 1, S_t]
                 step_sum = probs.sum(3)
                 held = self._sums.get(layer_idx)
                 if held is not None and held.shape[-1] < step_sum.shape[-1]:
@@ -309,7 +308,7 @@ class DecodeTimeCompressor:
 
     def finish(self) -> None:
         """After decoding: stop capturing attention."""
-        self.session.decode_attention = None
+        self.session.run.want_decode_attention(self, False)
 
     def compress_layer(self, layer_idx: int) -> None:
         """Compress layer ``layer_idx``'s prompt and generated entries to the protocol's target."""

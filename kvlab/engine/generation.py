@@ -11,7 +11,7 @@ counts from its own first token, padding or not), and decode positions continue 
 prefill from the attention mask (``get_rope_index``), which also stores per-sample
 ``rope_deltas`` (kept in the :class:`PrefillState`). At decode kvlab passes the new token's
 position itself, exactly as the model derives it from a full attention mask (valid tokens so
-far + ``rope_deltas``, the same on all three M-RoPE axes): Qwen2-VL 5.23 would otherwise build
+far + ``rope_deltas``, the same on all three M-RoPE axes): Qwen2-VL (transformers 5.24) would otherwise build
 positions for the whole sequence (given a mask) or ignore left padding (without one).
 """
 
@@ -24,21 +24,21 @@ from typing import Any
 
 import torch
 
+from kvlab.cache.cache import CompressedCache
+from kvlab.cache.state import RunState
 from kvlab.compression.context import sample_positions
-from kvlab.compression.pipeline import LayerReport, Pipeline
 from kvlab.config.errors import ConfigError
-from kvlab.engine.attention import (
-    CompressionSession,
+from kvlab.engine.prefill_plan import (
     check_prefill_chunk,
-    check_prefill_done,
     chunked_vlm_message,
-    compression_session,
     global_query_window,
     observed_window,
 )
-from kvlab.engine.cache import CompressedCache
+from kvlab.engine.schedule import check_prefill_done
+from kvlab.engine.session import CompressionSession, compression_session
 from kvlab.models.base import LoadedModel
 from kvlab.models.placement import input_device
+from kvlab.pipeline import LayerReport, Pipeline
 
 
 @dataclass
@@ -115,8 +115,9 @@ class PrefillState:
     Attributes:
         loaded: the model.
         pipeline: the compression method (its decode policy runs in :func:`decode`).
-        session: the batch's :class:`CompressionSession`: the cache, the padding mask ``valid
-            [B, T]``, the layer reports, the components' state. Decode steps run inside it again.
+        session: the batch's :class:`~kvlab.engine.session.CompressionSession`: the run state
+            (the cache, the padding mask ``valid [B, T]``, the components' state) and the layer
+            reports. Decode steps run inside it again.
         logits: ``[B, V]`` fp32 logits at each sample's last prompt token (the first generated
             token's distribution).
         next_positions: ``[B, 1]`` long, position of the next token within its own sample (its
@@ -171,6 +172,7 @@ def prefill(
     decode_capacity: int = 32,
     record_scores: bool = False,
     prefill_chunk: int | None = None,
+    block_elements: int | None = None,
 ) -> PrefillState:
     """One forward over the padded prompt of ``batch`` (or chunks); every layer is compressed inside it.
 
@@ -188,13 +190,16 @@ def prefill(
             (``docs/scaling.md``). Refused with ``model.compression.schedule: global``, under which
             every layer is scored during the forward and all are compressed after the last
             layer's attention (the full cache is held until then).
+        block_elements: the most attention elements (``B x H x rows x keys``) prefill attention and
+            the scorers' attention helpers hold at once (None: 2**24, 64 MiB of fp32): the working
+            set of a long prompt's prefill, whatever its length.
 
     Returns:
         the :class:`PrefillState` to hand to :func:`decode`.
 
     Raises:
         ConfigError: a ``prefill_chunk`` the pipeline refuses
-            (:func:`~kvlab.engine.attention.check_prefill_chunk`), or any with a vision-language model.
+            (:func:`~kvlab.engine.prefill_plan.check_prefill_chunk`), or any with a vision-language model.
     """
     model, info = loaded.model, loaded.info
     pipeline.bind_model(info.name)
@@ -210,18 +215,22 @@ def prefill(
     cache = CompressedCache(info.num_layers, decode_capacity=decode_capacity)
     T = input_ids.shape[1]
     chunk = prefill_chunk if prefill_chunk is not None and prefill_chunk < T else None
-    session = CompressionSession(
+    run = RunState(
         cache=cache,
-        pipeline=pipeline,
         valid=valid,
         modality=batch["modality"].to(device),
         bidirectional_image_blocks=info.bidirectional_image_blocks,
+    )
+    session = CompressionSession(
+        run=run,
+        pipeline=pipeline,
         record_scores=record_scores,
         prefill_chunk=chunk,
         held_queries=observed_window(pipeline, valid.sum(-1)) if chunk is not None else 0,
         global_queries=global_query_window(pipeline, valid.sum(-1))
         if pipeline.schedule == "global"
         else None,
+        block_elements=block_elements,
     )
     positions = sample_positions(valid).clamp(min=0)  # [B, T]; padding gets 0, as in transformers
     with compression_session(session):
@@ -230,7 +239,7 @@ def prefill(
             out = model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
                 **_prefill_positions(model, positions, extra),
@@ -243,7 +252,7 @@ def prefill(
                 out = model(
                     input_ids=input_ids[:, first:last],
                     attention_mask=attention_mask[:, :last],
-                    past_key_values=cache,
+                    cache=cache,
                     use_cache=True,
                     logits_to_keep=1,
                     position_ids=position_ids[..., first:last],
@@ -291,7 +300,7 @@ def decode(
     eos = stop_tokens(loaded, device)
     B = state.logits.shape[0]
     with compression_session(session):
-        policy.start(session)
+        session.start_decoding()
         logits = state.logits
         step_logits = [logits] if return_logits else []
         tokens = torch.empty(B, 0, dtype=torch.long, device=device)
@@ -310,14 +319,14 @@ def decode(
             out = model(
                 input_ids=next_token[:, None],
                 position_ids=_decode_positions(model, next_pos, state.rope_deltas),
-                past_key_values=session.cache,
+                cache=session.cache,
                 use_cache=True,
             )
             next_pos = next_pos + 1
             logits = out.logits[:, -1].float()
             if return_logits:
                 step_logits.append(logits)
-            policy.after_step(session, step)
+            policy.after_step(session.run, step)
             if on_step is not None:
                 on_step(step)
         seconds = time.perf_counter() - start
@@ -336,7 +345,7 @@ def extend(state: PrefillState, input_ids: torch.Tensor, valid: torch.Tensor) ->
     through the compressed layers: every token attends to the kept entries and, causally, to the
     block's real tokens before it (kvlab's attention sends ``q > 1`` new tokens on a compressed
     layer to decode attention); the padding entries are hidden from every later query and take
-    no position (:meth:`~kvlab.engine.cache.CompressedCache.appending_valid`). Positions continue
+    no position (:meth:`~kvlab.cache.cache.CompressedCache.appending_valid`). Positions continue
     from each sample's own next position (RoPE positions never shift after compression). This is
     how the ``query_agnostic`` and ``multi_question`` protocols put a question on a compressed
     context (docs/protocols.md).
@@ -358,7 +367,7 @@ def extend(state: PrefillState, input_ids: torch.Tensor, valid: torch.Tensor) ->
         out = model(
             input_ids=input_ids,
             position_ids=positions,
-            past_key_values=session.cache,
+            cache=session.cache,
             use_cache=True,
             logits_to_keep=1,
         )

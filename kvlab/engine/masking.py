@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from kvlab.models import load_model
 
 MASKED_ATTENTION = "kvlab_masked"
 MASKS: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, T] kept mask of the prompt entries
@@ -39,10 +42,6 @@ def masked_attention(module, query, key, value, attention_mask, scaling=None, dr
 def load_masked_model(model_name: str, reports: list[Any], length: int) -> Any:
     """``model_name`` with kvpress-style masking: full K/V kept, at decode the prompt entries the
     layer ``reports`` evicted (their selections, prompts of ``length`` tokens) are masked out."""
-    from transformers import AttentionInterface
-
-    from kvlab.models import load_model
-
     loaded = load_model(model_name)
     AttentionInterface.register(MASKED_ATTENTION, masked_attention)
     loaded.model.set_attn_implementation(MASKED_ATTENTION)

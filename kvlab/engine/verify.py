@@ -31,8 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
+from kvlab.engine.generation import generate
+from kvlab.engine.registration import enable_kvlab_attention
 from kvlab.models.base import TEXT, LoadedModel
+from kvlab.models.common import text_config
+from kvlab.models.placement import input_device
+from kvlab.pipeline import Pipeline
 
 #: dtype -> (atol, rtol) on the prompt's last-position logits (see the module docstring)
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -109,8 +115,6 @@ class VerifyResult:
 def attention_features(model: torch.nn.Module) -> dict[str, Any]:
     """The language model's attention features: set :data:`FEATURE_FIELDS`, ``layer_types`` counts,
     the attention ``scaling`` of the first layer that has one and attention sinks."""
-    from kvlab.models.common import text_config
-
     config = text_config(model.config)
     features: dict[str, Any] = {}
     layer_types = getattr(config, "layer_types", None) or []
@@ -134,8 +138,6 @@ def attention_features(model: torch.nn.Module) -> dict[str, Any]:
 def local_span(model: torch.nn.Module) -> int | None:
     """The largest local-attention span of the language model (sliding window on sliding layers,
     ``attention_chunk_size``), None without one."""
-    from kvlab.models.common import text_config
-
     config = text_config(model.config)
     layer_types = getattr(config, "layer_types", None) or []
     spans = []
@@ -167,11 +169,6 @@ def _set_attention(loaded: LoadedModel, implementation: str) -> None:
 @torch.no_grad()
 def _native(loaded: LoadedModel, batch: dict[str, Any], steps: int) -> tuple[torch.Tensor, list[int], float]:
     """transformers' own greedy run: ``(logits [S, V] fp32, tokens [S], seconds)``."""
-    from transformers import DynamicCache
-
-    from kvlab.engine.attention import enable_kvlab_attention
-    from kvlab.models.placement import input_device
-
     model = loaded.model
     device = input_device(model)
     extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.get("model_inputs", {}).items()}
@@ -181,7 +178,7 @@ def _native(loaded: LoadedModel, batch: dict[str, Any], steps: int) -> tuple[tor
         out = model.generate(
             input_ids=batch["input_ids"].to(device),
             attention_mask=batch["attention_mask"].to(device),
-            past_key_values=DynamicCache(config=model.config),
+            cache=DynamicCache(config=model.config),
             max_new_tokens=steps,
             do_sample=False,
             temperature=None,
@@ -201,9 +198,6 @@ def _native(loaded: LoadedModel, batch: dict[str, Any], steps: int) -> tuple[tor
 
 def _compare(name: str, loaded: LoadedModel, batch: dict[str, Any], steps: int, result: VerifyResult) -> None:
     """Run one check on a one-sample ``batch`` (``input_ids [1, T]``) and fold it into ``result``."""
-    from kvlab.compression.pipeline import Pipeline
-    from kvlab.engine.generation import generate
-
     native_logits, native_tokens, native_seconds = _native(loaded, batch, steps)
     start = time.perf_counter()
     ours = generate(loaded, Pipeline.from_config(None), batch, max_new_tokens=steps, return_logits=True)

@@ -42,7 +42,7 @@ FAMILY_PROCESSORS: dict[str, tuple[str, str | None]] = {
 #: directions (transformers: ``token_type_ids`` -> ``block_sequence_ids``, OR-ed into the causal mask of
 #: sliding and global layers): model_type -> description. kvlab applies the same image blocks in
 #: prefill attention and in the scorers that read prompt attention
-#: (:func:`kvlab.engine.attention.image_block_ids`); decode stays causal (new tokens are text).
+#: (:func:`kvlab.cache.masks.image_block_ids`); decode stays causal (new tokens are text).
 BIDIRECTIONAL_IMAGE_FAMILIES: dict[str, str] = {
     "gemma3": "bidirectional attention within each image (a run of consecutive image tokens)",
 }

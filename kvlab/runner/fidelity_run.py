@@ -23,12 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.compression.pipeline import Pipeline
 from kvlab.engine.generation import GenerationResult
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.metrics.fidelity import Reference, fidelity_values, teacher_tokens
 from kvlab.metrics.reference import ReferenceStore, reference_key
 from kvlab.models.base import LoadedModel
+from kvlab.pipeline import Pipeline
 
 
 @dataclass

@@ -14,8 +14,8 @@ from kvlab.api import load_model, load_pipeline
 from kvlab.compression.retrieval import retrieval_record
 from kvlab.compression.routing import route_metric, switch_layers
 from kvlab.config.errors import ConfigError
-from kvlab.engine.attention import check_prefill_chunk, chunked_vlm_message
 from kvlab.engine.generation import GenerationResult
+from kvlab.engine.prefill_plan import check_prefill_chunk, chunked_vlm_message
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes

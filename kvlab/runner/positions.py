@@ -104,7 +104,7 @@ def kept_masks(
     """Per sample, ``[L, Hkv, T_b]`` bool: the positions of its own prompt each layer and head kept.
 
     Args:
-        reports: the batch's layer reports (:class:`~kvlab.compression.pipeline.LayerReport`),
+        reports: the batch's layer reports (:class:`~kvlab.pipeline.report.LayerReport`),
             each with a ``selection`` in padded batch coordinates.
         attention_mask: ``[B, T]`` (0 on padding) of the batch the compression ran on.
         prompt_lengths: ``[B]`` valid tokens the engine compressed (``GenerationResult``); they

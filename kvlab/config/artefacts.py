@@ -7,10 +7,12 @@ header in the safetensors metadata under the key ``kvlab``::
      "model": "tiny-qwen2-vl", "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
      "settings": {...the calibration config...}, "samples": 16, "created": "2026-11-23T..."}
 
-``kvlab calibrate --config FILE`` writes one; a component takes ``artefact: PATH`` (or
-``auto``: ``$KVLAB_CACHE/calibration/<model>/<kind>.safetensors``, then the artefacts shipped
-in ``kvlab/calibration/artefacts/``). Loading an artefact of another kind or made for another
-model (name or layer/head counts) is a :class:`~kvlab.config.errors.ConfigError` naming both.
+``kvlab calibrate --config FILE`` (:mod:`kvlab.calibration`) writes one; a component takes
+``artefact: PATH`` (or ``auto``: ``$KVLAB_CACHE/calibration/<model>/<kind>.safetensors``, then the
+artefacts shipped in ``kvlab/calibration/artefacts/``) through the :class:`UsesArtefact` mixin.
+Loading an artefact of another kind or made for another model (name or layer/head counts) is a
+:class:`~kvlab.config.errors.ConfigError` naming both. The file format is ground: components
+read artefacts without importing the calibration command that writes them.
 """
 
 from __future__ import annotations
@@ -18,17 +20,22 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from kvlab.config.capabilities import Component
 from kvlab.config.errors import ConfigError
 
 FORMAT = "kvlab-calibration"
 VERSION = 1
-PACKAGED = Path(__file__).parent / "artefacts"
+#: the artefacts shipped with kvlab (data files beside the calibration command)
+PACKAGED = Path(__file__).resolve().parent.parent / "calibration" / "artefacts"
 
 
 @dataclass
@@ -68,8 +75,6 @@ class Artefact:
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (temporary file, then rename); returns the path."""
-        from safetensors.torch import save_file
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -82,8 +87,6 @@ class Artefact:
     @classmethod
     def load(cls, path: str | Path, where: str = "artefact") -> Artefact:
         """Read an artefact; :class:`ConfigError` if it is missing or not a kvlab artefact."""
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_file():
             raise ConfigError(
@@ -149,11 +152,14 @@ class Artefact:
         return self
 
 
+def cache_root() -> Path:
+    """``$KVLAB_CACHE`` or ``~/.cache/kvlab`` (where kvlab keeps converted models and artefacts)."""
+    return Path(os.environ.get("KVLAB_CACHE") or "~/.cache/kvlab").expanduser()
+
+
 def cache_path(model: str, kind: str) -> Path:
     """Default artefact location: ``$KVLAB_CACHE/calibration/<model>/<kind>.safetensors``."""
-    from kvlab.models.scaffolding.smollm2 import kvlab_cache_root
-
-    return kvlab_cache_root() / "calibration" / model.replace("/", "__") / f"{kind}.safetensors"
+    return cache_root() / "calibration" / model.replace("/", "__") / f"{kind}.safetensors"
 
 
 def resolve_path(spec: str, model: str | None, kind: str, where: str) -> Path:
@@ -173,25 +179,7 @@ def resolve_path(spec: str, model: str | None, kind: str, where: str) -> Path:
     )
 
 
-def model_shape(model: str) -> dict[str, int]:
-    """``num_layers`` / ``num_heads`` / ``num_kv_heads`` of a built-in model or of a local directory's
-    config, read without weights; empty when unknown (a Hub id is not fetched here)."""
-    try:
-        from kvlab.models import MODELS, hub, model_info
-
-        if model in MODELS:
-            config = MODELS.get(model)().config()
-        elif hub.local_dir(model) is not None:
-            config = hub.load_config(model)
-        else:
-            return {}
-        info = model_info(config, model)
-    except Exception:  # the model itself is reported when it loads; the shape is checked there again
-        return {}
-    return {"num_layers": info.num_layers, "num_heads": info.num_heads, "num_kv_heads": info.num_kv_heads}
-
-
-class UsesArtefact:
+class UsesArtefact(Component):
     """Mixin for components with an ``artefact`` parameter (a path, or ``auto``).
 
     The pipeline calls :meth:`bind_model` with the model name before the model loads (so a
@@ -205,12 +193,13 @@ class UsesArtefact:
     def _where(self) -> str:
         return f"model.compression ({getattr(self, 'registry_name', type(self).__name__)}).artefact"
 
-    def bind_model(self, model: str) -> None:
+    def bind_model(self, model: str, shape: Mapping[str, int] | None = None) -> None:
         """Resolve and load the artefact for ``model`` and check it was made for that model: its
-        name and, when the model's config can be read without weights, its layer and head counts."""
+        name and, given ``shape`` (``num_layers`` / ``num_heads`` / ``num_kv_heads``, read from the
+        model's config without weights when it can be), its layer and head counts."""
         path = resolve_path(self.artefact, model, self.artefact_kind, self._where())
         loaded = Artefact.load(path, self._where()).check(
-            self.artefact_kind, self._where(), model=model, **model_shape(model)
+            self.artefact_kind, self._where(), model=model, **(shape or {})
         )
         self._loaded_artefact = loaded
 

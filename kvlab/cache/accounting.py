@@ -1,0 +1,47 @@
+"""Byte accounting of a compressed layer: what it allocates, on the device and elsewhere.
+
+:class:`ByteAccounting` is a mixin of :class:`~kvlab.cache.layer.CompressedLayer`; the cache sums
+it over layers (:meth:`kvlab.cache.cache.CompressedCache.kv_bytes`). ``kv_bytes`` is exactly the
+buffers the layer holds (prompt and decode regions, offsets) plus the device part of an offloaded
+store; nothing is padded, so memory falls with the kept entries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ByteAccounting:
+    """Mixin of :class:`~kvlab.cache.layer.CompressedLayer`: bytes held, and one (sample, head)'s entries."""
+
+    def kv_bytes(self) -> int:
+        """Bytes allocated by this layer: K/V buffers (decode capacity included) + offsets."""
+        tensors = (
+            [self.keys, self.values]
+            if not self.compressed
+            else [
+                self.prompt_keys,
+                self.prompt_values,
+                self.decode_keys,
+                self.decode_values,
+                self.starts,
+                self.lengths,
+            ]
+        )
+        on_device = self.offloaded.device_bytes() if self.offloaded is not None else 0
+        return on_device + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of this layer's K/V held outside the cache's device (a retrieve selector's store)."""
+        return self.offloaded.offloaded_bytes() if self.offloaded is not None else 0
+
+    def prompt_kv_bytes(self) -> int:
+        """Bytes of the kept prompt K/V alone (no decode region, no offsets)."""
+        if not self.compressed:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.prompt_keys, self.prompt_values))
+
+    def segment(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept prompt keys and values ``[n, D]`` of one (sample, head)."""
+        start, n = int(self.starts[b, h]), int(self.lengths[b, h])
+        return self.prompt_keys[start : start + n], self.prompt_values[start : start + n]

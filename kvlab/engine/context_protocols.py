@@ -1,0 +1,180 @@
+"""The protocols that compress the context alone: ``query_agnostic`` and ``multi_question``.
+
+The context of each sample (or of each ``context_id``) is prefilled and compressed without its
+question (:mod:`kvlab.engine.prompt_split`); the question part is then prefilled on top of the
+compressed cache, uncompressed (:func:`~kvlab.engine.generation.extend`), and decoding follows.
+``multi_question`` answers the questions of one context in turn from one compressed context,
+restored between them (:meth:`~kvlab.cache.state.RunState.checkpoint`). docs/protocols.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvlab.config.errors import ConfigError
+from kvlab.engine.generation import (
+    GenerationResult,
+    PrefillState,
+    decode,
+    extend,
+    prefill,
+    stop_tokens,
+    trim_at_stop,
+)
+from kvlab.engine.prompt_split import PromptSplit, question_block, report_rows, split_prompts
+from kvlab.engine.protocols import PROTOCOLS, WHERE, Protocol, ProtocolResult, cut_at_limits, sample_limits
+from kvlab.models.base import LoadedModel
+from kvlab.pipeline import Pipeline
+
+
+def _context_run(
+    loaded: LoadedModel,
+    pipeline: Pipeline,
+    batch: dict[str, Any],
+    max_new_tokens: int,
+    group: bool,
+    return_logits: bool,
+    record_scores: bool,
+    teacher_tokens: torch.Tensor | None,
+    prefill_chunk: int | None,
+) -> ProtocolResult:
+    """``query_agnostic`` (``group`` False: one context per sample) and ``multi_question``: prefill and
+    compress the contexts once, then answer round r's question of every context from the
+    checkpointed cache (restored between rounds), each question prefilled uncompressed."""
+    split = split_prompts(loaded.processor, batch, group)
+    B = len(split.questions)
+    limits = sample_limits(batch, max_new_tokens)
+    longest = max([len(q) for q in split.questions] + [0])
+    state = prefill(
+        loaded,
+        pipeline,
+        split.context,
+        decode_capacity=longest + int(limits.max()),
+        record_scores=record_scores,
+        prefill_chunk=prefill_chunk,
+    )
+    session = state.session
+    kept = state.cache.kept_tokens()  # [L, C, Hkv] before any question
+    rounds = max(len(members) for members in split.groups)
+    checkpoint = session.run.checkpoint() if rounds > 1 else None  # the cache and the components' state
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    logits: list[torch.Tensor | None] = [None] * B
+    seconds = {"extend": 0.0, "decode": 0.0}
+    pad_id = getattr(loaded.processor, "pad_token_id", 0) or 0
+    for r in range(rounds):
+        members = [g[r] if r < len(g) else None for g in split.groups]  # one sample (or none) per context
+        if r > 0:
+            session.run.restore(checkpoint)
+        ids, valid = question_block([split.questions[m] if m is not None else None for m in members], pad_id)
+        asked = extend(state, ids, valid)
+        seconds["extend"] += asked.seconds - state.seconds
+        round_limits = torch.tensor([int(limits[m]) if m is not None else 1 for m in members])
+        teacher = None
+        if teacher_tokens is not None:
+            index = torch.tensor([m if m is not None else 0 for m in members])
+            teacher = teacher_tokens[index]
+        decoded = decode(asked, int(round_limits.max()), return_logits, teacher, limits=round_limits)
+        seconds["decode"] += decoded.seconds
+        for c, m in enumerate(members):
+            if m is not None:
+                tokens[m] = decoded.tokens[c].tolist()
+                if decoded.step_logits is not None:
+                    logits[m] = decoded.step_logits[c].cpu()
+    stops = set(stop_tokens(loaded, kept.device).tolist())
+    result = _sample_result(loaded, state, split, kept, tokens, logits, stops, seconds)
+    result.tokens = cut_at_limits(result.tokens, limits, teacher_tokens)
+    sizes = [len(members) for members in split.groups]
+    extras = [
+        {"question_tokens": len(split.questions[b]), "context_questions": sizes[int(split.rows[b])]}
+        for b in range(B)
+    ]
+    return ProtocolResult(result, extras)
+
+
+def _sample_result(
+    loaded: LoadedModel,
+    state: PrefillState,
+    split: PromptSplit,
+    kept: torch.Tensor,
+    tokens: list[list[int]],
+    logits: list[torch.Tensor | None],
+    stops: set[int],
+    seconds: dict[str, float],
+) -> GenerationResult:
+    """The samples' :class:`GenerationResult` of a context run: ``kept`` ``[L, C, Hkv]`` context
+    tokens kept per context (before any question), a sample's kept bytes are its context's kept
+    entries plus its question part's, prefilled uncompressed."""
+    info, cache, session = loaded.info, state.cache, state.session
+    rows = split.rows
+    per_token = info.head_dim * 2 * cache.layers[0].prompt_keys.element_size()  # one head, one layer
+    whole = info.num_kv_heads * info.num_layers * per_token
+    questions = torch.tensor([len(q) for q in split.questions], dtype=torch.long)
+    sample_kept = kept[:, rows.to(kept.device)].cpu()  # [L, B, Hkv]
+    step_logits = None
+    if logits and logits[0] is not None:
+        steps = max(t.shape[0] for t in logits if t is not None)
+        step_logits = torch.zeros(len(logits), steps, logits[0].shape[-1])
+        for b, t in enumerate(logits):
+            step_logits[b, : t.shape[0]] = t
+    reports = [report_rows(report, rows, split.shift, split.width) for report in session.reports]
+    return GenerationResult(
+        tokens=[trim_at_stop(row, stops) for row in tokens],
+        kept=sample_kept,
+        prompt_lengths=split.lengths.cpu(),
+        kv_bytes_full=(split.lengths.cpu() * whole),
+        kv_bytes_kept=sample_kept.sum(dim=(0, 2)) * per_token + questions * whole,
+        kv_bytes_allocated=cache.kv_bytes(),
+        prefill_seconds=state.seconds - session.compression_seconds + seconds["extend"],
+        compression_seconds=session.compression_seconds,
+        decode_seconds=seconds["decode"],
+        step_logits=step_logits,
+        reports=reports,
+    )
+
+
+@PROTOCOLS.register("query_agnostic")
+@dataclass
+class QueryAgnostic(Protocol):
+    """The context compressed alone, then the question part prefilled uncompressed (kvpress' default)."""
+
+    def check(self, pipeline: Pipeline) -> None:
+        _refuse_decode_policy(pipeline, self.registry_name)
+
+    def run(self, loaded, pipeline, batch, max_new_tokens=32, *, return_logits=False, record_scores=False,
+            teacher_tokens=None, prefill_chunk=None) -> ProtocolResult:  # fmt: skip
+        return _context_run(loaded, pipeline, batch, max_new_tokens, False, return_logits, record_scores,
+                            teacher_tokens, prefill_chunk)  # fmt: skip
+
+
+@PROTOCOLS.register("multi_question")
+@dataclass
+class MultiQuestion(Protocol):
+    """One compressed context per ``context_id`` answers each of its questions in turn (compressed once)."""
+
+    groups_contexts: ClassVar[bool] = True
+
+    def check(self, pipeline: Pipeline) -> None:
+        _refuse_decode_policy(pipeline, self.registry_name)
+
+    def run(self, loaded, pipeline, batch, max_new_tokens=32, *, return_logits=False, record_scores=False,
+            teacher_tokens=None, prefill_chunk=None) -> ProtocolResult:  # fmt: skip
+        return _context_run(loaded, pipeline, batch, max_new_tokens, True, return_logits, record_scores,
+                            teacher_tokens, prefill_chunk)  # fmt: skip
+
+
+def _refuse_decode_policy(pipeline: Pipeline, protocol: str) -> None:
+    """A decode policy that evicts (``h2o``) is seeded by the prefill's attention and tracks the
+    decode region from the first decode step: the question block prefilled in between has no
+    scores, so the combination is refused rather than run wrong."""
+    policy = pipeline.decode_policy
+    name = getattr(policy, "registry_name", "none")
+    if name != "none":
+        raise ConfigError(
+            f"{WHERE} = {protocol} prefills the question after the context's compression, and the decode "
+            f"policy model.compression.decode = {name} scores only the prompt's and the decoded tokens (the "
+            "question's entries would enter it unscored). Use `model.compression.decode: {name: none}` "
+            f"with {protocol}, or `model.protocol: query_aware` with {name}."
+        )

@@ -1,0 +1,124 @@
+"""CompressionSession: the one object a run's attention calls need, reached in one way.
+
+transformers calls the ``kvlab`` attention function with a layer's query, key and value only;
+``generate``-style keyword arguments do not reach it. Everything else a batch's prefill and
+decode need lives in one :class:`CompressionSession`, which kvlab's generation makes per batch
+and makes active with :func:`compression_session` (a context variable) around every forward; the
+attention function reads it with :func:`active_session`. Nothing else is module state.
+
+The session holds the batch's :class:`~kvlab.cache.state.RunState` (the cache, the prompt masks,
+the components' own state: the part components see, as ``ctx.run``), the pipeline, the layer
+reports, and the engine's own bookkeeping of a chunked prefill and of ``schedule: global``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.cache.cache import CompressedCache
+from kvlab.cache.state import RunState
+from kvlab.compression.context import LayerContext
+from kvlab.pipeline import LayerReport, Pipeline
+
+_SESSION: contextvars.ContextVar[CompressionSession | None] = contextvars.ContextVar(
+    "kvlab_session", default=None
+)
+
+
+@dataclass
+class CompressionSession:
+    """State of one batch's prefill + decode.
+
+    Attributes:
+        run: what the components share (:class:`~kvlab.cache.state.RunState`): the cache, the
+            prompt padding mask ``valid [B, T]`` and modality ids, the components' own state.
+        pipeline: the compression method.
+        record_scores: keep each layer's mixed scores in its report (for TensorBoard).
+        reports: one :class:`LayerReport` per compressed layer, in layer order.
+        prefill_chunk: None: the prompt comes in one forward; N: in chunks of N tokens (each
+            layer is compressed when the chunk that ends the prompt reaches it).
+        held_queries: with chunks, the queries of the last ``held_queries`` positions a layer
+            keeps from the chunks before the last (the largest window a scorer observes), so the
+            compressing :class:`LayerContext` holds them.
+        global_queries: ``schedule: global`` only: the queries of the prompt's last
+            ``global_queries`` positions an observed layer's context keeps until it is compressed
+            (None: all of them, for a component that reads every query after scoring).
+        pending: ``schedule: global``: the observed layers waiting for the last one, by layer
+            index, each ``(LayerContext, seconds spent observing it)``.
+        block_elements: the most attention elements (``B x H x rows x keys``) prefill attention
+            and the scorers' attention helpers hold at once; None: their defaults
+            (:data:`~kvlab.engine.prefill_attention.PREFILL_BLOCK_ELEMENTS`,
+            :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`, 64 MiB of fp32 each).
+    """
+
+    run: RunState
+    pipeline: Pipeline
+    record_scores: bool = False
+    reports: list[LayerReport] = field(default_factory=list)
+    prefill_chunk: int | None = None
+    held_queries: int = 0
+    global_queries: int | None = None
+    pending: dict[int, tuple[LayerContext, float]] = field(default_factory=dict, repr=False)
+    block_elements: int | None = None
+    _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def cache(self) -> CompressedCache:
+        """The batch's cache (``run.cache``)."""
+        return self.run.cache
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, T]`` bool prompt padding mask (``run.valid``)."""
+        return self.run.valid
+
+    def hold_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+        """Keep the last :attr:`held_queries` queries of layer ``layer_idx`` seen so far (chunked
+        prefill: the window the scorers observe may reach back into earlier chunks).
+
+        ``query`` ``[B, H, q, D]``: the queries of a chunk before the last.
+        """
+        if self.held_queries <= 0:
+            return
+        held = self._queries.get(layer_idx)
+        joined = query if held is None else torch.cat([held, query], dim=2)
+        self._queries[layer_idx] = joined[:, :, -self.held_queries :].clone()  # not a view of the chunk
+
+    def observed_queries(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
+        """The last chunk's ``query [B, H, q, D]`` preceded by the queries held from earlier chunks,
+        ``[B, H, n, D]`` (the queries of the prompt's last ``n`` positions); drops the held ones."""
+        held = self._queries.pop(layer_idx, None)
+        return query if held is None else torch.cat([held, query], dim=2)
+
+    def start_decoding(self) -> None:
+        """Before the first decode step: the attention function records each step's attention when
+        the decode policy declares ``Capabilities(decode_attention=True)``, then the policy's ``start``
+        runs."""
+        policy = self.pipeline.decode_policy
+        self.run.want_decode_attention(policy, policy.capabilities.decode_attention)
+        policy.start(self.run)
+
+    @property
+    def compression_seconds(self) -> float:
+        """Seconds spent compressing, summed over the layer reports."""
+        return sum(report.seconds for report in self.reports)
+
+
+@contextlib.contextmanager
+def compression_session(session: CompressionSession) -> Iterator[CompressionSession]:
+    """Make ``session`` the active one for kvlab attention calls inside the block (the only way)."""
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
+
+
+def active_session() -> CompressionSession | None:
+    """The session of the :func:`compression_session` block running now (None outside one)."""
+    return _SESSION.get()

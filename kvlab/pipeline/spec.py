@@ -1,0 +1,301 @@
+"""Pipeline: the compression method of a run, assembled from registry components by YAML.
+
+The package: this module holds the specification (the dataclass, its building and walks), its
+YAML checks are in :mod:`kvlab.pipeline.validation`, one layer's execution in
+:mod:`kvlab.pipeline.execution`, routed execution in :mod:`kvlab.pipeline.routed`.
+
+Schema of ``model.compression`` (every field optional; no scorer at all means the full cache)::
+
+    budget: {tokens: 128, window: 32, sinks: 0}      # or {ratio: 0.2, ...}; see budget.py
+    importance:                                      # scorers keyed by the role they play
+      attention: {name: window_attention, kernel: 5, pool: avg}
+      value_norm: {}                                 # no `name`: the key is the component's name
+    diversity: {}                                    # e.g. {keydiff: {}}
+    mixer: {name: weighted_sum}                      # combines the roles; mixkv names them
+    allocate:
+      layer: {name: uniform}                         # or pyramid
+      head: {name: uniform}                          # adakv: {name: adakv, signal: attention}
+      modality: {name: none}
+    select: {name: topk}
+    decode: {name: none}                             # decode-time policy
+    sliding_layers: window                           # or compress (sliding-window layers, below)
+    route:                                           # optional: per-layer branches (see routing.py)
+      rule: {name: latch, metric: {name: ncar}, before: decoupled, after: unified}
+      branches: {decoupled: {allocate: {modality: {name: decoupled}}}, unified: {}}
+
+Roles, not positions: a scorer's key under ``importance``/``diversity`` is its role, one
+namespace for both; the mixer and a head allocator's ``signal`` refer to scorers by role, and a
+key set to ``null`` removes a scorer inherited from a preset. Lists are refused (their order
+used to decide roles). Settings have one source: the recent window is ``budget.window``; a
+component restating it (``window_attention.window``, ``ncar.window``, ``h2o.recent``) takes it
+from there and refuses a different value (``budget_settings`` on the component class).
+
+One layer's compression (:meth:`~kvlab.pipeline.execution.LayerExecution.compress`):
+
+1. per-sample budget (protected included) -> layer allocator -> this layer's budget ``[B]``;
+2. samples whose budget covers their prompt keep everything;
+3. importance and diversity scores ``[B, Hkv, T]`` -> mixer -> one score;
+4. protected tokens (window, sinks) are taken out; the head allocator splits the remaining
+   budget across KV heads ``[B, Hkv]`` (ragged allowed);
+5. the modality allocator may split each head's budget by modality (text / vision groups):
+   the top candidates of each group are taken within the group (see modality.py);
+6. the selector picks the tokens (protected ones always in);
+7. the decode policy sees the selection (e.g. to seed decode-time scores).
+
+With ``route``, each branch is the parent node with the branch's fields merged over it (the
+preset rules of ``kvlab.config.loader.merge``: lists and renamed components replaced whole); the rule
+picks a branch per sample at every layer and the branches' selections are combined row by row.
+A per-head rule (``text_sparsity``, HybridKV's classifier) picks a branch per (sample, KV head):
+every branch some head took runs over the layer and each head's row comes from its own branch
+(the branches share the layer budget; a retrieving branch's store serves its own heads only).
+``decode``, ``schedule`` and ``sliding_layers`` belong to the parent only.
+
+``schedule`` (a kvlab extension) says when layers are compressed. ``layerwise`` (the default):
+each layer right after its own prefill attention, with the steps above. ``global``: the prefill
+first runs :meth:`~kvlab.pipeline.execution.LayerExecution.observe` on every layer (its route
+decision, every scorer's score, the mix, and the layer allocator's ``observe`` hook, so the
+allocator sees all layers), keeping each layer's full K/V; once the last layer's attention has
+run, the engine calls :meth:`~kvlab.pipeline.execution.LayerExecution.compress` on every layer
+in order, which reuses those scores and decisions.
+A component that compares layers declares ``needs_all_layers`` (PrefixKV's online
+``prefix_threshold``, HybridKV's ``scope: global`` head allocator) and is refused under
+``layerwise``. A layer-local method keeps exactly the same tokens under both schedules.
+
+Sliding-window layers (Mistral, Gemma 2/3, GPT-OSS: the attention function passes the layer's
+``sliding_window`` W, :attr:`LayerContext.sliding_window`) never keep a token their next query
+cannot see: only the prompt's last ``W - 1`` tokens are candidates. ``sliding_layers: window``
+(the default) keeps exactly those, as the model bounds the layer itself, whatever the method;
+``compress`` runs the method within them, the window standing for the layer's prompt (a
+``ratio`` budget is a share of the window, a ``tokens`` budget is capped by it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlab.compression.allocators import (
+    HEAD_ALLOCATORS,
+    LAYER_ALLOCATORS,
+    MODALITY_ALLOCATORS,
+    HeadAllocator,
+    LayerAllocator,
+    ModalityAllocator,
+)
+from kvlab.compression.budget import Budget
+from kvlab.compression.decode import DecodePolicy
+from kvlab.compression.diversity import DIVERSITY, DiversityScorer
+from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
+from kvlab.compression.mixers import MIXERS, Mixer
+from kvlab.compression.routing import ROUTE_RULES, RouteRule
+from kvlab.compression.selectors import SELECTORS, Selector
+from kvlab.config.errors import ConfigError, did_you_mean
+from kvlab.config.loader import merge
+from kvlab.config.registry import to_plain
+from kvlab.models.shape import model_shape
+from kvlab.pipeline.capabilities import Part, PipelineCapabilities
+from kvlab.pipeline.execution import LayerExecution
+from kvlab.pipeline.routed import RoutedExecution
+from kvlab.pipeline.validation import (
+    ALLOCATE_FIELDS,
+    FIELDS,
+    WHERE,
+    build_component,
+    build_decode_policy,
+    check_branch_node,
+    check_fields,
+    check_route_node,
+    check_schedule,
+    check_sliding_layers,
+    keyed_by_role,
+    take_budget_settings,
+)
+
+
+@dataclass
+class Pipeline(LayerExecution, RoutedExecution):
+    """A compression method built from YAML. ``Pipeline.from_config(node)`` validates everything.
+
+    ``importance`` and ``diversity`` map each scorer's role to the scorer (YAML order kept);
+    the other fields are the one component of each slot. ``branches`` are the sub-pipelines a
+    ``route_rule`` picks from, per sample and layer.
+    """
+
+    budget: Budget | None
+    importance: dict[str, ImportanceScorer] = field(default_factory=dict)
+    diversity: dict[str, DiversityScorer] = field(default_factory=dict)
+    mixer: Mixer | None = None
+    layer_allocator: LayerAllocator | None = None
+    head_allocator: HeadAllocator | None = None
+    modality_allocator: ModalityAllocator | None = None
+    selector: Selector | None = None
+    decode_policy: DecodePolicy | None = None
+    schedule: str = "layerwise"
+    sliding_layers: str = "window"
+    route_rule: RouteRule | None = None
+    branches: dict[str, Pipeline] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, node: Any) -> Pipeline:
+        """Build and validate a pipeline from a ``model.compression`` node (None means full cache)."""
+        node = to_plain(node) or {}
+        if not isinstance(node, dict):
+            raise ConfigError(f"{WHERE} must be a mapping (see docs/architecture.md), got {node!r}.")
+        check_fields(node, FIELDS, WHERE)
+        if node.get("route") is not None:
+            return cls._routed(node)
+        allocate = node.get("allocate") or {}
+        if not isinstance(allocate, dict):
+            raise ConfigError(f"{WHERE}.allocate must be a mapping with keys {', '.join(ALLOCATE_FIELDS)}.")
+        check_fields(allocate, ALLOCATE_FIELDS, f"{WHERE}.allocate")
+        schedule = check_schedule(node.get("schedule"))
+        sliding_layers = check_sliding_layers(node.get("sliding_layers"))
+        importance_nodes = keyed_by_role(node.get("importance"), f"{WHERE}.importance")
+        diversity_nodes = keyed_by_role(node.get("diversity"), f"{WHERE}.diversity")
+        for role in importance_nodes.keys() & diversity_nodes.keys():
+            raise ConfigError(
+                f"{WHERE}: role '{role}' names both an importance and a diversity scorer; roles are one "
+                "namespace (mixers refer to them by name), so rename one of the two keys."
+            )
+        if (importance_nodes or diversity_nodes) and node.get("budget") is None:
+            raise ConfigError(
+                f"{WHERE}.budget is missing: a pipeline with scorers needs a budget, e.g. "
+                "`budget: {tokens: 128, window: 32}` or `budget: {ratio: 0.2, window: 32}`."
+            )
+        budget = Budget.from_config(node["budget"]) if node.get("budget") is not None else None
+        importance = {
+            role: build_component(IMPORTANCE, n, f"{WHERE}.importance.{role}", budget)
+            for role, n in importance_nodes.items()
+        }
+        diversity = {
+            role: build_component(DIVERSITY, n, f"{WHERE}.diversity.{role}", budget)
+            for role, n in diversity_nodes.items()
+        }
+        pipeline = cls(
+            budget=budget,
+            importance=importance,
+            diversity=diversity,
+            mixer=build_component(MIXERS, node.get("mixer") or "weighted_sum", f"{WHERE}.mixer", budget),
+            layer_allocator=build_component(
+                LAYER_ALLOCATORS, allocate.get("layer") or "uniform", f"{WHERE}.allocate.layer", budget
+            ),
+            head_allocator=build_component(
+                HEAD_ALLOCATORS, allocate.get("head") or "uniform", f"{WHERE}.allocate.head", budget
+            ),
+            modality_allocator=build_component(
+                MODALITY_ALLOCATORS, allocate.get("modality") or "none", f"{WHERE}.allocate.modality", budget
+            ),
+            selector=build_component(SELECTORS, node.get("select") or "topk", f"{WHERE}.select", budget),
+            decode_policy=build_decode_policy(node.get("decode") or "none", budget),
+            schedule=schedule,
+            sliding_layers=sliding_layers,
+        )
+        pipeline._check_roles()
+        pipeline._check_schedule()
+        return pipeline
+
+    @property
+    def roles(self) -> list[str]:
+        """Every scorer's role: importance roles then diversity roles, in YAML order."""
+        return [*self.importance, *self.diversity]
+
+    def _check_roles(self) -> None:
+        """The mixer's and the head allocator's roles exist; every scorer has a part in the mix."""
+        self.mixer.check_roles(list(self.importance), list(self.diversity), f"{WHERE}.mixer")
+        signal = self.head_allocator.signal
+        if signal != "mixed" and signal not in self.roles:
+            raise ConfigError(
+                f"{WHERE}.allocate.head.signal = '{signal}' is not a scorer's role "
+                f"({', '.join(self.roles) or 'no scorers'}).{did_you_mean(signal, self.roles)} Write "
+                "`signal: mixed` (the mixed score) or the key of the scorer to allocate from."
+            )
+
+    def walk(self, where: str = WHERE) -> list[Part]:
+        """Every component with its YAML field: the scorers by role, the slots, the route rule and
+        its parts, then every branch's (the one walk the pipeline's checks and capabilities read)."""
+        parts = [Part(f"{where}.importance.{role}", c, "scorer") for role, c in self.importance.items()]
+        parts += [Part(f"{where}.diversity.{role}", c, "scorer") for role, c in self.diversity.items()]
+        slots = {"mixer": self.mixer, "allocate.layer": self.layer_allocator,
+                 "allocate.head": self.head_allocator, "allocate.modality": self.modality_allocator,
+                 "select": self.selector, "decode": self.decode_policy}  # fmt: skip
+        parts += [Part(f"{where}.{name}", c, "slot") for name, c in slots.items() if c is not None]
+        if self.route_rule is not None:
+            parts.append(Part(f"{where}.route.rule", self.route_rule, "route"))
+            parts += [Part(f"{where}.route.rule.{n}", c, "route") for n, c in self.route_rule.parts().items()]
+        for name, branch in self.branches.items():
+            parts += branch.walk(f"{where}.route.branches.{name}")
+        return parts
+
+    @property
+    def capabilities(self) -> PipelineCapabilities:
+        """What this pipeline needs of the engine, from its components' declared capabilities."""
+        return PipelineCapabilities.of(self.walk())
+
+    @property
+    def needs_all_layers(self) -> bool:
+        """True when a component compares layers, so no layer can be compressed before the last
+        layer's prefill (``schedule: global``)."""
+        return bool(self.capabilities.comparing_layers)
+
+    def _check_schedule(self) -> None:
+        """A component comparing layers needs ``schedule: global``."""
+        needs = self.capabilities.comparing_layers
+        if needs and self.schedule != "global":
+            part = needs[0]
+            raise ConfigError(
+                f"{part.field} ({part.name}) compares every layer, whose scores exist only after the last "
+                f"layer's prefill, so it cannot run with {WHERE}.schedule = {self.schedule}: set "
+                f"`{WHERE}.schedule: global` (memory during the prefill is then the full cache), or use a "
+                "component that needs only its own layer (for PrefixKV: the offline `prefix_calibrated` "
+                "allocator with a calibration artefact)."
+            )
+
+    def bind_model(self, model: str) -> None:
+        """Tell components that load per-model artefacts which model runs; fails fast on a mismatch.
+
+        Called before the model loads (``KVLabModule``) and again by ``generate`` (idempotent).
+        """
+        if getattr(self, "_bound_model", None) == model:
+            return
+        shape = model_shape(model)  # read from the model's config, no weights; {} when unknown
+        for part in self.walk():
+            part.component.bind_model(model, shape)
+        self._bound_model = model
+
+    @property
+    def compresses(self) -> bool:
+        """False for the full cache (no scorer configured, in no branch)."""
+        return bool(self.importance or self.diversity) or any(b.compresses for b in self.branches.values())
+
+    @classmethod
+    def _routed(cls, node: dict[str, Any]) -> Pipeline:
+        """A pipeline whose layers go to branches (parent node + branch fields) chosen by a rule."""
+        where = f"{WHERE}.route"
+        route = node["route"]
+        check_route_node(route, where)
+        rule = ROUTE_RULES.build(route["rule"], f"{where}.rule")
+        parent = {k: v for k, v in node.items() if k != "route"}
+        branches = {}
+        for name, branch in route["branches"].items():
+            branch = check_branch_node(branch, f"{where}.branches.{name}", rule.per_head)
+            branches[name] = cls.from_config(merge(parent, branch))
+            allocator = branches[name].layer_allocator
+            if allocator.capabilities.needs_all_layers:
+                raise ConfigError(
+                    f"{where}: the layer allocator '{allocator.registry_name}' compares every layer's "
+                    "scores, but in a routed pipeline each branch scores only the layers (or heads) routed "
+                    f"to it. Use it without `route`, or give {WHERE}.allocate.layer an allocator that needs "
+                    "only its own layer (e.g. prefix_calibrated, uniform)."
+                )
+        for name in rule.branch_names:
+            if name not in branches:
+                raise ConfigError(
+                    f"{where}.rule refers to branch '{name}', which {where}.branches does not define "
+                    f"(it defines: {', '.join(branches) or 'none'}).{did_you_mean(name, list(branches))}"
+                )
+        pipeline = cls.from_config(parent)
+        for name, part in rule.parts().items():  # e.g. the metric observing the budget's window
+            take_budget_settings(part, f"{where}.rule.{name}", pipeline.budget)
+        pipeline.route_rule = rule
+        pipeline.branches = branches
+        return pipeline

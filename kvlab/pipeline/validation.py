@@ -1,0 +1,214 @@
+"""The YAML checks of ``model.compression``: fields, roles, budget settings, the decode policy.
+
+:meth:`kvlab.pipeline.spec.Pipeline.from_config` builds a method from its node with these; every
+refusal is a :class:`~kvlab.config.errors.ConfigError` that names the field and the fix. The
+schema is in :mod:`kvlab.pipeline.spec`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvlab.compression.budget import Budget
+from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
+from kvlab.config.errors import ConfigError, did_you_mean
+
+WHERE = "model.compression"
+FIELDS = (
+    "budget", "importance", "diversity", "mixer", "allocate", "select", "decode", "schedule", "route",
+    "sliding_layers",
+)  # fmt: skip
+SLIDING_LAYERS = ("window", "compress")
+SCHEDULES = ("layerwise", "global")
+ROUTE_FIELDS = ("rule", "branches")
+ALLOCATE_FIELDS = ("layer", "head", "modality")
+#: fields of the parent only (a route's branches may not set them)
+PARENT_ONLY = ("decode", "schedule", "sliding_layers")
+ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_fields(node: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    """Refuse a key of ``node`` not in ``allowed``, naming the closest field."""
+    for key in node:
+        if key not in allowed:
+            raise ConfigError(
+                f"{where} has no field '{key}'.{did_you_mean(key, allowed)} "
+                f"Its fields are: {', '.join(allowed)}."
+            )
+
+
+def keyed_by_role(node: Any, where: str) -> dict[str, dict[str, Any]]:
+    """``{role: component node}`` from a scorer section (a mapping keyed by role; ``null`` entries dropped).
+
+    A component node without ``name`` takes its role as the name (``value_norm: {}``). A list
+    (the old positional form) or a bare component is refused with the mapping to write instead.
+    """
+    if node is None:
+        return {}
+    if isinstance(node, list) or (isinstance(node, dict) and isinstance(node.get("name"), str)):
+        items = node if isinstance(node, list) else [node]
+        suggestion = ", ".join(
+            f"{item['name']}: {_inline({k: v for k, v in item.items() if k != 'name'})}"
+            if isinstance(item, dict) and isinstance(item.get("name"), str)
+            else f"{item}: {{}}"
+            for item in items
+        )
+        raise ConfigError(
+            f"{where} must map each scorer's role to the scorer, so that mixers and allocators name "
+            f"the scorer they use instead of relying on list order. Write `{where.rsplit('.', 1)[-1]}: "
+            f"{{{suggestion}}}` (a key may be any name, e.g. `attention: {{name: window_attention}}`) "
+            "and name the roles where they are used: `mixer: {name: mixkv, extrinsic: <role>, "
+            "intrinsic: [<role>], diversity: [<role>]}`, `allocate.head.signal: <role>`."
+        )
+    if not isinstance(node, dict):
+        raise ConfigError(
+            f"{where} must be a mapping from role to scorer, e.g. "
+            f"`{{attention: {{name: window_attention}}}}`, got {node!r}."
+        )
+    roles: dict[str, dict[str, Any]] = {}
+    for role, component in node.items():
+        if component is None:
+            continue
+        if not isinstance(role, str) or not ROLE.match(role):
+            raise ConfigError(
+                f"{where}: role {role!r} must be a name (letters, digits, underscores), e.g. attention."
+            )
+        if isinstance(component, str):
+            component = {"name": component}
+        if not isinstance(component, dict):
+            raise ConfigError(
+                f"{where}.{role} must be a scorer mapping such as {{name: window_attention}} (or {{}} to "
+                f"use the scorer named '{role}'), got {component!r}."
+            )
+        roles[role] = component if "name" in component else {"name": role, **component}
+    return roles
+
+
+def _inline(node: dict[str, Any]) -> str:
+    """``{a: 1, b: x}``: a flow-style YAML mapping for messages."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in node.items()) + "}"
+
+
+def take_budget_settings(component: Any, where: str, budget: Budget | None) -> None:
+    """Fill the parameters ``component`` restates from the budget; refuse a value that differs.
+
+    ``component.budget_settings`` maps a parameter to a budget field (e.g. ``window``). Unset
+    (None) parameters take the budget's value when it is a token count; a set one must equal it.
+    """
+    for param, setting in component.budget_settings.items():
+        own = getattr(component, param)
+        if budget is None:
+            continue
+        value = getattr(budget, setting)
+        is_count = isinstance(value, int) and not isinstance(value, bool)
+        if own is None:
+            if is_count:
+                setattr(component, param, value)
+            continue
+        if not is_count or own != value:
+            raise ConfigError(
+                f"{where}.{param} = {own} differs from {WHERE}.budget.{setting} = {value}: the "
+                f"{setting} is set once, in the budget, and {where.rsplit('.', 1)[-1]} reads it from "
+                f"there. Remove `{param}` from {where} (or make it equal), and set "
+                f"{WHERE}.budget.{setting} to the {setting} you want."
+            )
+
+
+def check_shared_budget(branch: dict[str, Any], where: str) -> None:
+    """A per-head route's branch may not change the layer budget its heads share."""
+    allocate = branch.get("allocate")
+    layer = allocate.get("layer") if isinstance(allocate, dict) else None
+    for key, value in (("budget", branch.get("budget")), ("allocate.layer", layer)):
+        if value is not None:
+            raise ConfigError(
+                f"{where}.{key}: the rule routes each KV head, and the heads of a layer share one layer "
+                f"budget; set {WHERE}.{key} on the parent pipeline instead of inside a branch."
+            )
+
+
+def build_component(registry: Any, node: Any, where: str, budget: Budget | None) -> Any:
+    """Build one component and give it the budget settings it restates (:func:`take_budget_settings`)."""
+    component = registry.build(node, where)
+    take_budget_settings(component, where, budget)
+    return component
+
+
+def build_decode_policy(node: Any, budget: Budget | None) -> DecodePolicy:
+    """The decode policy; a policy with a ``recent`` window takes ``budget.window``.
+
+    An explicit ``recent`` must equal a token-count ``budget.window``; with a ratio window
+    (a different count per prompt) or no budget, the policy's ``recent`` must be written.
+    """
+    where = f"{WHERE}.decode"
+    policy = DECODE_POLICIES.build(node, where)
+    if not hasattr(policy, "recent"):
+        return policy
+    written = isinstance(node, dict) and "recent" in node
+    window = budget.window if budget is not None else None
+    if isinstance(window, int) and not isinstance(window, bool):
+        if written and policy.recent != window:
+            raise ConfigError(
+                f"{where}.recent = {policy.recent} differs from {WHERE}.budget.window = {window}: the "
+                f"recent window is set once, in the budget, and the decode policy keeps it too. Remove "
+                f"`recent` from {where} and set {WHERE}.budget.window to the window you want."
+            )
+        policy.recent = window
+    elif not written:
+        raise ConfigError(
+            f"{where} '{policy.registry_name}' keeps a recent window of a fixed size, and "
+            f"{WHERE}.budget.window is {'a fraction of each prompt' if budget else 'not set'}: write "
+            f"the decode window in tokens, e.g. `decode: {{name: {policy.registry_name}, recent: 32}}`."
+        )
+    return policy
+
+
+def check_schedule(schedule: Any) -> str:
+    """``schedule`` (None: layerwise) if it is one of :data:`SCHEDULES`."""
+    schedule = schedule or "layerwise"
+    if schedule not in SCHEDULES:
+        raise ConfigError(
+            f"{WHERE}.schedule must be 'layerwise' (compress each layer right after its prefill "
+            "attention) or 'global' (score every layer during the prefill, then allocate over all "
+            f"layers and compress them), got {schedule!r}.{did_you_mean(str(schedule), SCHEDULES)}"
+        )
+    return schedule
+
+
+def check_sliding_layers(sliding_layers: Any) -> str:
+    """``sliding_layers`` (None: window) if it is one of :data:`SLIDING_LAYERS`."""
+    sliding_layers = sliding_layers or "window"
+    if sliding_layers not in SLIDING_LAYERS:
+        raise ConfigError(
+            f"{WHERE}.sliding_layers must be 'window' (a sliding-window layer keeps the window the "
+            "model attends to) or 'compress' (the method compresses within that window), got "
+            f"{sliding_layers!r}."
+        )
+    return sliding_layers
+
+
+def check_route_node(route: Any, where: str) -> None:
+    """A ``route`` node has a ``rule`` and a mapping of ``branches`` and nothing else."""
+    if not isinstance(route, dict) or not isinstance(route.get("branches"), dict) or "rule" not in route:
+        raise ConfigError(
+            f"{where} must be a mapping with 'rule' (e.g. {{name: latch, metric: {{name: ncar}}}}) and "
+            "'branches' (branch name -> fields merged over the parent, e.g. {unified: {}})."
+        )
+    check_fields(route, ROUTE_FIELDS, where)
+
+
+def check_branch_node(branch: Any, where: str, per_head: bool) -> dict[str, Any]:
+    """A branch node (fields merged over the parent): a mapping without the parent-only fields;
+    a per-head route's branch may not change the shared layer budget either."""
+    branch = branch or {}
+    if not isinstance(branch, dict):
+        raise ConfigError(f"{where} must be a mapping of pipeline fields, got {branch!r}.")
+    for key in PARENT_ONLY:
+        if key in branch:
+            raise ConfigError(
+                f"{where}.{key}: '{key}' applies to the whole pipeline; set it on {WHERE}.{key} instead of "
+                "inside a branch."
+            )
+    if per_head:
+        check_shared_budget(branch, where)
+    return branch
