@@ -24,7 +24,7 @@ import kvlab.data.datamodule as datamodule
 import kvlab.models
 import kvlab.runner.guards as guards
 from kvlab.calibration.artefact import Artefact
-from kvlab.config.cli import main
+from kvlab.cli.main import main
 from kvlab.config.errors import ConfigError
 from kvlab.data import KVLabDataModule, Sample
 from kvlab.engine.protocols import QueryAware

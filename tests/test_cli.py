@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 
 import kvlab.models
-from kvlab.config.cli import main, plural
+from kvlab.cli.listing import plural
+from kvlab.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
@@ -222,7 +223,7 @@ first = names()
 for info in pkgutil.walk_packages(kvlab.compression.__path__, "kvlab.compression."):
     importlib.import_module(info.name)
 print(json.dumps([first, names()]))
-from kvlab.config.cli import main
+from kvlab.cli.main import main
 main(["list"])
 import kvlab.kernels
 found = {}

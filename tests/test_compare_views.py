@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from kvlab.config.cli import main
+from kvlab.cli.main import main
 from kvlab.runner.compare import load_runs
 from kvlab.runner.leaderboard import budget_point, leaderboard
 from kvlab.runner.views import heatmap_figure, layer_curves_figure, patch_figure, render, run_label

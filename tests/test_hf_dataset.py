@@ -86,7 +86,7 @@ def test_hf_errors(saved_hf: Path, change: dict[str, Any], match: str) -> None:
 
 
 def test_hf_through_kvlab_predict(saved_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvlab.config.cli import main
+    from kvlab.cli.main import main
 
     fields = "{prompt: question, context: passage, answers: answer.text, id: qid}"
     common = ["predict", "--config", "full", "--model.model", "tiny-llama", "--model.max_new_tokens", "3",

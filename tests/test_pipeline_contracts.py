@@ -8,10 +8,10 @@ import pytest
 import torch
 from naive import make_ctx
 
+from kvlab.cli.main import main
 from kvlab.compression.budget import Budget
 from kvlab.compression.importance import WindowAttentionScorer
 from kvlab.compression.pipeline import Pipeline
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 from kvlab.data.sample import Sample

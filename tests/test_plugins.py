@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import kvlab.models
+from kvlab.cli.main import main
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.config import plugins
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 

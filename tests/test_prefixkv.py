@@ -24,6 +24,7 @@ from preset_runs import RECORD, is_vlm_preset, preset_compression, preset_models
 from kvlab.calibration import Artefact
 from kvlab.calibration.command import calibrate
 from kvlab.calibration.prefixkv import PrefixLayerRatios, artefact_from_released_configs
+from kvlab.cli.main import main
 from kvlab.compression.allocators import LAYER_ALLOCATORS
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.importance import IMPORTANCE
@@ -38,7 +39,6 @@ from kvlab.compression.prefixkv import (
     solve_exact,
 )
 from kvlab.compression.selectors import Selection
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names, resolve
 from kvlab.data import build_dataset

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.config.cli import main
+from kvlab.cli.main import main
 from kvlab.config.errors import ConfigError
 from kvlab.data import KVLabDataModule
 from kvlab.data.sample import Sample

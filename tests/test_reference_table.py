@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.config.cli import main
+from kvlab.cli.main import main
 from kvlab.config.errors import ConfigError
 from kvlab.runner import reference_table as reference
 

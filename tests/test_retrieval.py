@@ -12,12 +12,12 @@ import torch
 from e2e import kvlab_model
 from naive import dot, naive_attention, naive_chunk_choice
 
+from kvlab.cli.main import main
 from kvlab.compression import retrieval as retrieval_module
 from kvlab.compression.context import LayerContext
 from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.retrieval import ChunkStore, RetrieveSelector, retrieval_record
 from kvlab.compression.routing import combine_selections
-from kvlab.config.cli import main
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.cache import CompressedLayer

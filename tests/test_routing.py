@@ -10,9 +10,9 @@ from e2e import kvlab_model
 from naive import make_ctx
 from test_modality import WINDOW, mixed_samples, with_modality
 
+from kvlab.cli.main import main
 from kvlab.compression.pipeline import Pipeline
 from kvlab.compression.routing import LAYER_METRICS, ROUTE_RULES
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 

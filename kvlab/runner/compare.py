@@ -14,7 +14,7 @@ Writes into the experiment directory (``docs/evaluation.md``, "Comparing runs"):
   family and overall; ``score_vs_<ratio|tokens>.png``: score against budget, one panel per
   family, one line per method, the full cache dashed;
 - ``quality_vs_memory.png``: each quality metric against the kept KV fraction, one line per
-  method family (the points of a sweep, :func:`kvlab.config.sweep.parse_method`);
+  method family (the points of a sweep, :func:`kvlab.runner.run_names.parse_method`);
 - ``positions_overlap.csv``: for runs that recorded kept positions (``model.record_positions``),
   the mean Jaccard index of every pair over their shared samples, layers and KV heads;
 - ``compare/tensorboard/``: ``<family>/`` scalars ``sweep/<metric>`` whose step is the kept KV
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.config.errors import ConfigError
-from kvlab.config.sweep import parse_method
 from kvlab.metrics.run import summarize
 from kvlab.metrics.tasks import TASK_METRICS
 from kvlab.runner.leaderboard import (
@@ -48,6 +47,7 @@ from kvlab.runner.leaderboard import (
     pyplot,
 )
 from kvlab.runner.positions import mean_jaccard, read_positions
+from kvlab.runner.run_names import parse_method
 from kvlab.runner.writer import PREDICTIONS, read_predictions
 
 FIDELITY = ("fidelity_exact", "fidelity_token_match", "fidelity_rouge_l", "fidelity_kl", "fidelity_top1")

@@ -309,7 +309,7 @@ def plot_suite(
 
 def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[float, ...]) -> None:
     """``kvlab reference-table --suite ruler``: the runs, the tables, the figure, the docs block."""
-    from kvlab.config.cli import run_predict
+    from kvlab.cli.predict import run_predict
     from kvlab.data.benchmarks.ruler import RULER_TASKS
     from kvlab.engine.protocols import PROTOCOLS
 
@@ -400,7 +400,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def main(args: list[str]) -> None:
     """``kvlab reference-table``."""
-    from kvlab.config.cli import run_predict
+    from kvlab.cli.predict import run_predict
     from kvlab.config.loader import preset_names
 
     parser = argparse.ArgumentParser(prog="kvlab reference-table", description=__doc__.split("\n\n")[0])
