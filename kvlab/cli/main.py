@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "predict": (lazy_main("kvlab.cli.predict"), "run a method on a dataset (kvlab predict --help)"),
     "list": (lazy_main("kvlab.cli.listing"), "components, parameters, defaults, presets"),
     "compare": (
-        lazy_main("kvlab.runner.compare"),
+        lazy_main("kvlab.cli.compare"),
         "table and plots of an experiment's runs (kvlab compare DIR)",
     ),
     "calibrate": (

@@ -1,4 +1,5 @@
-"""``kvlab compare runs/<experiment>``: methods x metrics, a methods x budget leaderboard, and plots.
+"""The comparison of an experiment's runs (``kvlab compare``): methods x metrics, a methods x budget
+leaderboard, and plots.
 
 Every subdirectory of the experiment holding a ``predictions.jsonl`` is a run (``reference/``
 and the outputs below are not). Its aggregates are recomputed from the per-sample records
@@ -25,7 +26,6 @@ Writes into the experiment directory (``docs/evaluation.md``, "Comparing runs"):
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -225,7 +225,7 @@ def write_tensorboard(runs: list[Run], root: Path, figure: Any, board: Leaderboa
     writer.close()
 
 
-def _compare(root: Path, plots: bool) -> tuple[str, list[str]]:
+def write_comparison(root: Path, plots: bool = True) -> tuple[str, list[str]]:
     """Write the comparison files; returns the Markdown and the names of the files written."""
     runs = load_runs(root)
     for stale in [*root.glob("score_vs_*.png"), root / "leaderboard.csv", root / "positions_overlap.csv"]:
@@ -266,15 +266,4 @@ def _compare(root: Path, plots: bool) -> tuple[str, list[str]]:
 
 def compare_experiment(experiment: str | Path, plots: bool = True) -> str:
     """Write the comparison files of an experiment; returns the Markdown (table, leaderboard, overlap)."""
-    return _compare(Path(experiment), plots)[0]
-
-
-def main(args: list[str]) -> None:
-    """``kvlab compare``."""
-    parser = argparse.ArgumentParser(prog="kvlab compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("experiment", help="an experiment directory, runs/<experiment>")
-    parser.add_argument("--no-plots", action="store_true", help="tables only (no PNG, no TensorBoard)")
-    ns = parser.parse_args(args)
-    text, written = _compare(Path(ns.experiment), plots=not ns.no_plots)
-    print(text, end="")
-    print(f"kvlab: wrote {', '.join(written)} in {ns.experiment}")
+    return write_comparison(Path(experiment), plots)[0]
