@@ -47,7 +47,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
         lazy_main("kvlab.runner.check_model"),
         "kvlab's engine vs transformers' own forward on a model (kvlab check-model MODEL --lengths 256,2048)",
     ),
-    "bench": (lazy_main("kvlab.bench"), "benchmarks printing tables: kernels, memory, scoring"),
+    "bench": (lazy_main("kvlab.cli.bench"), "benchmarks printing tables: kernels, memory, scoring"),
     "reference-table": (
         lazy_main("kvlab.runner.reference_table"),
         "methods x budgets on the synthetic tasks with smollm2-135m (docs/evaluation.md); "
