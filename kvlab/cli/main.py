@@ -44,7 +44,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
         "measure per-model statistics into a calibration artefact (kvlab calibrate --help)",
     ),
     "check-model": (
-        lazy_main("kvlab.runner.check_model"),
+        lazy_main("kvlab.cli.check_model"),
         "kvlab's engine vs transformers' own forward on a model (kvlab check-model MODEL --lengths 256,2048)",
     ),
     "bench": (lazy_main("kvlab.cli.bench"), "benchmarks printing tables: kernels, memory, scoring"),
