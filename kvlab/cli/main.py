@@ -49,7 +49,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     ),
     "bench": (lazy_main("kvlab.cli.bench"), "benchmarks printing tables: kernels, memory, scoring"),
     "reference-table": (
-        lazy_main("kvlab.runner.reference_table"),
+        lazy_main("kvlab.cli.reference_table"),
         "methods x budgets on the synthetic tasks with smollm2-135m (docs/evaluation.md); "
         "--suite ruler: the RULER-style suite under query_aware/query_agnostic",
     ),
