@@ -11,8 +11,8 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kvlab.cli.main import main
-from kvlab.runner.compare import load_runs
 from kvlab.runner.leaderboard import budget_point, leaderboard
+from kvlab.runner.runs import load_runs
 from kvlab.runner.views import heatmap_figure, layer_curves_figure, patch_figure, render, run_label
 
 ATTENTION = {"attention": {"name": "window_attention"}}
@@ -161,7 +161,7 @@ def test_run_label():
 
 def test_runs_differing_in_window_or_protocol_are_never_pooled():
     """Only the budget's size is a column: another window or protocol is another method (row)."""
-    from kvlab.runner.compare import Run
+    from kvlab.runner.runs import Run
 
     def run(name, point, budget, protocol="query_aware", score=1.0, metric="contains_answer"):
         fields = {"model": {"compression": {"budget": budget, "importance": ATTENTION}, "protocol": protocol},
@@ -186,8 +186,8 @@ def test_runs_differing_in_window_or_protocol_are_never_pooled():
 
 
 def test_a_run_without_its_datasets_metric_has_no_score():
-    from kvlab.runner.compare import Run
     from kvlab.runner.leaderboard import primary_metric
+    from kvlab.runner.runs import Run
 
     fields = {"data": {"dataset": {"name": "bench", "metrics": ["rouge_l"]}}}
     run = Run("snapkv", "snapkv", {}, {}, records=[{"id": "s0", "contains_answer": 1.0}], fields=fields)

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import load_config
-from kvlab.runner.compare import compare_experiment, load_runs
+from kvlab.runner.compare import compare_experiment
 from kvlab.runner.leaderboard import (
     OVERALL,
     BudgetPoint,
@@ -28,6 +28,7 @@ from kvlab.runner.leaderboard import (
     plot_leaderboard,
     pyplot,
 )
+from kvlab.runner.runs import load_runs
 from kvlab.runner.writer import PREDICTIONS, read_predictions
 
 MODEL = "smollm2-135m"
