@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.models.common import IMAGE_TOKEN_FIELDS, config_token_ids
 from kvlab.models.processors import FamilyImages, ImageAdapter, LlavaImages, Qwen2VLImages
 
 QWEN2VL_PATCH = 14
@@ -198,8 +199,6 @@ def image_adapter(
     if model_type == "llava":
         return llava_images(config, image_processor)
     if model_type in FAMILY_PROCESSORS:
-        from kvlab.models.info import model_info
-
         class_name, type_ids = FAMILY_PROCESSORS[model_type]
         if not hasattr(image_processor, "replace_image_token"):
             raise ConfigError(
@@ -208,7 +207,7 @@ def image_adapter(
                 f"processor inside) as the image processor, e.g. processor = {class_name}.from_pretrained("
                 "path); kvlab.wrap_model(model, processor.tokenizer, processor)."
             )
-        return FamilyImages(image_processor, model_info(config, "").image_token_ids, type_ids)
+        return FamilyImages(image_processor, config_token_ids(config, *IMAGE_TOKEN_FIELDS), type_ids)
     raise ConfigError(
         f"kvlab has no image processing for vision-language models of type '{model_type}'. "
         f"Supported families: {supported} (or use a text-only model); docs/models.md says how to add one."
