@@ -32,8 +32,9 @@ import torch
 
 from kvlab.config.registry import Registry
 from kvlab.models.common import build_from_config, seeded
+from kvlab.models.images import ImageAdapter
 from kvlab.models.info import model_info
-from kvlab.models.processors import ChatProcessor, ImageAdapter
+from kvlab.models.processors import ChatProcessor
 from kvlab.models.scaffolding import gemma3, graft, smollm2, tiny
 from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
 from kvlab.models.vlm import llava_config, llava_images, qwen2_vl_config, qwen2_vl_images

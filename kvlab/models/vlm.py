@@ -1,10 +1,10 @@
 """Vision-language families: which image adapter feeds each one, and the built-in VLMs' configs.
 
 :func:`image_adapter` picks the adapter of a config's family (``model_type``): Qwen2-VL and
-Qwen2.5-VL (:class:`~kvlab.models.processors.Qwen2VLImages`), LLaVA
-(:class:`~kvlab.models.processors.LlavaImages`), and the families in :data:`FAMILY_PROCESSORS`
+Qwen2.5-VL (:class:`~kvlab.models.images.Qwen2VLImages`), LLaVA
+(:class:`~kvlab.models.images.LlavaImages`), and the families in :data:`FAMILY_PROCESSORS`
 (LLaVA-NeXT, Idefics3, SmolVLM, Gemma 3), fed through their own transformers processor
-(:class:`~kvlab.models.processors.FamilyImages`). Families in
+(:class:`~kvlab.models.images.FamilyImages`). Families in
 :data:`BIDIRECTIONAL_IMAGE_FAMILIES` (Gemma 3) let the tokens of one image attend to each other
 in both directions; kvlab's prefill attention and its attention-reading scorers apply those
 image blocks for them (``ModelInfo.bidirectional_image_blocks``). Families in
@@ -23,7 +23,7 @@ from typing import Any
 
 from kvlab.config.errors import ConfigError
 from kvlab.models.common import IMAGE_TOKEN_FIELDS, config_token_ids
-from kvlab.models.processors import FamilyImages, ImageAdapter, LlavaImages, Qwen2VLImages
+from kvlab.models.images import FamilyImages, ImageAdapter, LlavaImages, Qwen2VLImages
 
 QWEN2VL_PATCH = 14
 QWEN2VL_MERGE = 2
