@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from kvlab.cli.main import main
+from kvlab.cli.prompt_example import EXAMPLE_KEEP, describe_prompt, elide
 from kvlab.config.errors import ConfigError
 from kvlab.data import KVLabDataModule
 from kvlab.data.sample import Sample
 from kvlab.models import load_processor
-from kvlab.models.processors import EXAMPLE_KEEP, describe_prompt, elide
 from kvlab.models.scaffolding import tiny
 from kvlab.models.scaffolding.tokenizer import tiny_tokenizer
 

@@ -16,11 +16,11 @@ import sys
 import torch
 
 from kvlab.api import load_model
+from kvlab.cli.prompt_example import elide
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
 from kvlab.engine.verify import verify_engine
 from kvlab.models.base import LoadedModel
-from kvlab.models.processors import elide
 
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches"
 #: tokens kept from the end of the formatted prompt (the generation prompt) when cutting its middle

@@ -47,13 +47,9 @@ from kvlab.models.images import ImageAdapter, ProcessedImages
 CHATML_END = "<|im_end|>"
 #: the named values of ``data.chat_template`` (anything else is a path to a Jinja template file)
 CHAT_TEMPLATE_MODES = ("auto", "none")
-#: characters of a prompt example kept at each end before the middle is elided
-EXAMPLE_KEEP = 200
 #: marks where the question starts when the chat template is rendered (private-use characters,
-#: never in a prompt) and, in a prompt example, where the question part begins
+#: never in a prompt)
 QUESTION_MARK = "\ue000kvlab-question\ue000"
-#: the line a prompt example shows between the context and the question part
-QUESTION_LINE = "\n[--- question part: prefilled after compression by query_agnostic / multi_question ---]\n"
 
 
 def read_chat_template(chat_template: str) -> str | None:
@@ -366,32 +362,3 @@ def _shared_prefix(ids: Sequence[int], other: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def elide(text: str, keep: int = EXAMPLE_KEEP) -> str:
-    """``text`` with its middle replaced by a marker when longer than ``2 * keep`` characters
-    (the first and last ``keep`` characters are kept)."""
-    if len(text) <= 2 * keep:
-        return text
-    return f"{text[:keep]}\n[... {len(text) - 2 * keep} characters elided ...]\n{text[-keep:]}"
-
-
-def describe_prompt(processor: Any, sample: Sample) -> tuple[str, int]:
-    """What the model sees for ``sample``: ``(text, token count)``.
-
-    The text is the batch's token ids decoded with special tokens visible (BOS, chat markers, image
-    tokens), its middle elided past ``2 * EXAMPLE_KEEP`` characters; the count is the prompt's tokens.
-    A sample with a ``question`` shows its context and its question part (question, assistant
-    opening, answer prefix) on either side of :data:`QUESTION_LINE`, each elided on its own.
-    """
-    ids = processor.collate([sample])["input_ids"][0]
-    tokens = [int(t) for t in ids.tolist()]
-    tokenizer = getattr(processor, "tokenizer", None)
-    if tokenizer is None:  # a custom processor without a tokenizer: the ids themselves
-        return elide(" ".join(map(str, tokens))), len(tokens)
-    if sample.question is not None and hasattr(processor, "context_token_count"):
-        split = processor.context_token_count(sample, tokens)
-        parts = (tokens[:split], tokens[split:])
-        context, question = (tokenizer.decode(p, skip_special_tokens=False) for p in parts)
-        return elide(context) + QUESTION_LINE + elide(question), len(tokens)
-    return elide(tokenizer.decode(tokens, skip_special_tokens=False)), len(tokens)
