@@ -439,7 +439,7 @@ def _chunks(group: list[_Item], batch_size: int | None, by_context: bool) -> lis
     if not group:
         return []
     if by_context and group[0].sample is not None:
-        from kvlab.data.datamodule import context_batches
+        from kvlab.data.contexts import context_batches
 
         indices = context_batches([item.sample.context_id for item in group], batch_size or len(group))
         return [[group[i] for i in batch] for batch in indices]

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 import kvlab.data.datamodule as datamodule
+import kvlab.data.long_prompts as long_prompts
 import kvlab.models
 import kvlab.runner.guards as guards
 from kvlab.calibration.artefact import Artefact
@@ -352,12 +353,12 @@ def test_truncate_left_drops_the_first_words_and_says_so(monkeypatch, capsys) ->
     module.setup("predict")
     assert "data.long_prompts = truncate_left: 2 prompts" in capsys.readouterr().err
     for sample in module.samples:
-        assert datamodule.prompt_length(module.processor, sample) <= 48
+        assert long_prompts.prompt_length(module.processor, sample) <= 48
         dropped = sample.meta["truncated_words"]
         assert dropped > 0 and original[sample.id].split(" ")[dropped:] == sample.prompt.split(" ")
         assert sample.prompt.endswith("Answer with the 5-digit number only.")  # the question is kept
-    longer = datamodule.truncate_left(module.processor, Sample("x", "word " * 100), 60)[0]
-    assert datamodule.prompt_length(module.processor, longer) <= 60
+    longer = long_prompts.truncate_left(module.processor, Sample("x", "word " * 100), 60)[0]
+    assert long_prompts.prompt_length(module.processor, longer) <= 60
 
 
 def test_truncate_left_refuses_when_the_template_alone_is_too_long(monkeypatch) -> None:

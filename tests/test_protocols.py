@@ -20,7 +20,8 @@ from kvlab.api import load_pipeline
 from kvlab.cli.prompt_example import QUESTION_LINE, describe_prompt
 from kvlab.compression.pipeline import Pipeline
 from kvlab.config.errors import ConfigError
-from kvlab.data.datamodule import ContextBatchSampler, check_contexts, context_batches, truncate_left
+from kvlab.data.contexts import ContextBatchSampler, check_contexts, context_batches
+from kvlab.data.long_prompts import truncate_left
 from kvlab.data.sample import Sample
 from kvlab.engine.protocols import PROTOCOLS, build_protocol, protocol_node
 from kvlab.models.processors import ChatProcessor

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
-from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, SequentialSampler
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import to_plain
+from kvlab.data.contexts import ContextBatchSampler, check_contexts
 from kvlab.data.datasets import build_dataset
+from kvlab.data.long_prompts import LONG_PROMPTS, prompt_length, truncate_left
 from kvlab.data.sample import Sample
 
 DEFAULT_DATASET: dict[str, Any] = {"name": "synthetic_retrieval", "num_samples": 8, "context_words": 400}
-LONG_PROMPTS = ("refuse", "truncate_left")
 
 
 def context_length(name: str) -> int | None:
@@ -31,107 +31,6 @@ def context_length(name: str) -> int | None:
     else:
         return None
     return model_info(config, name).max_position_embeddings
-
-
-def prompt_length(processor: Any, sample: Sample) -> int:
-    """Tokens of ``sample``'s full prompt (chat template, images expanded), as the model sees it.
-    A text-only sample is tokenized without building tensors."""
-    if not sample.images and hasattr(processor, "prompt_ids"):
-        return len(processor.prompt_ids(sample))
-    return int(processor.collate([sample])["input_ids"].shape[-1])
-
-
-def truncate_left(processor: Any, sample: Sample, limit: int) -> tuple[Sample, int]:
-    """``sample`` with the fewest leading words of its prompt dropped so that it fits ``limit``
-    tokens; returns ``(sample, words dropped)``. Only context words are dropped: a sample's
-    ``question`` stays whole. Raises :class:`ConfigError` when even the empty context (chat
-    template, system message, images, question, answer prefix) does not fit."""
-    words = sample.context.split(" ")
-    question = sample.question or ""
-
-    def cut(k: int) -> Sample:
-        return replace(sample, prompt=" ".join(words[k:]) + question)
-
-    if prompt_length(processor, cut(len(words))) > limit:
-        raise ConfigError(
-            f"sample '{sample.id}': even with its whole prompt text before the question removed, the chat "
-            f"template, system message, images, question and answer prefix take more than the model's "
-            f"context of {limit} tokens, so data.long_prompts = truncate_left cannot make it fit. Remove "
-            "images or the system message from this sample, or use a model with a longer context."
-        )
-    low, high = 0, len(words)  # invariant: cut(high) fits
-    while low < high:
-        mid = (low + high) // 2
-        if prompt_length(processor, cut(mid)) <= limit:
-            high = mid
-        else:
-            low = mid + 1
-    return cut(high), high
-
-
-def check_contexts(samples: list[Sample]) -> None:
-    """Refuse samples of one ``context_id`` whose contexts differ (text before the question, system
-    message, number of images): they could not share one compressed context."""
-    first: dict[str, Sample] = {}
-
-    def shared(s: Sample) -> tuple[str, str | None, int]:
-        return s.context, s.system, len(s.images)
-
-    for sample in samples:
-        if sample.context_id is None:
-            continue
-        seen = first.setdefault(sample.context_id, sample)
-        if shared(seen) != shared(sample):
-            raise ConfigError(
-                f"samples '{seen.id}' and '{sample.id}' share context_id '{sample.context_id}' but not their "
-                "context (the prompt before the question, the system message or the images differ). Samples "
-                "of one context_id must differ only in their question; fix the data or their context ids."
-            )
-
-
-def context_batches(context_ids: Sequence[str | None], batch_size: int) -> list[list[int]]:
-    """Batches of positions in ``context_ids`` (one per sample) holding whole contexts: the samples
-    of each context id (in order of first appearance; a sample without one is its own context),
-    ``batch_size`` contexts per batch."""
-    groups: dict[Any, list[int]] = {}
-    for index, context_id in enumerate(context_ids):
-        key = context_id if context_id is not None else ("sample", index)
-        groups.setdefault(key, []).append(index)
-    contexts = list(groups.values())
-    return [
-        [i for members in contexts[start : start + batch_size] for i in members]
-        for start in range(0, len(contexts), batch_size)
-    ]
-
-
-class ContextBatchSampler(BatchSampler):
-    """Batches of whole contexts (:func:`context_batches`) over the indices ``sampler`` yields.
-
-    ``context_ids[i]``: the ``context_id`` of sample ``i``. A ``BatchSampler`` with a ``sampler``
-    argument, so Lightning can put its own (distributed) sampler in; under data-parallel predict a
-    context whose samples land on two ranks is compressed once on each.
-    """
-
-    def __init__(
-        self,
-        sampler: Sampler[int] | Iterable[int],
-        batch_size: int,
-        drop_last: bool = False,
-        context_ids: Sequence[str | None] = (),
-    ) -> None:
-        super().__init__(sampler, batch_size, drop_last)
-        self.context_ids = list(context_ids)
-
-    def _batches(self) -> list[list[int]]:
-        indices = list(self.sampler)
-        positions = context_batches([self.context_ids[i] for i in indices], self.batch_size)
-        return [[indices[p] for p in batch] for batch in positions]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self._batches()
-
-    def __len__(self) -> int:
-        return len(self._batches())
 
 
 def _validate_model_name(name: str) -> None:
