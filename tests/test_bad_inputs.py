@@ -20,15 +20,16 @@ import pytest
 import torch
 from PIL import Image
 
-import kvlab.data.datamodule as datamodule
 import kvlab.data.long_prompts as long_prompts
 import kvlab.models
+import kvlab.runner.datamodule as datamodule
 import kvlab.runner.guards as guards
 from kvlab.calibration.artefact import Artefact
 from kvlab.cli.main import main
 from kvlab.config.errors import ConfigError
-from kvlab.data import KVLabDataModule, Sample
+from kvlab.data import Sample
 from kvlab.engine.protocols import QueryAware
+from kvlab.runner.datamodule import KVLabDataModule
 
 BASE = [
     "--config", "snapkv",
@@ -370,5 +371,5 @@ def test_truncate_left_refuses_when_the_template_alone_is_too_long(monkeypatch) 
 
 
 def test_context_length_comes_from_the_models_config() -> None:
-    assert datamodule.context_length("tiny-llama") == 8192
-    assert datamodule.context_length("not-a-model") is None
+    assert kvlab.models.context_length("tiny-llama") == 8192
+    assert kvlab.models.context_length("not-a-model") is None

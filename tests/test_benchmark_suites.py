@@ -316,7 +316,7 @@ LOCAL = {
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_benchmark_configs_validate(name: str) -> None:
-    from kvlab.data.datamodule import KVLabDataModule
+    from kvlab.runner.datamodule import KVLabDataModule
 
     assert load_config(f"benchmarks/{name}")["data"]["dataset"]["name"]
     cfg = resolve(["snapkv", f"benchmarks/{name}"], [])
@@ -335,7 +335,7 @@ def test_shipped_benchmark_configs_validate(name: str) -> None:
 
 def test_longbench_tasks_prompted_raw_are_refused_with_a_chat_template() -> None:
     """trec & co. are prompted without a chat template by LongBench: a run applying one is refused."""
-    from kvlab.data import KVLabDataModule
+    from kvlab.runner.datamodule import KVLabDataModule
 
     node = {"name": "longbench", "path": str(FIXTURES / "longbench"), "tasks": ["trec"]}
     with pytest.raises(ConfigError, match="data.chat_template: none"):

@@ -19,13 +19,14 @@ from kvlab.data import (
     PALETTE,
     REGIONS,
     JsonlDataset,
-    KVLabDataModule,
     Sample,
     SyntheticImageQA,
     SyntheticRetrieval,
 )
 from kvlab.data.synthetic import region_pixel
 from kvlab.models.base import IMAGE, PAD, TEXT
+from kvlab.runner import datamodule
+from kvlab.runner.datamodule import KVLabDataModule
 
 # ---------------------------------------------------------------------------------------------
 # fake processor: whitespace "tokenizer", each image -> 4 image tokens, left padding
@@ -78,15 +79,15 @@ class FakeProcessor:
 
 @pytest.fixture
 def fake_models(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Replace kvlab.models' processor loading and name validation with fakes; records calls."""
+    """Replace the data module's processor loading and name validation with fakes; records calls."""
     record: dict[str, Any] = {"loaded": [], "processor": FakeProcessor()}
 
     def load_processor(name: str) -> FakeProcessor:
         record["loaded"].append(name)
         return record["processor"]
 
-    monkeypatch.setattr(kvlab.models, "load_processor", load_processor, raising=False)
-    monkeypatch.setattr(kvlab.models, "validate_model_name", lambda name: None, raising=False)
+    monkeypatch.setattr(datamodule, "load_processor", load_processor)
+    monkeypatch.setattr(datamodule, "validate_model_name", lambda name: None)
     return record
 
 

@@ -34,10 +34,10 @@ from kvlab.cli.prompt_example import describe_prompt
 from kvlab.cli.sweep import cli_sweep, expand, has_option, naming_overrides, pop_run_args
 from kvlab.config.loader import check_fields, resolve, split_overrides
 from kvlab.config.plugins import IMPORTS_KEY, import_plugins
-from kvlab.data import KVLabDataModule
 from kvlab.metrics.reference import REFERENCE_DIR
 from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, validate_task_metrics
 from kvlab.runner.compare import compare_experiment
+from kvlab.runner.datamodule import KVLabDataModule
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.fingerprint import check_run, clear_results, fingerprint_fields, record_run
 from kvlab.runner.guards import RunGuard, make_run_dir

@@ -6,6 +6,7 @@ Public API::
     load_model(name, dtype)     # -> LoadedModel(model, processor, info, extras)
     load_processor(name)        # -> Processor (cached per name; no weights loaded)
     model_info(config, name)    # -> ModelInfo from an HF config
+    context_length(name)        # -> max_position_embeddings, read without weights
     validate_model_name(name)   # ConfigError early for unknown names
 
 ``name`` is a built-in name (see :mod:`kvlab.models.builtin`), an existing local directory with
@@ -41,6 +42,7 @@ __all__ = [
     "ModelInfo",
     "Processor",
     "load_model",
+    "context_length",
     "load_processor",
     "model_info",
     "validate_model_name",
@@ -134,3 +136,15 @@ def load_model(
         extras["device_map"] = {module: str(device) for module, device in resolved.items()}
     extras.update(dtype=torch_dtype, load_seconds=time.perf_counter() - start)
     return LoadedModel(model=model, processor=processor, info=info, extras=extras)
+
+
+def context_length(name: str) -> int | None:
+    """The model's context (``max_position_embeddings`` of its config), read without weights;
+    None when ``name`` is neither a built-in, a local directory nor a Hub id."""
+    if name in MODELS:
+        config = MODELS.get(name)().config()
+    elif hub.local_dir(name) is not None or hub.is_hub_id(name):
+        config = hub.load_config(name)
+    else:
+        return None
+    return model_info(config, name).max_position_embeddings

@@ -1,4 +1,9 @@
-"""The Lightning data module: builds the configured dataset and batches it with the model's processor."""
+"""The Lightning data module: builds the configured dataset and batches it with the model's processor.
+
+It is where data meets the model: the run's model name gives the processor (loaded through
+:mod:`kvlab.models`) that the data functions below it are handed (prompt lengths, truncation,
+token-measured datasets), so :mod:`kvlab.data` never imports a model.
+"""
 
 from __future__ import annotations
 
@@ -15,31 +20,10 @@ from kvlab.data.contexts import ContextBatchSampler, check_contexts
 from kvlab.data.datasets import build_dataset
 from kvlab.data.long_prompts import LONG_PROMPTS, prompt_length, truncate_left
 from kvlab.data.sample import Sample
+from kvlab.models import context_length, load_processor, validate_model_name
+from kvlab.models.processors import read_chat_template
 
 DEFAULT_DATASET: dict[str, Any] = {"name": "synthetic_retrieval", "num_samples": 8, "context_words": 400}
-
-
-def context_length(name: str) -> int | None:
-    """The model's context (``max_position_embeddings`` of its config), read without weights;
-    None when ``name`` is neither a built-in, a local directory nor a Hub id."""
-    from kvlab.models import MODELS, hub, model_info
-
-    if name in MODELS:
-        config = MODELS.get(name)().config()
-    elif hub.local_dir(name) is not None or hub.is_hub_id(name):
-        config = hub.load_config(name)
-    else:
-        return None
-    return model_info(config, name).max_position_embeddings
-
-
-def _validate_model_name(name: str) -> None:
-    """Check the model name with kvlab.models when that module provides a validator."""
-    try:
-        from kvlab.models import validate_model_name
-    except ImportError:  # kvlab.models not available: the processor load will report problems
-        return
-    validate_model_name(name)
 
 
 class KVLabDataModule(L.LightningDataModule):
@@ -103,13 +87,11 @@ class KVLabDataModule(L.LightningDataModule):
                 f"{chat_template!r}. Use `auto` (the model's own template, or the raw prompt when it has "
                 "none), `none` (always the raw prompt) or a file path."
             )
-        from kvlab.models.processors import read_chat_template
-
         read_chat_template(chat_template)  # a missing file surfaces before anything loads
         self.save_hyperparameters()
         node = to_plain(dataset) if dataset is not None else dict(DEFAULT_DATASET)
         self.dataset_config: dict[str, Any] | str = node
-        _validate_model_name(model)  # before the dataset, which may load the model's tokenizer
+        validate_model_name(model)  # before the dataset, which may load the model's tokenizer
         self.source = build_dataset(node, "data.dataset", tokenizer=model)
         self.model_name = model
         self.batch_size = batch_size
@@ -146,8 +128,6 @@ class KVLabDataModule(L.LightningDataModule):
         against the model (images for a text-only model, prompts longer than its context): the
         trainer calls this before the model's weights load."""
         if self.processor is None:
-            from kvlab.models import load_processor
-
             processor = load_processor(self.model_name)
             if hasattr(processor, "with_chat_template"):  # kvlab's ChatProcessor (a copy: the load is cached)
                 processor = processor.with_chat_template(self.chat_template)
