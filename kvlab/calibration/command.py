@@ -71,7 +71,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
     from kvlab.compression.pipeline import Pipeline
     from kvlab.data import build_dataset
     from kvlab.engine.generation import generate
-    from kvlab.models import load_model, validate_model_name
+    from kvlab.models import PROCESSORS, load_model, validate_model_name
 
     model_name = settings.get("model")
     validate_model_name(model_name)
@@ -81,7 +81,9 @@ def calibrate(settings: dict[str, Any]) -> Path:
         raise ConfigError(
             "calibration config needs data.dataset, e.g. {name: synthetic_image_qa, num_samples: 32}."
         )
-    samples = build_dataset(dataset_node, "data.dataset", tokenizer=model_name).samples()
+    samples = build_dataset(
+        dataset_node, "data.dataset", tokenizer=model_name, processors=PROCESSORS
+    ).samples()
     if statistic.needs_answers and any(not s.answers for s in samples):
         raise ConfigError(
             f"calibration '{statistic.registry_name}' teacher-forces reference answers, but some samples of "

@@ -16,6 +16,8 @@ from typing import Literal
 from PIL import Image
 
 from kvlab.config.errors import ConfigError
+from kvlab.config.registry import context_field
+from kvlab.data.benchmarks.tokens import ProcessorSource, check_tokenizer_name, fit_units, require_tokenizer
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
 
@@ -112,6 +114,7 @@ class SyntheticRetrieval:
     metrics: tuple[str, ...] = ("contains_answer", "exact_match")
     seed: int = 0
     tokenizer: str | None = None
+    processors: ProcessorSource | None = context_field()  # loads the tokenizer's processor (kvlab's)
 
     def __post_init__(self) -> None:
         check_num_samples(self.num_samples)
@@ -139,11 +142,9 @@ class SyntheticRetrieval:
                 f"needle_depth must be in [0, 1] (0 = start of the context, 1 = end) or null to vary "
                 f"it across samples, got {self.needle_depth}. Fix data.dataset.needle_depth."
             )
-        from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer
-
-        check_tokenizer_name(self.tokenizer)
-        if self.context_tokens is not None and self.tokenizer is None:
-            require_tokenizer(None, "synthetic_retrieval", "context_tokens")  # refuses, naming the fix
+        check_tokenizer_name(self.tokenizer, self.processors)
+        if self.context_tokens is not None and self.tokenizer is None:  # refuses, naming the fix
+            require_tokenizer(None, self.processors, "synthetic_retrieval", "context_tokens")
 
     def depths(self) -> list[float]:
         """The needle depth of each sample."""
@@ -162,9 +163,7 @@ class SyntheticRetrieval:
 
     def _fitted_sample(self, index: int, depth: float) -> Sample:
         """The sample with the most filler sentences whose prompt fits ``context_tokens``."""
-        from kvlab.data.benchmarks.tokens import fit_units, require_tokenizer
-
-        counter = require_tokenizer(self.tokenizer, "synthetic_retrieval", "context_tokens")
+        counter = require_tokenizer(self.tokenizer, self.processors, "synthetic_retrieval", "context_tokens")
         limit = int(self.context_tokens)  # type: ignore[arg-type]
         fitted = fit_units(
             lambda n: counter.count_prompt(self._sample(index, depth, n)), limit, max(1, limit // 16)

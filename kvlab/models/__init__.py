@@ -8,6 +8,7 @@ Public API::
     model_info(config, name)    # -> ModelInfo from an HF config
     context_length(name)        # -> max_position_embeddings, read without weights
     validate_model_name(name)   # ConfigError early for unknown names
+    PROCESSORS                  # the above as the processor source datasets measure tokens with
 
 ``name`` is a built-in name (see :mod:`kvlab.models.builtin`), an existing local directory with
 an HF ``config.json``, or a Hub id ``org/name``.
@@ -34,6 +35,7 @@ __all__ = [
     "IMAGE",
     "MODELS",
     "PAD",
+    "PROCESSORS",
     "TEXT",
     "VIDEO",
     "BuiltinModel",
@@ -95,6 +97,22 @@ def load_processor(name: str) -> Processor:
     if name in MODELS:
         return MODELS.get(name)().processor()
     return hub.load_processor(name)
+
+
+class ModelProcessors:
+    """kvlab's models as the :class:`~kvlab.data.benchmarks.tokens.ProcessorSource` of the datasets
+    that measure lengths in tokens: names checked by :func:`validate_model_name`, processors from
+    :func:`load_processor` (looked up when called)."""
+
+    def check(self, name: str) -> None:
+        validate_model_name(name)
+
+    def load(self, name: str) -> Processor:
+        return load_processor(name)
+
+
+#: the processor source kvlab passes to datasets (``build_dataset(..., processors=PROCESSORS)``)
+PROCESSORS = ModelProcessors()
 
 
 def load_model(

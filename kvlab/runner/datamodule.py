@@ -16,11 +16,12 @@ from torch.utils.data import DataLoader, SequentialSampler
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import to_plain
+from kvlab.data.benchmarks.tokens import ProcessorSource
 from kvlab.data.contexts import ContextBatchSampler, check_contexts
 from kvlab.data.datasets import build_dataset
 from kvlab.data.long_prompts import LONG_PROMPTS, prompt_length, truncate_left
 from kvlab.data.sample import Sample
-from kvlab.models import context_length, load_processor, validate_model_name
+from kvlab.models import PROCESSORS, context_length
 from kvlab.models.processors import read_chat_template
 
 DEFAULT_DATASET: dict[str, Any] = {"name": "synthetic_retrieval", "num_samples": 8, "context_words": 400}
@@ -51,7 +52,12 @@ class KVLabDataModule(L.LightningDataModule):
     :attr:`group_by_context` (set by the model's protocol, ``multi_question``) makes each batch
     hold whole contexts: every pending sample of a ``context_id``, ``batch_size`` contexts per
     batch (docs/protocols.md); the samples of one ``context_id`` must share their context.
+    The model's name is checked and its processor loaded through :attr:`processors`, which the
+    token-measured datasets are given too.
     """
+
+    #: where model names are checked and processors loaded (a class attribute, not a config field)
+    processors: ProcessorSource = PROCESSORS
 
     def __init__(
         self,
@@ -91,8 +97,8 @@ class KVLabDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         node = to_plain(dataset) if dataset is not None else dict(DEFAULT_DATASET)
         self.dataset_config: dict[str, Any] | str = node
-        validate_model_name(model)  # before the dataset, which may load the model's tokenizer
-        self.source = build_dataset(node, "data.dataset", tokenizer=model)
+        self.processors.check(model)  # before the dataset, which may load the model's tokenizer
+        self.source = build_dataset(node, "data.dataset", tokenizer=model, processors=self.processors)
         self.model_name = model
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -128,7 +134,7 @@ class KVLabDataModule(L.LightningDataModule):
         against the model (images for a text-only model, prompts longer than its context): the
         trainer calls this before the model's weights load."""
         if self.processor is None:
-            processor = load_processor(self.model_name)
+            processor = self.processors.load(self.model_name)
             if hasattr(processor, "with_chat_template"):  # kvlab's ChatProcessor (a copy: the load is cached)
                 processor = processor.with_chat_template(self.chat_template)
                 processor.check_template()

@@ -30,8 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import HaystackWords, check_count
-from kvlab.data.benchmarks.tokens import TokenCounter, check_tokenizer_name, require_tokenizer
+from kvlab.data.benchmarks.tokens import (
+    ProcessorSource,
+    TokenCounter,
+    check_tokenizer_name,
+    require_tokenizer,
+)
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
 
@@ -69,6 +75,7 @@ class NeedleHaystack:
     buffer: int = 200
     haystack_path: str | None = None
     tokenizer: str | None = None
+    processors: ProcessorSource | None = context_field()  # loads the tokenizer's processor (kvlab's)
     seed: int = 0
     metrics: tuple[str, ...] = ("needle_rouge1",)
 
@@ -105,13 +112,13 @@ class NeedleHaystack:
         for name in ("needle", "question"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ConfigError(f"data.dataset.{name} must be a non-empty string.")
-        check_tokenizer_name(self.tokenizer)
+        check_tokenizer_name(self.tokenizer, self.processors)
         self.metrics = check_metrics(self.metrics)
         self._haystack = HaystackWords(self.haystack_path, self.seed)
 
     def samples(self) -> list[Sample]:
         """Every (length, depth, repeat) cell, lengths outermost."""
-        counter = require_tokenizer(self.tokenizer, "needle_haystack", "lengths")
+        counter = require_tokenizer(self.tokenizer, self.processors, "needle_haystack", "lengths")
         needle_ids = counter.ids(self.needle)
         periods = set(counter.ids("."))
         question = (

@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import HaystackWords, check_count, check_tasks, split_sentences
-from kvlab.data.benchmarks.tokens import check_tokenizer_name, fit_units, require_tokenizer
+from kvlab.data.benchmarks.tokens import ProcessorSource, check_tokenizer_name, fit_units, require_tokenizer
 from kvlab.data.benchmarks.words import key_words, word_pool
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
@@ -190,6 +191,7 @@ class RulerDataset:
     seed: int = 0
     haystack_path: str | None = None
     tokenizer: str | None = None
+    processors: ProcessorSource | None = context_field()  # loads the tokenizer's processor (kvlab's)
     metrics: tuple[str, ...] = ("string_match_all",)
 
     def __post_init__(self) -> None:
@@ -206,7 +208,7 @@ class RulerDataset:
         self.lengths = list(self.lengths)
         check_count(self.samples_per_task, "samples_per_task")
         check_count(self.seed, "seed", least=0)
-        check_tokenizer_name(self.tokenizer)
+        check_tokenizer_name(self.tokenizer, self.processors)
         self.metrics = check_metrics(self.metrics)
         self._haystack = HaystackWords(self.haystack_path, self.seed)
         self._keys = key_words()
@@ -215,7 +217,7 @@ class RulerDataset:
     # ---- public -----------------------------------------------------------------------------
     def samples(self) -> list[Sample]:
         """Every (task, length, index) sample, measured and fitted with the tokenizer."""
-        counter = require_tokenizer(self.tokenizer, "ruler", "lengths")
+        counter = require_tokenizer(self.tokenizer, self.processors, "ruler", "lengths")
         out = []
         for task in self.tasks:
             for length in self.lengths:
@@ -225,7 +227,7 @@ class RulerDataset:
     def prompt(self, task: str, length: int, index: int, units: int) -> Sample:
         """Sample ``index`` of ``task`` at ``length`` built with ``units`` haystack units (what
         :meth:`samples` fits; for inspecting the fit)."""
-        counter = require_tokenizer(self.tokenizer, "ruler", "lengths")
+        counter = require_tokenizer(self.tokenizer, self.processors, "ruler", "lengths")
         family, params = RULER_TASKS[task]
         generate = self._generator(counter, family, params, length)
         draft = generate(random.Random(f"{self.seed}:{task}:{length}:{index}"), units)
