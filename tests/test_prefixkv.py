@@ -522,10 +522,10 @@ def test_online_threshold_on_a_model_with_sliding_window_layers():
     from test_attention_variants import WINDOW, build, prompts, tokenizer
 
     import kvlab
-    from kvlab.api import _collate_ids
+    from kvlab.models.prompts import collate_ids
 
     loaded = kvlab.wrap_model(build("gemma3-text"), tokenizer(), name="gemma3-text")
-    batch = _collate_ids(loaded, prompts())
+    batch = collate_ids(loaded, prompts())
     node = {"budget": {"ratio": 0.3, "window": 1, "sinks": 1}}
     result = generate(loaded, online(**node), batch, max_new_tokens=8)
     kinds = loaded.model.config.layer_types

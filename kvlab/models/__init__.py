@@ -5,6 +5,7 @@ Public API::
     MODELS                      # Registry of built-in model builders (YAML field model.model)
     load_model(name, dtype)     # -> LoadedModel(model, processor, info, extras)
     load_processor(name)        # -> Processor (cached per name; no weights loaded)
+    wrap_model(model, tokenizer) # -> LoadedModel around a user's transformers model
     model_info(config, name)    # -> ModelInfo from an HF config
     context_length(name)        # -> max_position_embeddings, read without weights
     validate_model_name(name)   # ConfigError early for unknown names
@@ -30,6 +31,7 @@ from kvlab.models.common import resolve_dtype
 from kvlab.models.info import model_info
 from kvlab.models.placement import DeviceMap, dispatch, validate_device_map
 from kvlab.models.processors import ChatProcessor
+from kvlab.models.wrap import wrap_model
 
 __all__ = [
     "IMAGE",
@@ -48,6 +50,7 @@ __all__ = [
     "load_processor",
     "model_info",
     "validate_model_name",
+    "wrap_model",
 ]
 
 
