@@ -24,8 +24,8 @@ from kvlab.data.benchmarks import (
     task_table,
 )
 from kvlab.data.benchmarks.longbench import LONGBENCH_PROMPTS
-from kvlab.data.benchmarks.tokens import fit_units, token_counter
 from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.data.tokens import fit_units, token_counter
 from kvlab.metrics.tasks import score_output
 from kvlab.models import PROCESSORS
 

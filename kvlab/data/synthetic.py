@@ -17,9 +17,9 @@ from PIL import Image
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import context_field
-from kvlab.data.benchmarks.tokens import ProcessorSource, check_tokenizer_name, fit_units, require_tokenizer
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import ProcessorSource, check_tokenizer_name, fit_units, require_tokenizer
 
 # --- text task -------------------------------------------------------------------------------
 # Filler vocabulary: no digits and none of the key names or the words "secret"/"code", so the
@@ -98,7 +98,7 @@ class SyntheticRetrieval:
     seeded shuffled order). Length: ``context_words`` filler words, or, when ``context_tokens`` is
     set, the most filler sentences whose prompt takes at most ``context_tokens`` tokens of the
     ``tokenizer`` model (null: the run's ``model.model``), counted as the model sees the prompt
-    (its chat template included; :mod:`kvlab.data.benchmarks.tokens`): one more sentence would
+    (its chat template included; :mod:`kvlab.data.tokens`): one more sentence would
     exceed it, so a prompt falls short by less than one sentence (~10-30 tokens).
     ``value: word`` asks for "the secret word" (a common noun) instead of a 5-digit code.
     ``Sample.meta`` records ``key``, ``needle_depth`` (requested) and ``needle_word_fraction``

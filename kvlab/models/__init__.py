@@ -103,7 +103,7 @@ def load_processor(name: str) -> Processor:
 
 
 class ModelProcessors:
-    """kvlab's models as the :class:`~kvlab.data.benchmarks.tokens.ProcessorSource` of the datasets
+    """kvlab's models as the :class:`~kvlab.data.tokens.ProcessorSource` of the datasets
     that measure lengths in tokens: names checked by :func:`validate_model_name`, processors from
     :func:`load_processor` (looked up when called)."""
 

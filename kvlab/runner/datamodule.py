@@ -16,11 +16,11 @@ from torch.utils.data import DataLoader, SequentialSampler
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import to_plain
-from kvlab.data.benchmarks.tokens import ProcessorSource
 from kvlab.data.contexts import ContextBatchSampler, check_contexts
 from kvlab.data.datasets import build_dataset
 from kvlab.data.long_prompts import LONG_PROMPTS, prompt_length, truncate_left
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import ProcessorSource
 from kvlab.models import PROCESSORS, context_length
 from kvlab.models.processors import read_chat_template
 

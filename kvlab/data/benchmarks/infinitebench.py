@@ -26,14 +26,14 @@ from typing import Any
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import check_count, check_tasks, fill, read_task_rows, split_at_context
-from kvlab.data.benchmarks.tokens import (
+from kvlab.data.datasets import DATASETS, check_metrics
+from kvlab.data.sample import Sample
+from kvlab.data.tokens import (
     ProcessorSource,
     check_tokenizer_name,
     require_tokenizer,
     truncate_before_question,
 )
-from kvlab.data.datasets import DATASETS, check_metrics
-from kvlab.data.sample import Sample
 
 __all__ = ["INFINITEBENCH_MAX_NEW_TOKENS", "INFINITEBENCH_PROMPTS", "InfiniteBenchDataset"]
 

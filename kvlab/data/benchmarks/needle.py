@@ -32,14 +32,14 @@ from typing import Any
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import HaystackWords, check_count
-from kvlab.data.benchmarks.tokens import (
+from kvlab.data.datasets import DATASETS, check_metrics
+from kvlab.data.sample import Sample
+from kvlab.data.tokens import (
     ProcessorSource,
     TokenCounter,
     check_tokenizer_name,
     require_tokenizer,
 )
-from kvlab.data.datasets import DATASETS, check_metrics
-from kvlab.data.sample import Sample
 
 __all__ = ["NeedleHaystack", "needle_grid", "needle_heatmap"]
 

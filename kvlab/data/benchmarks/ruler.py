@@ -24,7 +24,7 @@ fwe                 frequent words: the 3 most frequent coded words of a Zipf te
 Length: RULER's ``max_seq_length`` counts the prompt and the tokens to generate; kvlab fits the
 number of haystack units (words, noise sentences, distractor needles, list words, coded words)
 so that the prompt as the run's model sees it (chat template included, answer prefix included,
-:mod:`kvlab.data.benchmarks.tokens`) plus the task's output length is at most ``length``, and
+:mod:`kvlab.data.tokens`) plus the task's output length is at most ``length``, and
 adding one unit would exceed it. ``Sample.meta["prompt_tokens"]`` records the measured prompt.
 
 Differences from RULER, all forced by working offline (docs/benchmark_suites.md): the "essay"
@@ -49,10 +49,10 @@ from typing import Any
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import HaystackWords, check_count, check_tasks, split_sentences
-from kvlab.data.benchmarks.tokens import ProcessorSource, check_tokenizer_name, fit_units, require_tokenizer
 from kvlab.data.benchmarks.words import key_words, word_pool
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import ProcessorSource, check_tokenizer_name, fit_units, require_tokenizer
 
 __all__ = ["RULER_TASKS", "RulerDataset", "TEMPLATES"]
 
