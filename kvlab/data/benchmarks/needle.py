@@ -225,7 +225,7 @@ def needle_heatmap(
         on the horizontal axis; the colour scale runs red (0) - yellow - green (1), as in the
         reference's figures, with a colour bar.
     """
-    import matplotlib
+    import matplotlib  # matplotlib: optional (the dev extra), needed only to draw the heatmap
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
