@@ -29,6 +29,8 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
+import transformers
+from transformers import AutoTokenizer
 
 from kvlab.config.registry import Registry
 from kvlab.models.common import build_from_config, seeded
@@ -96,8 +98,6 @@ class TinyModel(BuiltinModel):
         return tiny_tokenizer(IMAGE_PLACEHOLDERS.get(self.family, ""))
 
     def build(self, dtype: torch.dtype) -> torch.nn.Module:
-        import transformers
-
         return build_from_config(getattr(transformers, self.model_class), self.config(), self.seed, dtype)
 
 
@@ -161,8 +161,6 @@ class ConvertedLM(BuiltinModel):
         return self.source.load_config()
 
     def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(self.source.ensure_converted())
 
     def build(self, dtype: torch.dtype) -> torch.nn.Module:
@@ -201,8 +199,6 @@ class GraftedSmolLM2(BuiltinModel):
         return graft.vlm_tokenizer(self.family)
 
     def build(self, dtype: torch.dtype) -> torch.nn.Module:
-        import transformers
-
         return graft.build_grafted(getattr(transformers, self.model_class), self.config(), self.seed, dtype)
 
     def extras(self) -> dict[str, Any]:

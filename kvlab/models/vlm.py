@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from transformers import LlavaConfig, Qwen2VLConfig
+from transformers.models.llava import LlavaImageProcessorPil
+from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
 from kvlab.config.errors import ConfigError
 from kvlab.models.common import IMAGE_TOKEN_FIELDS, config_token_ids
 from kvlab.models.images import FamilyImages, ImageAdapter, LlavaImages, Qwen2VLImages
@@ -83,8 +87,6 @@ def qwen2_vl_config(text: dict[str, Any], token_ids: dict[str, int], mrope_secti
         token_ids: ids of ``<|image_pad|> <|video_pad|> <|vision_start|> <|vision_end|>``.
         mrope_section: (t, h, w) split of the rotary half-dim; sums to head_dim / 2.
     """
-    from transformers import Qwen2VLConfig
-
     text = {k: v for k, v in text.items() if k != "head_dim"}  # Qwen2-VL derives it: hidden / heads
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(mrope_section)}
     vision = dict(
@@ -110,8 +112,6 @@ def qwen2_vl_config(text: dict[str, Any], token_ids: dict[str, int], mrope_secti
 
 def llava_config(text: dict[str, Any], token_ids: dict[str, int], image_size: int) -> Any:
     """A ``LlavaConfig``: Llama language model with dims ``text`` and a tiny CLIP tower for ``image_size``."""
-    from transformers import LlavaConfig
-
     text = {**text, "model_type": "llama"}
     vision = dict(
         model_type="clip_vision_model",
@@ -137,8 +137,6 @@ def llava_config(text: dict[str, Any], token_ids: dict[str, int], image_size: in
 def qwen2_vl_images(image_size: int | None, image_processor: Any = None) -> ImageAdapter:
     """Qwen2-VL image adapter; built-ins squash images to ``image_size`` (a multiple of 28)."""
     if image_processor is None:
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
         assert image_size is not None and image_size % (QWEN2VL_PATCH * QWEN2VL_MERGE) == 0
         pixels = image_size * image_size
         image_processor = Qwen2VLImageProcessorPil(
@@ -152,8 +150,6 @@ def llava_images(config: Any, image_processor: Any = None) -> ImageAdapter:
     vision = config.vision_config
     size = int(vision.image_size)
     if image_processor is None:
-        from transformers.models.llava import LlavaImageProcessorPil
-
         image_processor = LlavaImageProcessorPil(
             size={"shortest_edge": size}, crop_size={"height": size, "width": size}
         )
@@ -192,8 +188,6 @@ def image_adapter(
         )
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
         if image_processor is None and image_size is None:
-            from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
             image_processor = Qwen2VLImageProcessorPil()
         return qwen2_vl_images(image_size, image_processor)
     if model_type == "llava":
