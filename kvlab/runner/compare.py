@@ -30,6 +30,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from torch.utils.tensorboard import SummaryWriter
+
 from kvlab.metrics.tasks import TASK_METRICS
 from kvlab.runner.leaderboard import (
     FULL,
@@ -137,8 +139,6 @@ def write_tensorboard(runs: list[Run], root: Path, figure: Any, board: Leaderboa
                       board_figures: dict[str, Any] | None = None) -> None:  # fmt: skip
     """Quality-vs-memory scalars per family (step = kept KV per mille), the leaderboard's scores per
     method (step = budget: per mille of a ratio, or tokens), and the figures."""
-    from torch.utils.tensorboard import SummaryWriter
-
     shutil.rmtree(root, ignore_errors=True)  # our own output: rewritten whole on every compare
     for family, members in families(runs).items():
         writer = SummaryWriter(str(root / family))

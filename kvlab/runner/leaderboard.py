@@ -41,7 +41,7 @@ def csv_text(header: list[str], rows: list[list[str]]) -> str:
 
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend (files only, no display)."""
-    import matplotlib
+    import matplotlib  # matplotlib: optional (the dev extra), needed only for the plots
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
