@@ -267,7 +267,7 @@ def test_unknown_command_names_the_closest(capsys) -> None:
 def test_run_dir_not_writable(tmp_path: Path, capsys, monkeypatch) -> None:
     """A parent the user cannot write (simulated: tests run as root, where chmod does not bind)."""
     monkeypatch.setattr(kvlab.models, "load_model", _forbidden)
-    monkeypatch.setattr(guards, "_writable", lambda directory: directory != tmp_path / "runs")
+    monkeypatch.setattr(guards, "writable", lambda directory: directory != tmp_path / "runs")
     (tmp_path / "runs").mkdir()
     with pytest.raises(SystemExit) as exit_info:
         run_kvlab(tmp_path)

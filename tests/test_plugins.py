@@ -41,8 +41,11 @@ def no_model_load(monkeypatch):
 @pytest.fixture
 def own_registry(monkeypatch):
     """Registrations made by the test are undone afterwards (the registry is process-wide)."""
-    monkeypatch.setattr(IMPORTANCE, "_entries", dict(IMPORTANCE._entries))
     monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(IMPORTANCE.names())
+    yield
+    for name in set(IMPORTANCE.names()) - before:
+        IMPORTANCE.unregister(name)
 
 
 def write_config(path: Path, imports: list[str]) -> Path:
@@ -166,7 +169,7 @@ class FakeEntryPoint:
 
 
 def fake_entry_points(monkeypatch, *points):
-    monkeypatch.setattr(plugins, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "entry_points_loaded", False)
     monkeypatch.setattr(
         plugins, "entry_points", lambda group: list(points) if group == plugins.ENTRY_POINT_GROUP else []
     )

@@ -135,6 +135,11 @@ class Registry(Generic[T]):
 
         return decorator
 
+    def unregister(self, name: str) -> None:
+        """Forget the component registered as ``name`` (a plugin reloaded in one process, a test
+        that registered its own); unknown names are ignored."""
+        self._entries.pop(name, None)
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 
