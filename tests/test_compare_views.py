@@ -77,7 +77,7 @@ def bench(tmp_path_factory):
     return root
 
 
-def test_budget_points():
+def test_budget_point_reads_ratio_tokens_or_full_from_run_fields():
     assert (
         budget_point({"model": {"compression": {"budget": 0.2, "importance": ATTENTION}}}).label
         == "ratio=0.2"
@@ -149,7 +149,7 @@ def test_figures_are_readable_sizes():
     assert patches.shape[1] >= 600 and patches.shape[0] >= 250
 
 
-def test_run_label():
+def test_run_label_names_the_budget_window_and_sinks():
     from kvlab.compression.pipeline import Pipeline
 
     snap = Pipeline.from_config({"budget": {"tokens": 128, "window": 32}, "importance": ATTENTION})

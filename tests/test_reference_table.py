@@ -87,7 +87,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "| random | " in expected and "-" not in expected.splitlines()[-1]
 
 
-def test_cli_errors(tmp_path: Path) -> None:
+def test_bad_reference_table_options_exit_2_before_any_run(tmp_path: Path) -> None:
     for bad in (
         ["--methods", "snapkvv"],
         ["--tasks", "retrieval-9k"],
