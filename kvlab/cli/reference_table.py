@@ -33,7 +33,7 @@ from pathlib import Path
 from kvlab.cli.predict import run_predict
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names
-from kvlab.data.benchmarks.ruler import RULER_TASKS
+from kvlab.data.benchmarks.ruler_tasks import RULER_TASKS
 from kvlab.engine.protocols import PROTOCOLS
 from kvlab.runner.reference_table import (
     BUDGETS,
