@@ -285,6 +285,7 @@ def test_wheel_ships_configs_and_kernels(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvlab/configs/snapkv.yaml" in names and "kvlab/configs/_base.yaml" in names
     assert "kvlab/kernels/decode_attention.py" in names
+    assert "kvlab/cli/main.py" in names and "kvlab/data/benchmarks/ruler.py" in names  # every package
     assert "kvlab/calibration/configs/visual_heads.yaml" in names  # kvlab calibrate runs offline
     assert "kvlab/calibration/artefacts/smollm2-qwen2-vl.visual_heads.safetensors" in names
     target = tmp_path / "site"
@@ -294,6 +295,7 @@ def test_wheel_ships_configs_and_kernels(tmp_path):
         capture_output=True,
     )
     code = "import kvlab.config.loader as c; print(c.find_config('snapkv')); import kvlab.kernels.dispatch"
+    code += "; import kvlab.data  # its subpackage benchmarks/ too"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,
