@@ -8,6 +8,7 @@ from typing import Any
 
 # imported for their registries: each Registry enrols itself in REGISTRIES when it is created, and
 # importing kvlab.compression registers every component module
+import kvlab.calibration.prefixkv  # noqa: F401  (PrefixKV's statistic: registered whatever the import order)
 import kvlab.calibration.statistics  # noqa: F401
 import kvlab.compression  # noqa: F401
 import kvlab.data  # noqa: F401
