@@ -7,34 +7,32 @@ Everything here is exported from :mod:`kvlab` (``import kvlab``); ``docs/api.md`
     [out] = kvlab.compress_and_generate(model, pipeline, ["What is the capital of France?"])
     out.text, out.kept_positions[layer][head], out.kv_ratio
 
-The functions only compose kvlab's internals (:class:`kvlab.pipeline.spec.Pipeline`,
-:func:`kvlab.models.load_model`, the processors' ``collate`` and the protocols of
-:mod:`kvlab.engine.protocols` over :mod:`kvlab.engine.generation`), which stay free to move behind them.
+A thin facade: the functions only compose kvlab's internals, which stay free to move behind
+them: the compression node (:func:`kvlab.config.compression.compression_config`) and
+:class:`kvlab.pipeline.Pipeline`; the models (:func:`kvlab.models.load_model`,
+:func:`kvlab.models.wrap_model`) with their attention routed through kvlab; the prompts
+(:mod:`kvlab.models.prompts`: normalised, batched, collated) run by the protocols of
+:mod:`kvlab.engine.protocols`, whose results become one :class:`Output` per prompt.
 """
 
 from __future__ import annotations
 
-import copy
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
-from PIL import Image
 
+import kvlab.models as models
+from kvlab.config.compression import PipelineSource, compression_config
 from kvlab.config.errors import ConfigError
-from kvlab.config.loader import find_config, load_config, merge
-from kvlab.config.plugins import IMPORTS_KEY, check_imports, import_plugins
-from kvlab.config.registry import to_plain
-from kvlab.data.sample import Sample
 from kvlab.engine.generation import GenerationResult
 from kvlab.engine.prefill_plan import check_prefill_chunk
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.engine.registration import ATTENTION_NAME, enable_kvlab_attention
-from kvlab.models.base import PAD, TEXT, LoadedModel
+from kvlab.models.base import LoadedModel
+from kvlab.models.common import text_config
+from kvlab.models.prompts import ImagesArg, collate_items, prompt_batches, prompt_items
 from kvlab.pipeline import Pipeline
 
 __all__ = [
@@ -46,45 +44,8 @@ __all__ = [
     "wrap_model",
 ]
 
-#: top-level groups of a run config (``kvlab predict --config``); a mapping without them is a
-#: bare ``model.compression`` node
-RUN_GROUPS = ("model", "data", "trainer", "run")
-OVERRIDE_PREFIX = "model.compression."
-
-PipelineSource = str | os.PathLike | Mapping[str, Any] | None
-ImagesArg = Sequence[Image.Image | Sequence[Image.Image] | None] | None
-
 
 # ---- pipelines -------------------------------------------------------------------------------
-def compression_config(
-    source: PipelineSource, overrides: Mapping[str, Any] | None = None, **fields: Any
-) -> dict[str, Any]:
-    """The resolved ``model.compression`` mapping of ``source`` with ``overrides`` merged in.
-
-    Args:
-        source: a preset name (``"snapkv"``), a YAML path, or a dict. A file or dict holding a run
-            config (``model:``/``data:``/``run:`` groups, optionally ``preset: NAME``) gives its
-            ``model.compression``; any other mapping is a compression node itself (it may start
-            with ``preset: NAME`` to inherit that preset's pipeline). ``None`` or ``{}``: full cache.
-        overrides: fields to change, keyed by dotted paths inside the compression node
-            (``{"budget.tokens": 64}``; a leading ``model.compression.`` is allowed) or by field
-            with nested mappings (``{"budget": {"tokens": 64}}``). Merged with the preset rules of
-            :func:`kvlab.config.loader.merge`: siblings are kept, lists and renamed components
-            (a new ``name``) are replaced whole, ``tokens`` replaces ``ratio`` and vice versa.
-        fields: more overrides as keyword arguments (``budget={"tokens": 64}``), applied last.
-
-    Returns:
-        A new plain dict (validated only when a pipeline is built from it).
-
-    Raises:
-        ConfigError: unknown preset or file, invalid YAML, a source or override of the wrong type.
-    """
-    node = _compression_node(source)
-    for key, value in [*(overrides or {}).items(), *fields.items()]:
-        node = merge(node, _nest(key, value))
-    return node
-
-
 def load_pipeline(
     source: PipelineSource = "full", overrides: Mapping[str, Any] | None = None, **fields: Any
 ) -> Pipeline:
@@ -98,72 +59,6 @@ def load_pipeline(
             field 'tokenz'``), before any model loads.
     """
     return Pipeline.from_config(compression_config(source, overrides, **fields))
-
-
-def _compression_node(source: PipelineSource) -> dict[str, Any]:
-    if source is None:
-        return {}
-    if isinstance(source, str | os.PathLike):
-        path = find_config(str(source))
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                f"{path} must contain a YAML mapping at the top level, got {type(raw).__name__}."
-            )
-        if _is_run_config(raw):
-            return _from_run_config(load_config(str(path)), str(path))
-        return _from_mapping(raw, relative_to=path.parent)
-    source = to_plain(source)
-    if isinstance(source, Mapping):
-        return _from_mapping(copy.deepcopy(dict(source)), relative_to=None)
-    raise ConfigError(
-        f"A pipeline source must be a preset name, a YAML path or a dict, got {type(source).__name__}: "
-        f"{source!r}. Example: kvlab.load_pipeline('snapkv', {{'budget.tokens': 64}})."
-    )
-
-
-def _is_run_config(node: Mapping[str, Any]) -> bool:
-    return isinstance(node.get("model"), Mapping) or any(key in node for key in RUN_GROUPS[1:])
-
-
-def _from_mapping(node: dict[str, Any], relative_to: Path | None) -> dict[str, Any]:
-    """A dict source: a run config (its ``model.compression``) or a compression node."""
-    parent = node.pop("preset", None)
-    if parent is not None and not isinstance(parent, str):
-        raise ConfigError(f"`preset` must be a preset name or a path, got {parent!r}.")
-    if _is_run_config(node):
-        base = load_config(parent, relative_to=relative_to) if parent else {}
-        return _from_run_config(merge(base, node), "the given config")
-    base = _from_run_config(load_config(parent, relative_to=relative_to), parent) if parent else {}
-    return merge(base, node)
-
-
-def _from_run_config(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """A run config's ``model.compression``, after importing the plugins its ``imports`` lists."""
-    import_plugins(check_imports(cfg.get(IMPORTS_KEY)))
-    model = cfg.get("model") or {}
-    if not isinstance(model, Mapping):
-        raise ConfigError(f"{where}: `model` must be a mapping, got {model!r}.")
-    node = model.get("compression") or {}
-    if not isinstance(node, Mapping):
-        raise ConfigError(f"{where}: model.compression must be a mapping, got {node!r}.")
-    return copy.deepcopy(dict(node))
-
-
-def _nest(key: Any, value: Any) -> dict[str, Any]:
-    """``("budget.tokens", 64)`` -> ``{"budget": {"tokens": 64}}``."""
-    if not isinstance(key, str) or not key.strip("."):
-        raise ConfigError(
-            f"Override keys must be field names or dotted paths such as 'budget.tokens', got {key!r}."
-        )
-    key = key.removeprefix(OVERRIDE_PREFIX)
-    value = to_plain(value)
-    for part in reversed(key.split(".")):
-        value = {part: value}
-    return value
 
 
 # ---- models ----------------------------------------------------------------------------------
@@ -196,14 +91,12 @@ def load_model(
         ConfigError: unknown name, missing directory, bad dtype or device map, or both ``device``
             and ``device_map`` (before any weight loads).
     """
-    from kvlab.models import load_model as _load
-
     if device is not None and device_map is not None:
         raise ConfigError(
             f"load_model got both device={device!r} and device_map={device_map!r}; give one. device puts the "
             "whole model on one device, device_map spreads its layers over several (e.g. device_map='auto')."
         )
-    loaded = _load(name, dtype, device_map=device_map)
+    loaded = models.load_model(name, dtype, device_map=device_map)
     if device is not None:
         loaded.model.to(device)
     enable_kvlab_attention(loaded.model, loaded.info.vision_language)
@@ -245,35 +138,13 @@ def wrap_model(
         ConfigError: a vision-language family kvlab cannot feed images to, a vision-language
             model without a chat template, or a tokenizer with neither a pad nor an eos token.
     """
-    from kvlab.models.info import model_info
-    from kvlab.models.processors import ChatProcessor
-    from kvlab.models.vlm import image_adapter
-
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-        raise ConfigError(
-            f"wrap_model needs a transformers model (an nn.Module with .config), got {model!r}."
-        )
-    config = model.config
-    name = name or getattr(config, "name_or_path", "") or type(model).__name__
-    info = model_info(config, name)
-    images = image_adapter(config, image_processor) if info.vision_language else None
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
-    processor = ChatProcessor(
-        tokenizer, info.image_token_ids, info.video_token_ids, images, eos, chat_template=chat_template
-    )
-    processor.check_template()
-    model.eval()
-    enable_kvlab_attention(model, info.vision_language)
-    parameter = next(model.parameters())
-    extras = {"source": "wrapped", "dtype": parameter.dtype, "device": parameter.device}
-    return LoadedModel(model=model, processor=processor, info=info, extras=extras)
+    loaded = models.wrap_model(model, tokenizer, image_processor, name=name, chat_template=chat_template)
+    enable_kvlab_attention(model, loaded.info.vision_language)
+    return loaded
 
 
 def _ensure_kvlab_attention(loaded: LoadedModel) -> None:
     """Route attention through kvlab if the model came from elsewhere (idempotent)."""
-    from kvlab.models.common import text_config
-
     if getattr(text_config(loaded.model.config), "_attn_implementation", None) != ATTENTION_NAME:
         enable_kvlab_attention(loaded.model, loaded.info.vision_language)
 
@@ -347,16 +218,6 @@ class Output:
         return mask
 
 
-@dataclass
-class _Item:
-    """One normalised prompt: a :class:`Sample` (goes through ``collate``) or ready token ids."""
-
-    index: int
-    prompt: Any
-    sample: Sample | None = None
-    ids: list[int] | None = None
-
-
 def compress_and_generate(
     model: LoadedModel,
     pipeline: Pipeline | PipelineSource,
@@ -419,216 +280,15 @@ def compress_and_generate(
     protocol = build_protocol(protocol)
     protocol.check(pipeline)
     check_prefill_chunk(pipeline, prefill_chunk)
-    items = _items(model, _prompt_list(prompts), images)
+    items = prompt_items(model, prompts, images)
     _ensure_kvlab_attention(model)
     outputs: list[Output | None] = [None] * len(items)
-    for group in ([i for i in items if i.sample is not None], [i for i in items if i.sample is None]):
-        for chunk in _chunks(group, batch_size, protocol.groups_contexts):
-            if chunk[0].sample is not None:
-                batch = model.processor.collate([item.sample for item in chunk])
-            else:
-                batch = _collate_ids(model, [item.ids for item in chunk])
-            result = protocol.run(model, pipeline, batch, max_new_tokens, prefill_chunk=prefill_chunk).result
-            for b, item in enumerate(chunk):
-                outputs[item.index] = _output(model, batch, result, b, item.prompt)
+    for chunk in prompt_batches(items, batch_size, protocol.groups_contexts):
+        batch = collate_items(model, chunk)
+        result = protocol.run(model, pipeline, batch, max_new_tokens, prefill_chunk=prefill_chunk).result
+        for b, item in enumerate(chunk):
+            outputs[item.index] = _output(model, batch, result, b, item.prompt)
     return outputs  # type: ignore[return-value]
-
-
-def _chunks(group: list[_Item], batch_size: int | None, by_context: bool) -> list[list[_Item]]:
-    """``group`` in batches of ``batch_size`` prompts (all when None), or of ``batch_size`` whole
-    contexts (every prompt of a ``context_id`` together) when ``by_context``."""
-    if not group:
-        return []
-    if by_context and group[0].sample is not None:
-        from kvlab.data.datamodule import context_batches
-
-        indices = context_batches([item.sample.context_id for item in group], batch_size or len(group))
-        return [[group[i] for i in batch] for batch in indices]
-    step = batch_size or len(group)
-    return [group[start : start + step] for start in range(0, len(group), step)]
-
-
-def _prompt_list(prompts: Any) -> list[Any]:
-    """One prompt or a list of prompts -> a list of prompts."""
-    if isinstance(prompts, str | Sample):
-        return [prompts]
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() == 1:
-            return [prompts]
-        if prompts.dim() == 2:
-            return list(prompts)
-        raise ConfigError(f"token-id prompts must be a 1-D or 2-D tensor, got shape {tuple(prompts.shape)}.")
-    if not isinstance(prompts, Sequence) or not prompts:
-        raise ConfigError(
-            "prompts must be a non-empty list of prompts (strings, chat message lists or token-id lists), "
-            f"or one prompt; got {prompts!r}."
-        )
-    if isinstance(prompts[0], int | Mapping):  # one token-id list or one conversation
-        return [prompts]
-    return list(prompts)
-
-
-def _images_per_prompt(images: ImagesArg, count: int) -> list[list[Image.Image]]:
-    if images is None:
-        return [[] for _ in range(count)]
-    if isinstance(images, Image.Image) and count == 1:
-        images = [images]
-    if isinstance(images, Image.Image) or not isinstance(images, Sequence) or len(images) != count:
-        raise ConfigError(
-            f"images must hold one entry per prompt ({count}): None, a PIL image or a list of PIL images; "
-            f"got {images!r}."
-        )
-    out = []
-    for i, entry in enumerate(images):
-        entry = [] if entry is None else [entry] if isinstance(entry, Image.Image) else list(entry)
-        if not all(isinstance(img, Image.Image) for img in entry):
-            raise ConfigError(
-                f"images[{i}] must be None, a PIL image or a list of PIL images, got {entry!r}."
-            )
-        out.append([img.convert("RGB") for img in entry])
-    return out
-
-
-def _items(loaded: LoadedModel, prompts: list[Any], images: ImagesArg) -> list[_Item]:
-    per_prompt = _images_per_prompt(images, len(prompts))
-    if any(per_prompt) and not loaded.info.vision_language:
-        raise ConfigError(
-            f"images were given but model '{loaded.info.name}' is text-only; use a vision-language model "
-            "(e.g. tiny-qwen2-vl, smollm2-qwen2-vl) or drop the images."
-        )
-    items = []
-    for i, (prompt, imgs) in enumerate(zip(prompts, per_prompt, strict=True)):
-        item = _Item(index=i, prompt=prompt)
-        if isinstance(prompt, Sample):
-            if imgs:
-                raise ConfigError(
-                    f"prompts[{i}] is a Sample, which carries its own images; leave its images entry None."
-                )
-            item.sample = prompt
-        elif isinstance(prompt, str):
-            item.sample = Sample(id=str(i), prompt=prompt, images=imgs)
-        elif _is_token_ids(prompt):
-            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else [int(t) for t in prompt]
-            if imgs:
-                raise ConfigError(
-                    f"prompts[{i}] is token ids, which cannot carry images; pass the text or chat messages "
-                    "with images=..., and kvlab inserts and expands the image tokens."
-                )
-            if not ids:
-                raise ConfigError(f"prompts[{i}] is an empty list of token ids.")
-            item.ids = ids
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            _check_messages(prompt, i)
-            sample = _chat_sample(prompt, i, imgs)
-            if sample is not None:
-                item.sample = sample
-            elif imgs:
-                raise ConfigError(
-                    f"prompts[{i}]: images go with a string prompt or a chat of one user turn (after an "
-                    "optional system turn) with string contents; this conversation has more turns."
-                )
-            else:
-                item.ids = _render_chat(loaded, prompt)
-        else:
-            raise ConfigError(
-                f"prompts[{i}] must be a string, a list of {{'role': ..., 'content': ...}} messages or token "
-                f"ids (list of ints or a 1-D tensor), got {prompt!r}."
-            )
-        items.append(item)
-    return items
-
-
-def _is_token_ids(prompt: Any) -> bool:
-    if isinstance(prompt, torch.Tensor):
-        return prompt.dim() == 1 and not prompt.is_floating_point()
-    return (
-        isinstance(prompt, Sequence)
-        and not isinstance(prompt, str)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        and len(prompt) > 0
-    )
-
-
-def _check_messages(messages: Sequence[Mapping[str, Any]], i: int) -> None:
-    for j, message in enumerate(messages):
-        if "role" not in message or "content" not in message:
-            raise ConfigError(
-                f"prompts[{i}][{j}] must be a chat message {{'role': 'user', 'content': '...'}}, "
-                f"got {message!r}."
-            )
-
-
-def _chat_sample(messages: Sequence[Mapping[str, Any]], i: int, images: list[Image.Image]) -> Sample | None:
-    """A Sample for ``[system?, user]`` with string contents (collate renders it identically), else None."""
-    system = None
-    rest = list(messages)
-    if rest and rest[0]["role"] == "system" and isinstance(rest[0]["content"], str):
-        system = rest.pop(0)["content"]
-    if len(rest) != 1 or rest[0]["role"] != "user" or not isinstance(rest[0]["content"], str):
-        return None
-    return Sample(id=str(i), prompt=rest[0]["content"], images=images, system=system)
-
-
-def _render_chat(loaded: LoadedModel, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Token ids of a conversation through the processor's chat template (its ``chat_template``
-    setting: the tokenizer's own or a file), assistant turn opened; a conversation cannot be
-    passed raw, so a model without a template is refused."""
-    processor = loaded.processor
-    template = getattr(processor, "template", None)
-    if template is None:
-        raise ConfigError(
-            f"prompts: a multi-turn chat needs a chat template, and model {loaded.info.name!r} has none in "
-            f"use (chat_template={getattr(processor, 'chat_template', None)!r}). Pass a template file "
-            "(wrap_model(..., chat_template='path/to/template.jinja')) or give the prompt as one string."
-        )
-    tokenizer = processor.tokenizer
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], add_generation_prompt=True, tokenize=False, chat_template=template
-    )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _collate_ids(loaded: LoadedModel, rows: list[list[int]]) -> dict[str, Any]:
-    """Token-id prompts -> a left-padded batch in the processor's ``collate`` layout (no images).
-
-    Returns ``input_ids`` / ``attention_mask`` / ``modality`` ``[B, T]`` and ``model_inputs`` (the
-    image adapter's per-token inputs, e.g. Qwen2-VL's ``mm_token_type_ids`` ``[B, T]``).
-    """
-    processor = loaded.processor
-    if not hasattr(processor, "pad_token_id"):
-        raise ConfigError(
-            f"token-id and multi-turn prompts need kvlab's ChatProcessor; {type(processor).__name__} only "
-            "takes string prompts."
-        )
-    width = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), width), processor.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, width - len(row) :] = 1
-    image_ids = torch.tensor(processor.image_token_ids, dtype=torch.long)
-    video_ids = torch.tensor(processor.video_token_ids, dtype=torch.long)
-    special = (torch.isin(input_ids, image_ids) | torch.isin(input_ids, video_ids)) & attention_mask.bool()
-    if bool(special.any()):
-        raise ConfigError(
-            "a token-id or multi-turn prompt contains image/video tokens but carries no images; pass the "
-            "prompt as a string or one-turn chat with images=..."
-        )
-    modality = torch.full_like(input_ids, TEXT)
-    modality[attention_mask == 0] = PAD
-    model_inputs: dict[str, Any] = {}
-    if processor.images is not None:
-        model_inputs = processor.images.batch_inputs(input_ids, image_ids, video_ids)
-        for value in model_inputs.values():
-            value[attention_mask == 0] = 0
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "modality": modality,
-        "model_inputs": model_inputs,
-        "ids": [str(i) for i in range(len(rows))],
-        "samples": [],
-    }
 
 
 def _output(

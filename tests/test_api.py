@@ -39,7 +39,7 @@ def same(a, b):
 
 
 # ---- pipelines -------------------------------------------------------------------------------
-def test_public_names():
+def test_every_public_name_resolves_and_unknown_names_raise():
     for name in kvlab.__all__:
         assert getattr(kvlab, name) is not None
     assert "snapkv" in kvlab.presets() and "full" in kvlab.presets()

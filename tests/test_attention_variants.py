@@ -21,9 +21,9 @@ from transformers import (
 )
 
 import kvlab
-from kvlab.api import _collate_ids
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import generate
+from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 
 WINDOW = 6
@@ -99,7 +99,7 @@ def ours(loaded, rows: list[list[int]]):
     return generate(
         loaded,
         Pipeline.from_config(None),
-        _collate_ids(loaded, rows),
+        collate_ids(loaded, rows),
         max_new_tokens=STEPS,
         return_logits=True,
     )

@@ -20,14 +20,16 @@ import pytest
 import torch
 from PIL import Image
 
-import kvlab.data.datamodule as datamodule
+import kvlab.data.long_prompts as long_prompts
 import kvlab.models
+import kvlab.runner.datamodule as datamodule
 import kvlab.runner.guards as guards
+from kvlab.cli.main import main
 from kvlab.config.artefacts import Artefact
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
-from kvlab.data import KVLabDataModule, Sample
+from kvlab.data import Sample
 from kvlab.engine.protocols import QueryAware
+from kvlab.runner.datamodule import KVLabDataModule
 
 BASE = [
     "--config", "snapkv",
@@ -265,7 +267,7 @@ def test_unknown_command_names_the_closest(capsys) -> None:
 def test_run_dir_not_writable(tmp_path: Path, capsys, monkeypatch) -> None:
     """A parent the user cannot write (simulated: tests run as root, where chmod does not bind)."""
     monkeypatch.setattr(kvlab.models, "load_model", _forbidden)
-    monkeypatch.setattr(guards, "_writable", lambda directory: directory != tmp_path / "runs")
+    monkeypatch.setattr(guards, "writable", lambda directory: directory != tmp_path / "runs")
     (tmp_path / "runs").mkdir()
     with pytest.raises(SystemExit) as exit_info:
         run_kvlab(tmp_path)
@@ -352,12 +354,12 @@ def test_truncate_left_drops_the_first_words_and_says_so(monkeypatch, capsys) ->
     module.setup("predict")
     assert "data.long_prompts = truncate_left: 2 prompts" in capsys.readouterr().err
     for sample in module.samples:
-        assert datamodule.prompt_length(module.processor, sample) <= 48
+        assert long_prompts.prompt_length(module.processor, sample) <= 48
         dropped = sample.meta["truncated_words"]
         assert dropped > 0 and original[sample.id].split(" ")[dropped:] == sample.prompt.split(" ")
         assert sample.prompt.endswith("Answer with the 5-digit number only.")  # the question is kept
-    longer = datamodule.truncate_left(module.processor, Sample("x", "word " * 100), 60)[0]
-    assert datamodule.prompt_length(module.processor, longer) <= 60
+    longer = long_prompts.truncate_left(module.processor, Sample("x", "word " * 100), 60)[0]
+    assert long_prompts.prompt_length(module.processor, longer) <= 60
 
 
 def test_truncate_left_refuses_when_the_template_alone_is_too_long(monkeypatch) -> None:
@@ -369,5 +371,5 @@ def test_truncate_left_refuses_when_the_template_alone_is_too_long(monkeypatch) 
 
 
 def test_context_length_comes_from_the_models_config() -> None:
-    assert datamodule.context_length("tiny-llama") == 8192
-    assert datamodule.context_length("not-a-model") is None
+    assert kvlab.models.context_length("tiny-llama") == 8192
+    assert kvlab.models.context_length("not-a-model") is None

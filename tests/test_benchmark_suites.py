@@ -26,10 +26,11 @@ from kvlab.data.benchmarks import (
 )
 from kvlab.data.benchmarks.infinitebench import official_labels
 from kvlab.data.benchmarks.longbench import LONGBENCH_PROMPTS
-from kvlab.data.benchmarks.tokens import fit_units, token_counter
 from kvlab.data.sample import Sample
 from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.data.tokens import fit_units, token_counter
 from kvlab.metrics.tasks import check_task_samples, score_output
+from kvlab.models import PROCESSORS
 
 FIXTURES = Path(__file__).parent / "data" / "benchmarks"
 
@@ -48,10 +49,15 @@ def test_fit_units_finds_the_largest_fitting_count() -> None:
 
 @pytest.mark.parametrize("tokenizer", ["tiny-qwen2", "smollm2-135m"])
 def test_retrieval_context_tokens_measured_with_the_tokenizer(tokenizer: str) -> None:
-    counter = token_counter(tokenizer)
+    counter = token_counter(tokenizer, PROCESSORS)
     for target, pairs in ((512, 1), (2048, 4)):
         data = SyntheticRetrieval(
-            num_samples=1, context_tokens=target, num_pairs=pairs, seed=3, tokenizer=tokenizer
+            num_samples=1,
+            context_tokens=target,
+            num_pairs=pairs,
+            seed=3,
+            tokenizer=tokenizer,
+            processors=PROCESSORS,
         )
         for index, sample in enumerate(data.samples()):
             n_tokens = counter.count_prompt(sample)
@@ -62,22 +68,28 @@ def test_retrieval_context_tokens_measured_with_the_tokenizer(tokenizer: str) ->
     # tiny-qwen2's 1k-token vocabulary needs ~2.5x SmolLM2's tokens for the same text
     if tokenizer == "tiny-qwen2":
         words = len(
-            SyntheticRetrieval(num_samples=1, context_tokens=4096, tokenizer=tokenizer)
+            SyntheticRetrieval(num_samples=1, context_tokens=4096, tokenizer=tokenizer, processors=PROCESSORS)
             .samples()[0]
             .prompt.split()
         )
         assert words < 2000
 
 
-def test_retrieval_context_tokens_needs_a_tokenizer() -> None:
+def test_retrieval_context_tokens_needs_a_tokenizer_and_a_processor_source() -> None:
     with pytest.raises(ConfigError, match="data.dataset.tokenizer"):
         SyntheticRetrieval(context_tokens=1024)
     with pytest.raises(ConfigError, match="data.dataset.tokenizer"):
-        SyntheticRetrieval(context_tokens=1024, tokenizer="no-such-model")
+        SyntheticRetrieval(context_tokens=1024, tokenizer="no-such-model", processors=PROCESSORS)
     built = DATASETS.build(
-        {"name": "synthetic_retrieval", "context_tokens": 600}, "data.dataset", tokenizer="tiny-qwen2"
+        {"name": "synthetic_retrieval", "context_tokens": 600},
+        "data.dataset",
+        tokenizer="tiny-qwen2",
+        processors=PROCESSORS,
     )
     assert built.tokenizer == "tiny-qwen2"  # what kvlab predict passes: the run's model
+    assert built.processors is PROCESSORS  # and how that model's processor loads
+    with pytest.raises(ConfigError, match="processors=kvlab.models.PROCESSORS"):  # data loads no model
+        SyntheticRetrieval(context_tokens=600, tokenizer="tiny-qwen2").samples()
     assert SyntheticRetrieval(context_words=50).samples()  # words need no tokenizer
 
 
@@ -97,8 +109,10 @@ TINY_TASKS = [
     ("tokenizer", "tasks"), [("tiny-qwen2", TINY_TASKS), ("smollm2-135m", ["niah_single_3", "cwe"])]
 )
 def test_ruler_lengths_fit_the_run_tokenizer(tokenizer: str, tasks: list[str]) -> None:
-    data = RulerDataset(tasks=tasks, lengths=[1024, 2048], samples_per_task=1, tokenizer=tokenizer)
-    counter = token_counter(tokenizer)
+    data = RulerDataset(
+        tasks=tasks, lengths=[1024, 2048], samples_per_task=1, tokenizer=tokenizer, processors=PROCESSORS
+    )
+    counter = token_counter(tokenizer, PROCESSORS)
     samples = data.samples()
     assert [s.id for s in samples] == [f"ruler-{t}-{n}-0000" for t in tasks for n in (1024, 2048)]
     for s in samples:
@@ -117,7 +131,11 @@ def test_ruler_lengths_fit_the_run_tokenizer(tokenizer: str, tasks: list[str]) -
 
 def test_ruler_templates_and_answers() -> None:
     data = RulerDataset(
-        tasks=["niah_single_1", "vt", "fwe"], lengths=[1024], samples_per_task=1, tokenizer="tiny-qwen2"
+        tasks=["niah_single_1", "vt", "fwe"],
+        lengths=[1024],
+        samples_per_task=1,
+        tokenizer="tiny-qwen2",
+        processors=PROCESSORS,
     )
     niah, vt, fwe = data.samples()
     assert niah.prompt.startswith("A special magic number is hidden within the following text.")
@@ -148,7 +166,9 @@ def test_ruler_validation() -> None:
     with pytest.raises(ConfigError, match="data.dataset.tokenizer"):
         RulerDataset(tasks=["fwe"], lengths=[1024]).samples()
     with pytest.raises(ConfigError, match="too short"):
-        RulerDataset(tasks=["cwe"], lengths=[512], samples_per_task=1, tokenizer="tiny-qwen2").samples()
+        RulerDataset(
+            tasks=["cwe"], lengths=[512], samples_per_task=1, tokenizer="tiny-qwen2", processors=PROCESSORS
+        ).samples()
 
 
 # ---- LongBench ----------------------------------------------------------------------------------
@@ -183,17 +203,25 @@ def test_longbench_prompts_lengths_and_scores() -> None:
 
 def test_longbench_truncation_keeps_head_and_question() -> None:
     data = LongBenchDataset(
-        path=str(FIXTURES / "longbench"), tasks=["hotpotqa"], max_length=170, tokenizer="tiny-qwen2"
+        path=str(FIXTURES / "longbench"),
+        tasks=["hotpotqa"],
+        max_length=170,
+        tokenizer="tiny-qwen2",
+        processors=PROCESSORS,
     )
     full = LongBenchDataset(path=str(FIXTURES / "longbench"), tasks=["hotpotqa"]).samples()
-    counter = token_counter("tiny-qwen2")
+    counter = token_counter("tiny-qwen2", PROCESSORS)
     for short, long in zip(data.samples(), full, strict=True):
         assert counter.count_text(short.prompt) <= 170 < counter.count_text(long.prompt)
         assert short.meta["truncated_tokens"] > 0 and short.prompt.endswith(long.question)
         assert short.prompt.startswith("Answer the question based on the given passages.")
     with pytest.raises(ConfigError, match="'hotpotqa' row 0 to 64 tokens cuts into its question"):
         LongBenchDataset(
-            path=str(FIXTURES / "longbench"), tasks=["hotpotqa"], max_length=64, tokenizer="tiny-qwen2"
+            path=str(FIXTURES / "longbench"),
+            tasks=["hotpotqa"],
+            max_length=64,
+            tokenizer="tiny-qwen2",
+            processors=PROCESSORS,
         ).samples()
 
 
@@ -420,7 +448,11 @@ def test_loogle_questions_share_their_document() -> None:
     assert scores == {"loogle_cloze_exact": 0.5, "loogle_cloze_partial": 1.0}
     assert score_output("JoAnn Fabrics", qa1, data.metrics)["loogle_rouge_l"] == pytest.approx(1.0)
     short = LooGLEDataset(
-        path=str(FIXTURES / "loogle"), tasks=["shortdep_qa"], max_length=80, tokenizer="tiny-qwen2"
+        path=str(FIXTURES / "loogle"),
+        tasks=["shortdep_qa"],
+        max_length=80,
+        tokenizer="tiny-qwen2",
+        processors=PROCESSORS,
     )
     a, b = short.samples()
     assert a.context == b.context and a.meta["truncated_tokens"] > 0  # one cut, shared
@@ -428,12 +460,14 @@ def test_loogle_questions_share_their_document() -> None:
 
 # ---- needle in a haystack ------------------------------------------------------------------------
 def test_needle_grid_and_heatmap(tmp_path: Path) -> None:
-    data = NeedleHaystack(lengths=[400, 800], depths=[0, 50, 100], tokenizer="tiny-qwen2")
+    data = NeedleHaystack(
+        lengths=[400, 800], depths=[0, 50, 100], tokenizer="tiny-qwen2", processors=PROCESSORS
+    )
     samples = data.samples()
     assert [(s.meta["length"], s.meta["depth"]) for s in samples] == [
         (n, d) for n in (400, 800) for d in (0, 50, 100)
     ]
-    counter = token_counter("tiny-qwen2")
+    counter = token_counter("tiny-qwen2", PROCESSORS)
     needle = data.needle.strip()
     for s in samples:
         assert s.prompt.endswith(s.question) and needle in s.context and s.max_new_tokens == 300
@@ -457,7 +491,7 @@ def test_needle_grid_and_heatmap(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no prediction"):
         needle_heatmap([{"id": "x"}], tmp_path / "x.png")
     with pytest.raises(ConfigError, match="buffer"):
-        NeedleHaystack(lengths=[100], tokenizer="tiny-qwen2")
+        NeedleHaystack(lengths=[100], tokenizer="tiny-qwen2", processors=PROCESSORS)
 
 
 # ---- shipped configs -----------------------------------------------------------------------------
@@ -476,7 +510,7 @@ LOCAL: dict[str, list[str] | None] = {
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_benchmark_configs_validate(name: str) -> None:
-    from kvlab.data.datamodule import KVLabDataModule
+    from kvlab.runner.datamodule import KVLabDataModule
 
     assert load_config(f"benchmarks/{name}")["data"]["dataset"]["name"]
     cfg = resolve(["snapkv", f"benchmarks/{name}"], [])
@@ -489,13 +523,13 @@ def test_shipped_benchmark_configs_validate(name: str) -> None:
     else:  # generated suites: a small slice
         node.update({"lengths": [1024]} if node["name"] == "ruler" else {"lengths": [400], "depths": [50]})
         node.update({"tasks": ["niah_single_1"], "samples_per_task": 1} if node["name"] == "ruler" else {})
-    dataset = DATASETS.build(node, "data.dataset", tokenizer="tiny-qwen2")
+    dataset = DATASETS.build(node, "data.dataset", tokenizer="tiny-qwen2", processors=PROCESSORS)
     assert dataset.samples() and dataset.metrics
 
 
 def test_longbench_tasks_prompted_raw_are_refused_with_a_chat_template() -> None:
     """trec & co. are prompted without a chat template by LongBench: a run applying one is refused."""
-    from kvlab.data import KVLabDataModule
+    from kvlab.runner.datamodule import KVLabDataModule
 
     node = {"name": "longbench", "path": str(FIXTURES / "longbench"), "tasks": ["trec"]}
     with pytest.raises(ConfigError, match="data.chat_template: none"):

@@ -16,10 +16,10 @@ import torch
 from test_attention_variants import build, tokenizer
 
 import kvlab
-from kvlab.api import _collate_ids
 from kvlab.engine.generation import PrefillState, decode, prefill
 from kvlab.engine.session import compression_session
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference
+from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 
 CONTEXTS = (23, 17, 9)
@@ -67,10 +67,10 @@ def test_padded_questions_on_the_full_cache_equal_the_whole_prompt(name):
     loaded = kvlab.wrap_model(build(name), tokenizer(), name=name)
     contexts, questions = rows(CONTEXTS, 1), rows(QUESTIONS, 2)
     full = Pipeline.from_config(None)
-    state = prefill(loaded, full, _collate_ids(loaded, contexts), decode_capacity=2)  # grows on the way
+    state = prefill(loaded, full, collate_ids(loaded, contexts), decode_capacity=2)  # grows on the way
     got = run_after(state, questions)
     for b in range(len(contexts)):
-        whole = prefill(loaded, full, _collate_ids(loaded, [contexts[b] + questions[b]]))
+        whole = prefill(loaded, full, collate_ids(loaded, [contexts[b] + questions[b]]))
         wanted = decode(whole, STEPS, return_logits=True)
         torch.testing.assert_close(got.step_logits[b], wanted.step_logits[0], atol=1e-4, rtol=1e-4)
         assert torch.equal(got.tokens[b], wanted.tokens[0])
@@ -81,9 +81,9 @@ def test_padded_questions_on_a_compressed_context_equal_each_alone(name):
     loaded = kvlab.wrap_model(build(name), tokenizer(), name=name)
     contexts, questions = rows(CONTEXTS, 3), rows(QUESTIONS, 4)
     pipeline = Pipeline.from_config(SNAPKV)
-    batched = run_after(prefill(loaded, pipeline, _collate_ids(loaded, contexts)), questions)
+    batched = run_after(prefill(loaded, pipeline, collate_ids(loaded, contexts)), questions)
     for b in range(len(contexts)):
-        alone = run_after(prefill(loaded, pipeline, _collate_ids(loaded, [contexts[b]])), [questions[b]])
+        alone = run_after(prefill(loaded, pipeline, collate_ids(loaded, [contexts[b]])), [questions[b]])
         torch.testing.assert_close(batched.step_logits[b], alone.step_logits[0], atol=1e-4, rtol=1e-4)
 
 
@@ -94,7 +94,7 @@ def test_restore_returns_to_the_checkpoint_after_in_place_evictions():
     contexts = rows(CONTEXTS, 5)
     first, second = rows((1, 1, 1), 6), rows((1, 1, 1), 7)  # one token: H2O's slot bookkeeping holds
     pipeline = Pipeline.from_config(H2O)
-    state = prefill(loaded, pipeline, _collate_ids(loaded, contexts))
+    state = prefill(loaded, pipeline, collate_ids(loaded, contexts))
     checkpoint = state.session.run.checkpoint()  # the cache and the policy's own state
     saved = [(layer.prompt_keys.clone(), layer.lengths.clone()) for layer in state.cache.layers]
 
@@ -117,14 +117,14 @@ def test_restore_returns_to_the_checkpoint_after_in_place_evictions():
     a2 = run_after(state, first)
     assert torch.equal(a1.tokens, a2.tokens)
     torch.testing.assert_close(a1.step_logits, a2.step_logits)
-    fresh = run_after(prefill(loaded, pipeline, _collate_ids(loaded, contexts)), second)
+    fresh = run_after(prefill(loaded, pipeline, collate_ids(loaded, contexts)), second)
     assert torch.equal(b.tokens, fresh.tokens)
     torch.testing.assert_close(b.step_logits, fresh.step_logits)
 
 
 def test_keep_slots_keeps_exactly_the_marked_entries():
     loaded = kvlab.wrap_model(build("llama"), tokenizer(), name="llama")
-    state = prefill(loaded, Pipeline.from_config(SNAPKV), _collate_ids(loaded, rows(CONTEXTS, 8)))
+    state = prefill(loaded, Pipeline.from_config(SNAPKV), collate_ids(loaded, rows(CONTEXTS, 8)))
     state = extend(state, rows(QUESTIONS, 9))  # a padded decode region: its padding is no slot
     layer = state.cache.layers[1]
     valid = layer.slot_valid()
@@ -175,7 +175,7 @@ def test_a_block_without_padding_keeps_the_plain_decode_path():
     decode keeps the in-place path (and the Triton kernel on a GPU); a padded block sets it."""
     loaded = kvlab.wrap_model(build("llama"), tokenizer(), name="llama")
     pipeline = Pipeline.from_config(SNAPKV)
-    state = extend(prefill(loaded, pipeline, _collate_ids(loaded, rows(CONTEXTS, 10))), rows((3, 3, 3), 11))
+    state = extend(prefill(loaded, pipeline, collate_ids(loaded, rows(CONTEXTS, 10))), rows((3, 3, 3), 11))
     assert all(layer.decode_valid is None for layer in state.cache.layers)
-    state = extend(prefill(loaded, pipeline, _collate_ids(loaded, rows(CONTEXTS, 10))), rows(QUESTIONS, 11))
+    state = extend(prefill(loaded, pipeline, collate_ids(loaded, rows(CONTEXTS, 10))), rows(QUESTIONS, 11))
     assert all(layer.decode_valid is not None for layer in state.cache.layers)

@@ -8,9 +8,9 @@ from naive import dot, make_ctx, softmax
 
 import kvlab.models
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, region_targets
+from kvlab.cli.main import main
 from kvlab.compression.mixers import head_redundancy
 from kvlab.config.artefacts import Artefact
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 
 

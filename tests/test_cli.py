@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 
 import kvlab.models
-from kvlab.config.cli import main, plural
+from kvlab.cli.listing import plural
+from kvlab.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
@@ -222,7 +223,7 @@ first = names()
 for info in pkgutil.walk_packages(kvlab.compression.__path__, "kvlab.compression."):
     importlib.import_module(info.name)
 print(json.dumps([first, names()]))
-from kvlab.config.cli import main
+from kvlab.cli.main import main
 main(["list"])
 import kvlab.kernels
 found = {}
@@ -284,6 +285,7 @@ def test_wheel_ships_configs_and_kernels(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvlab/configs/snapkv.yaml" in names and "kvlab/configs/_base.yaml" in names
     assert "kvlab/kernels/decode_attention.py" in names
+    assert "kvlab/cli/main.py" in names and "kvlab/data/benchmarks/ruler.py" in names  # every package
     assert "kvlab/calibration/configs/visual_heads.yaml" in names  # kvlab calibrate runs offline
     assert "kvlab/calibration/artefacts/smollm2-qwen2-vl.visual_heads.safetensors" in names
     target = tmp_path / "site"
@@ -293,6 +295,7 @@ def test_wheel_ships_configs_and_kernels(tmp_path):
         capture_output=True,
     )
     code = "import kvlab.config.loader as c; print(c.find_config('snapkv')); import kvlab.kernels.dispatch"
+    code += "; import kvlab.data  # its subpackage benchmarks/ too"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,

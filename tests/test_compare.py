@@ -8,10 +8,11 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_cli import TINY, predict, write_jsonl
 
-from kvlab.config.cli import main
+from kvlab.cli.main import main
+from kvlab.cli.sweep import expand
 from kvlab.config.errors import ConfigError
-from kvlab.config.sweep import expand, parse_method, split_values
 from kvlab.runner.fidelity_run import FidelityEvaluator
+from kvlab.runner.run_names import parse_method, split_values
 
 SNAP = ["--model.compression.budget.window", "4"]  # snapkv's window attention observes budget.window
 

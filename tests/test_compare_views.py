@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from kvlab.config.cli import main
-from kvlab.runner.compare import load_runs
+from kvlab.cli.main import main
 from kvlab.runner.leaderboard import budget_point, leaderboard
+from kvlab.runner.runs import load_runs
 from kvlab.runner.views import heatmap_figure, layer_curves_figure, patch_figure, render, run_label
 
 ATTENTION = {"attention": {"name": "window_attention"}}
@@ -77,7 +77,7 @@ def bench(tmp_path_factory):
     return root
 
 
-def test_budget_points():
+def test_budget_point_reads_ratio_tokens_or_full_from_run_fields():
     assert (
         budget_point({"model": {"compression": {"budget": 0.2, "importance": ATTENTION}}}).label
         == "ratio=0.2"
@@ -149,7 +149,7 @@ def test_figures_are_readable_sizes():
     assert patches.shape[1] >= 600 and patches.shape[0] >= 250
 
 
-def test_run_label():
+def test_run_label_names_the_budget_window_and_sinks():
     from kvlab.pipeline import Pipeline
 
     snap = Pipeline.from_config({"budget": {"tokens": 128, "window": 32}, "importance": ATTENTION})
@@ -161,7 +161,7 @@ def test_run_label():
 
 def test_runs_differing_in_window_or_protocol_are_never_pooled():
     """Only the budget's size is a column: another window or protocol is another method (row)."""
-    from kvlab.runner.compare import Run
+    from kvlab.runner.runs import Run
 
     def run(name, point, budget, protocol="query_aware", score=1.0, metric="contains_answer"):
         fields = {"model": {"compression": {"budget": budget, "importance": ATTENTION}, "protocol": protocol},
@@ -186,8 +186,8 @@ def test_runs_differing_in_window_or_protocol_are_never_pooled():
 
 
 def test_a_run_without_its_datasets_metric_has_no_score():
-    from kvlab.runner.compare import Run
     from kvlab.runner.leaderboard import primary_metric
+    from kvlab.runner.runs import Run
 
     fields = {"data": {"dataset": {"name": "bench", "metrics": ["rouge_l"]}}}
     run = Run("snapkv", "snapkv", {}, {}, records=[{"id": "s0", "contains_answer": 1.0}], fields=fields)

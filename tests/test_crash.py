@@ -9,14 +9,14 @@ import sys
 
 from test_cli import write_jsonl
 
-from kvlab.config.cli import main
+from kvlab.cli.main import main
 
 # the kill hook lives in the test: the run kills itself right after writing batch KILL_AFTER
 # (first adding half a line when KILL_PARTIAL is set), as SIGKILL at that moment would
 SCRIPT = """
 import os, signal, sys
 from kvlab.runner import writer
-from kvlab.config.cli import main
+from kvlab.cli.main import main
 after, partial = int(os.environ.get("KILL_AFTER", "0")), os.environ.get("KILL_PARTIAL")
 write, count = writer.PredictionWriter.write_on_batch_end, [0]
 def killing(self, *args, **kwargs):

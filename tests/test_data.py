@@ -19,7 +19,6 @@ from kvlab.data import (
     PALETTE,
     REGIONS,
     JsonlDataset,
-    KVLabDataModule,
     Sample,
     SyntheticImageQA,
     SyntheticRetrieval,
@@ -27,6 +26,7 @@ from kvlab.data import (
 from kvlab.data.synthetic import region_pixel
 from kvlab.metrics.tasks import validate_task_metrics
 from kvlab.models.base import IMAGE, PAD, TEXT
+from kvlab.runner.datamodule import KVLabDataModule
 
 # ---------------------------------------------------------------------------------------------
 # fake processor: whitespace "tokenizer", each image -> 4 image tokens, left padding
@@ -79,15 +79,19 @@ class FakeProcessor:
 
 @pytest.fixture
 def fake_models(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Replace kvlab.models' processor loading and name validation with fakes; records calls."""
+    """The data module's processor source (names checked, processors loaded) replaced by a fake that
+    records what it loads."""
     record: dict[str, Any] = {"loaded": [], "processor": FakeProcessor()}
 
-    def load_processor(name: str) -> FakeProcessor:
-        record["loaded"].append(name)
-        return record["processor"]
+    class FakeProcessors:
+        def check(self, name: str) -> None:
+            pass
 
-    monkeypatch.setattr(kvlab.models, "load_processor", load_processor, raising=False)
-    monkeypatch.setattr(kvlab.models, "validate_model_name", lambda name: None, raising=False)
+        def load(self, name: str) -> FakeProcessor:
+            record["loaded"].append(name)
+            return record["processor"]
+
+    monkeypatch.setattr(KVLabDataModule, "processors", FakeProcessors())
     return record
 
 
@@ -151,7 +155,12 @@ def test_retrieval_context_tokens_with_smollm2_tokenizer() -> None:
     processor = kvlab.models.load_processor("smollm2-135m")  # tokenizer only (cached conversion)
     for tokens, pairs in ((512, 1), (2048, 4), (4096, 1)):
         samples = SyntheticRetrieval(
-            num_samples=2, context_tokens=tokens, num_pairs=pairs, seed=7, tokenizer="smollm2-135m"
+            num_samples=2,
+            context_tokens=tokens,
+            num_pairs=pairs,
+            seed=7,
+            tokenizer="smollm2-135m",
+            processors=kvlab.models.PROCESSORS,
         ).samples()
         lengths = processor.collate(samples)["attention_mask"].sum(dim=1).tolist()
         assert all(abs(n - tokens) <= 0.06 * tokens for n in lengths), (tokens, lengths)

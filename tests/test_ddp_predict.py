@@ -11,7 +11,7 @@ import pytest
 from test_cli import write_jsonl
 from test_crash import stable
 
-from kvlab.config.cli import main
+from kvlab.cli.main import main
 from kvlab.runner.writer import shard_name
 
 
@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
     data = write_jsonl(tmp / "d.jsonl", rows)
     ddp = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "kvlab.config.cli", *command(data, tmp, "ddp"), *ddp],
+    result = subprocess.run([sys.executable, "-m", "kvlab.cli", *command(data, tmp, "ddp"), *ddp],
                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     main(command(data, tmp, "one"))

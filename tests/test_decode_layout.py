@@ -204,7 +204,7 @@ def test_kv_bytes_fall_with_the_budget_and_are_the_buffers():
 
 
 def test_bench_decode_model_table(capsys):
-    from kvlab.config.cli import main
+    from kvlab.cli.main import main
 
     main(["bench", "decode", "--model", "tiny-llama", "--contexts", "128", "--steps", "2", "--repeat", "1",
           "--budgets", "0.5", "--methods", "adakv"])  # fmt: skip

@@ -60,7 +60,7 @@ def test_hf_template_answer_index_and_alias(saved_hf: Path) -> None:
     assert ds.metrics == ("choice_accuracy", "exact_match")
 
 
-def test_hf_data_file(tmp_path: Path) -> None:
+def test_hf_dataset_reads_a_jsonl_data_file_with_field_mapping(tmp_path: Path) -> None:
     file = write_jsonl(tmp_path / "rows.jsonl", [{"q": "one", "a": 1}, {"q": "two", "a": 2}])
     node = {"name": "hf", "path": str(file), "fields": {"prompt": "q", "answers": "a"}}
     samples = DATASETS.build(node).samples()
@@ -79,14 +79,14 @@ def test_hf_data_file(tmp_path: Path) -> None:
      ({"metrics": []}, "data.dataset.metrics is empty"),
      ({"path": "./no/such/dir"}, "neither a data file nor a directory")],
 )  # fmt: skip
-def test_hf_errors(saved_hf: Path, change: dict[str, Any], match: str) -> None:
+def test_hf_dataset_errors_name_the_field_to_fix(saved_hf: Path, change: dict[str, Any], match: str) -> None:
     node = {"name": "hf", "path": str(saved_hf), "fields": {"prompt": "question"}, **change}
     with pytest.raises(ConfigError, match=match):
         DATASETS.build(node).samples()
 
 
 def test_hf_through_kvlab_predict(saved_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvlab.config.cli import main
+    from kvlab.cli.main import main
 
     fields = "{prompt: question, context: passage, answers: answer.text, id: qid}"
     common = ["predict", "--config", "full", "--model.model", "tiny-llama", "--model.max_new_tokens", "3",

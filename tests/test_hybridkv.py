@@ -303,11 +303,11 @@ def test_global_pool_on_a_model_with_sliding_window_layers():
     from test_attention_variants import build, prompts, tokenizer
 
     import kvlab
-    from kvlab.api import _collate_ids
     from kvlab.engine.generation import generate
+    from kvlab.models.prompts import collate_ids
 
     loaded = kvlab.wrap_model(build("gemma3-text"), tokenizer(), name="gemma3-text")
-    batch = _collate_ids(loaded, prompts())
+    batch = collate_ids(loaded, prompts())
     node = kvlab.compression_config("hybridkv", budget={"ratio": 0.5, "window": 1, "sinks": 0})
     result = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=2)
     kinds = loaded.model.config.layer_types

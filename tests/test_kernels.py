@@ -517,7 +517,7 @@ SMALL = ["--contexts", "300", "--heads", "4", "--kv-heads", "2", "--head-dim", "
     "bench, extra", [("decode", ["--budgets", "0.1,0.5"]), ("window", ["--window", "8"])]
 )
 def test_bench_commands_print_a_table(bench, extra, capsys):
-    from kvlab.config.cli import main
+    from kvlab.cli.main import main
 
     main(["bench", bench, *SMALL, *extra])
     out = capsys.readouterr().out
@@ -529,7 +529,7 @@ def test_bench_commands_print_a_table(bench, extra, capsys):
 
 def test_unknown_bench_exits_2_and_a_registered_bench_runs(capsys, monkeypatch):
     from kvlab import bench
-    from kvlab.config.cli import main
+    from kvlab.cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main(["bench", "decod"])

@@ -50,7 +50,7 @@ def test_memory_and_scoring_benches_print_their_tables(capsys):
     """Smoke test of the benches (tiny sizes; nothing is timed or asserted about speed)."""
     import torch
 
-    from kvlab.config.cli import main
+    from kvlab.cli.main import main
 
     threads = torch.get_num_threads()  # the benches set their own thread count
     try:

@@ -105,7 +105,7 @@ def test_validate_model_name(tmp_path):
         load_model("tiny-lama")
 
 
-def test_dtype():
+def test_load_model_takes_a_dtype_name_or_torch_dtype_and_refuses_others():
     assert next(load_model("tiny-qwen2", "bfloat16").model.parameters()).dtype == torch.bfloat16
     assert next(load_model("tiny-qwen2", torch.float16).model.parameters()).dtype == torch.float16
     with pytest.raises(ConfigError, match="dtype"):
@@ -184,7 +184,7 @@ def test_collate_mixed_image_counts(name):
     assert torch.allclose(forward(loaded, alone)[0, -1], logits[1, -1], atol=1e-5)
 
 
-def test_collate_errors():
+def test_collate_refuses_images_for_text_models_and_image_tokens_in_text():
     with pytest.raises(ConfigError, match="text-only"):
         load_processor("tiny-llama").collate(mixed_samples())
     with pytest.raises(ConfigError, match="image token"):
@@ -210,31 +210,32 @@ def test_load_from_local_directory(name, tmp_path):
 
 
 # ---- SmolLM2 cache (no weights needed) ---------------------------------------------------------
-def test_smollm2_conversion_is_atomic(tmp_path, monkeypatch):
+def test_gguf_conversion_into_the_cache_is_atomic_and_runs_once(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
-    monkeypatch.setattr(smollm2_mod, "gguf_dir", lambda: tmp_path)
     target = smollm2_mod.cache_dir()
     assert target == tmp_path / "models" / "smollm2-135m-instruct"
+    files = ("config.json", "model.safetensors", "tokenizer.json")
 
-    def interrupted(src, dst):
+    def complete(path):
+        return all((path / name).is_file() for name in files)
+
+    def interrupted(dst):
         (dst / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(smollm2_mod, "_convert", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        smollm2_mod.ensure_converted()
+        smollm2_mod.convert_once(target, interrupted, complete)
     assert not target.exists() and list(target.parent.iterdir()) == []
 
     calls = []
 
-    def complete(src, dst):
+    def convert(dst):
         calls.append(dst)
-        for name in smollm2_mod._CACHE_FILES:
+        for name in files:
             (dst / name).write_text("x")
 
-    monkeypatch.setattr(smollm2_mod, "_convert", complete)
-    assert smollm2_mod.ensure_converted() == target
-    assert smollm2_mod.ensure_converted() == target and len(calls) == 1
+    assert smollm2_mod.convert_once(target, convert, complete) == target
+    assert smollm2_mod.convert_once(target, convert, complete) == target and len(calls) == 1
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from naive import make_ctx
 
+from kvlab.cli.main import main
 from kvlab.compression.allocators import LAYER_ALLOCATORS
 from kvlab.compression.budget import Budget
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.importance import IMPORTANCE, WindowAttentionScorer
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 from kvlab.data.sample import Sample

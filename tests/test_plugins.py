@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import kvlab.models
+from kvlab.cli.main import main
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.config import plugins
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 
@@ -169,7 +169,7 @@ class FakeEntryPoint:
 
 
 def fake_entry_points(monkeypatch, *points):
-    monkeypatch.setattr(plugins, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "entry_points_loaded", False)
     monkeypatch.setattr(
         plugins, "entry_points", lambda group: list(points) if group == plugins.ENTRY_POINT_GROUP else []
     )

@@ -11,8 +11,8 @@ import torch
 from naive import LENGTHS, build, dot, make_ctx, norm, sample_lists
 from test_cli import TINY, write_jsonl
 
+from kvlab.cli.main import main
 from kvlab.compression.diversity import DIVERSITY
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.pipeline import Pipeline

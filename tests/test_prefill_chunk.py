@@ -90,7 +90,7 @@ def test_chunked_prefill_of_windowed_softcapped_and_sink_layers_matches_transfor
     from test_attention_variants import STEPS as VARIANT_STEPS
     from test_attention_variants import build, prompts, tokenizer
 
-    from kvlab.api import _collate_ids
+    from kvlab.models.prompts import collate_ids
 
     model = build(name)
     rows = prompts()  # 23, 17 and 9 tokens: chunks of 4 leave the shortest padding-only chunks
@@ -104,7 +104,7 @@ def test_chunked_prefill_of_windowed_softcapped_and_sink_layers_matches_transfor
             wanted[b] = torch.stack(out.logits, 1)[0].float()
     loaded = kvlab.wrap_model(model, tokenizer(), name=name)  # from here on, kvlab's attention
     full = Pipeline.from_config(None)
-    ours = generate(loaded, full, _collate_ids(loaded, rows), VARIANT_STEPS, True, prefill_chunk=4)
+    ours = generate(loaded, full, collate_ids(loaded, rows), VARIANT_STEPS, True, prefill_chunk=4)
     for b, logits in wanted.items():
         torch.testing.assert_close(ours.step_logits[b], logits, atol=1e-4, rtol=1e-4)
 

@@ -26,6 +26,7 @@ from kvlab.cache.selection import Selection
 from kvlab.cache.state import RunState
 from kvlab.calibration.command import calibrate
 from kvlab.calibration.prefixkv import PrefixLayerRatios, artefact_from_released_configs
+from kvlab.cli.main import main
 from kvlab.compression.allocators import LAYER_ALLOCATORS
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.importance import IMPORTANCE
@@ -39,7 +40,6 @@ from kvlab.compression.prefixkv import (
     solve_exact,
 )
 from kvlab.config.artefacts import Artefact
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names, resolve
 from kvlab.data import build_dataset
@@ -526,10 +526,10 @@ def test_online_threshold_on_a_model_with_sliding_window_layers():
     from test_attention_variants import WINDOW, build, prompts, tokenizer
 
     import kvlab
-    from kvlab.api import _collate_ids
+    from kvlab.models.prompts import collate_ids
 
     loaded = kvlab.wrap_model(build("gemma3-text"), tokenizer(), name="gemma3-text")
-    batch = _collate_ids(loaded, prompts())
+    batch = collate_ids(loaded, prompts())
     node = {"budget": {"ratio": 0.3, "window": 1, "sinks": 1}}
     result = generate(loaded, online(**node), batch, max_new_tokens=8)
     kinds = loaded.model.config.layer_types

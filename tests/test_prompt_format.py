@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.config.cli import main
+from kvlab.cli.main import main
+from kvlab.cli.prompt_example import EXAMPLE_KEEP, describe_prompt, elide
 from kvlab.config.errors import ConfigError
-from kvlab.data import KVLabDataModule
 from kvlab.data.sample import Sample
 from kvlab.models import load_processor
-from kvlab.models.processors import EXAMPLE_KEEP, describe_prompt, elide
 from kvlab.models.scaffolding import tiny
 from kvlab.models.scaffolding.tokenizer import tiny_tokenizer
+from kvlab.runner.datamodule import KVLabDataModule
 
 BOS = "<|endoftext|>"
 PROMPT = "Remember the passkey 4821. What is the passkey?"

@@ -17,11 +17,13 @@ from test_cli import TINY, predict, write_jsonl
 
 import kvlab.data.kvpress  # noqa: F401  (registers the kvpress dataset)
 from kvlab.api import load_pipeline
+from kvlab.cli.prompt_example import QUESTION_LINE, describe_prompt
 from kvlab.config.errors import ConfigError
-from kvlab.data.datamodule import ContextBatchSampler, check_contexts, context_batches, truncate_left
+from kvlab.data.contexts import ContextBatchSampler, check_contexts, context_batches
+from kvlab.data.long_prompts import truncate_left
 from kvlab.data.sample import Sample
 from kvlab.engine.protocols import PROTOCOLS, build_protocol, protocol_node
-from kvlab.models.processors import QUESTION_LINE, ChatProcessor, describe_prompt
+from kvlab.models.processors import ChatProcessor
 from kvlab.pipeline import Pipeline
 from kvlab.runner.fingerprint import check_run, fingerprint_fields, record_run
 

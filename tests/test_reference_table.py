@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.config.cli import main
+from kvlab.cli import reference_table as reference_command
+from kvlab.cli.main import main
 from kvlab.config.errors import ConfigError
 from kvlab.runner import reference_table as reference
 
@@ -86,7 +87,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "| random | " in expected and "-" not in expected.splitlines()[-1]
 
 
-def test_cli_errors(tmp_path: Path) -> None:
+def test_bad_reference_table_options_exit_2_before_any_run(tmp_path: Path) -> None:
     for bad in (
         ["--methods", "snapkvv"],
         ["--tasks", "retrieval-9k"],
@@ -219,5 +220,5 @@ def test_suite_cli_errors(tmp_path: Path) -> None:
         assert info.value.code == 2
     for suite_only in (["--protocols", "query_aware"], ["--lengths", "1024"], ["--no-plots"]):
         with pytest.raises(ConfigError, match="apply to --suite ruler only"):
-            reference.main(["--dir", str(tmp_path), *suite_only])
+            reference_command.main(["--dir", str(tmp_path), *suite_only])
     assert not any(tmp_path.iterdir())

@@ -8,9 +8,9 @@ import pytest
 from test_cli import write_jsonl
 
 import kvlab.models
-from kvlab.config.cli import main
-from kvlab.config.sweep import override_suffix
+from kvlab.cli.main import main
 from kvlab.runner.fingerprint import RUN_JSON
+from kvlab.runner.run_names import override_suffix
 
 TINY = ["--model.model", "tiny-llama", "--trainer.enable_progress_bar", "false",
         "--model.max_new_tokens", "2", "--model.fidelity", "false"]  # fmt: skip

@@ -13,10 +13,10 @@ from e2e import kvlab_model
 from naive import dot, naive_attention, naive_chunk_choice
 
 from kvlab.cache.layer import CompressedLayer
+from kvlab.cli.main import main
 from kvlab.compression import retrieval as retrieval_module
 from kvlab.compression.context import LayerContext
 from kvlab.compression.retrieval import ChunkStore, RetrieveSelector, retrieval_record
-from kvlab.config.cli import main
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.kernels import dispatch

@@ -11,8 +11,8 @@ from naive import make_ctx
 from test_modality import WINDOW, mixed_samples, with_modality
 
 from kvlab.cache.state import RunState
+from kvlab.cli.main import main
 from kvlab.compression.routing import LAYER_METRICS, ROUTE_RULES
-from kvlab.config.cli import main
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 from kvlab.pipeline import Pipeline

@@ -10,9 +10,9 @@ import pytest
 from test_attention_variants import WINDOW, build, prompts, tokenizer
 
 import kvlab
-from kvlab.api import _collate_ids
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import generate
+from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 
 SNAPKV = {"budget": {"tokens": 8, "window": 2}, "importance": {"attention": {"name": "window_attention"}}}
@@ -21,7 +21,7 @@ SNAPKV = {"budget": {"tokens": 8, "window": 2}, "importance": {"attention": {"na
 def run(name: str, node):
     loaded = kvlab.wrap_model(build(name), tokenizer(), name=name)
     rows = prompts()
-    result = generate(loaded, Pipeline.from_config(node), _collate_ids(loaded, rows), max_new_tokens=3)
+    result = generate(loaded, Pipeline.from_config(node), collate_ids(loaded, rows), max_new_tokens=3)
     config = loaded.model.config
     layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     return result, [len(r) for r in rows], layer_types

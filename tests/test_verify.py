@@ -11,7 +11,7 @@ from test_cli import TINY, predict, write_jsonl
 
 import kvlab
 import kvlab.engine.attention as attention
-from kvlab.config.cli import main
+from kvlab.cli.main import main
 from kvlab.data.synthetic import SyntheticImageQA
 from kvlab.engine.verify import verify_engine
 

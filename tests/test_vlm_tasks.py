@@ -19,7 +19,7 @@ def load(task, **params):
     return DATASETS.build({"name": task, "path": str(FIXTURES / f"{task}.parquet"), **params})
 
 
-def test_docvqa():
+def test_docvqa_prompts_answers_and_anls_match_lmms_eval():
     ds = load("docvqa")
     first, second, third = ds.samples()
     assert first.id == "docvqa-49153" and first.prompt == "What is the date on the form?" + SHORT
@@ -31,7 +31,7 @@ def test_docvqa():
     assert score_output("January 2, 1999", first, ds.metrics) == {"anls": 1.0}
 
 
-def test_chartqa():
+def test_chartqa_ids_prompts_and_relaxed_accuracy():
     ds = load("chartqa", limit=2)
     samples = ds.samples()
     assert [s.id for s in samples] == ["chartqa-test-0", "chartqa-test-1"]  # no id column: split-row
@@ -40,7 +40,7 @@ def test_chartqa():
     assert score_output("0.46", samples[1], ds.metrics) == {"relaxed_accuracy": 1.0}  # within 5% of 45%
 
 
-def test_textvqa():
+def test_textvqa_prompts_and_vqa_accuracy_over_ten_answers():
     ds = load("textvqa")
     first, _, third = ds.samples()
     assert first.prompt == "What is the brand of this camera?" + SHORT  # capitalised as lmms-eval does
@@ -52,7 +52,7 @@ def test_textvqa():
     assert score_output("14", third, ds.metrics) == {"vqa_accuracy": 1.0}
 
 
-def test_ocrbench():
+def test_ocrbench_prompts_and_scores_per_question_type():
     ds = load("ocrbench")
     regular, hme, kie = ds.samples()
     assert kie.prompt == "What is the date?"  # stripped question, no instruction
@@ -63,7 +63,7 @@ def test_ocrbench():
     assert regular.max_new_tokens == 128
 
 
-def test_mmmu():
+def test_mmmu_prompts_name_their_images_and_score_the_option_letter():
     ds = load("mmmu")
     bio, math, geo = ds.samples()
     assert bio.prompt == (

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from kvlab.cli.main import main
 from kvlab.compression.importance import IMPORTANCE
-from kvlab.config.cli import main
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "write_a_component.md"
 

@@ -1,18 +1,13 @@
-"""``kvlab bench <name> [options]``: benchmarks that print tables (not tests: nothing is asserted).
+"""Benchmarks that print tables (not tests: nothing is asserted), run by ``kvlab bench <name> [options]``.
 
 Benchmarks live in this package, one module per bench, each exposing ``run(args: list[str])``
 (its own argparse options; ``kvlab bench <name> --help`` lists them). :data:`BENCHES` maps a
-bench name to its module and a one-line help; modules are imported only when their bench
-runs. To add a bench, write ``kvlab/bench/<module>.py`` with ``run`` and add one entry to
-:data:`BENCHES` (or call :func:`register_bench` from code that is imported before the CLI runs).
+bench name to its module and a one-line help; :mod:`kvlab.cli.bench` imports a module only when
+its bench runs. To add a bench, write ``kvlab/bench/<module>.py`` with ``run`` and add one entry
+to :data:`BENCHES` (or call :func:`register_bench` from code that is imported before the CLI runs).
 """
 
 from __future__ import annotations
-
-import importlib
-import sys
-
-from kvlab.config.errors import ConfigError, did_you_mean
 
 # name -> (module with a ``run(args)`` function, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
@@ -27,22 +22,3 @@ BENCHES: dict[str, tuple[str, str]] = {
 def register_bench(name: str, module: str, help: str) -> None:
     """Make ``kvlab bench <name>`` run ``module.run(args)``."""
     BENCHES[name] = (module, help)
-
-
-def usage() -> str:
-    lines = ["usage: kvlab bench {" + ",".join(BENCHES) + "} [options]", ""]
-    lines += [f"  kvlab bench {name:<10} {doc}" for name, (_, doc) in BENCHES.items()]
-    return "\n".join(lines)
-
-
-def main(args: list[str]) -> None:
-    """Entry point of ``kvlab bench``."""
-    if not args or args[0] in ("-h", "--help"):
-        print(usage(), file=sys.stdout)
-        return
-    name, rest = args[0], args[1:]
-    if name not in BENCHES:
-        raise ConfigError(
-            f"unknown bench '{name}'.{did_you_mean(name, list(BENCHES))} Benches: {', '.join(BENCHES)}."
-        )
-    importlib.import_module(BENCHES[name][0]).run(rest)

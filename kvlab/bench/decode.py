@@ -49,7 +49,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
+import kvlab
 from kvlab.bench.common import (
     add_threads_option,
     base_parser,
@@ -64,6 +66,7 @@ from kvlab.bench.common import (
     time_call,
     triton_note,
 )
+from kvlab.engine.generation import decode, prefill
 from kvlab.kernels.compaction import segment_starts
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention_reference
 from kvlab.kernels.dispatch import triton_available
@@ -124,7 +127,7 @@ def bench_row(query, T, budget, full, opts, device, dtype, gen, peak) -> list[ob
     sdpa_padded = time_call(sdpa, (query, *padded_kv, mask), device, repeat=opts.repeat)
     triton_s = bandwidth = None
     if device.type == "cuda" and triton_available():
-        from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton
+        from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton  # triton: optional, CUDA
 
         triton_s = time_call(ragged_decode_attention_triton, args, device, repeat=opts.repeat)
         bandwidth = (keys.numel() + dk.numel()) * 2 * keys.element_size() / triton_s / 1e9
@@ -188,8 +191,6 @@ def _transformers_contenders(
     """transformers' ``DynamicCache`` + sdpa over the whole prompt (the baseline), and the same cache
     cropped to each budget's kept count (its most recent entries: uniform eviction on transformers'
     own cache)."""
-    from transformers import DynamicCache
-
     model, T = loaded.model, batch["input_ids"].shape[1]
     with sdpa_attention(model), torch.no_grad():
         full = DynamicCache(config=model.config)
@@ -232,9 +233,6 @@ def _kvlab_contender(
 ) -> Contender:
     """kvlab's prefill (compression inside) once; each timed run restores the compressed cache and
     decodes teacher-forced ``tokens`` through :func:`kvlab.engine.generation.decode`."""
-    import kvlab
-    from kvlab.engine.generation import decode, prefill
-
     T = batch["input_ids"].shape[1]
     overrides = {} if budget is None else {"budget.tokens": kept_count(budget, T)}
     pipeline = kvlab.load_pipeline(method, overrides)
@@ -273,8 +271,6 @@ def sdpa_attention(model: Any) -> Iterator[None]:
 
 def run_model(opts: argparse.Namespace) -> None:
     """The model table: per context, every contender's decode step, timed in interleaved rounds."""
-    import kvlab
-
     loaded = kvlab.load_model(opts.model)
     budgets, methods = parse_list(opts.budgets, float), [m for m in opts.methods.split(",") if m]
     steps = opts.steps

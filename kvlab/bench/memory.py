@@ -26,6 +26,7 @@ the end.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -33,12 +34,18 @@ import tempfile
 import time
 from typing import Any
 
+import psutil
 import torch
+from transformers import DynamicCache
 
 import kvlab
 from kvlab.bench.common import add_threads_option, context_label, parse_list, print_table
 from kvlab.calibration.synthetic import synthetic_visual_heads
+from kvlab.engine.generation import generate, prefill
 from kvlab.engine.masking import MASKS, load_masked_model
+from kvlab.engine.prefill_plan import check_prefill_chunk
+from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
+from kvlab.models.base import PAD
 
 
 def parse(args: list[str]) -> argparse.Namespace:
@@ -85,8 +92,6 @@ def masked_decode(
     model_name: str, batch: dict[str, Any], reports: list[Any], tokens: list[list[int]], steps: int
 ):
     """(bytes, seconds per step) of the masked baseline for the kept sets in ``reports``."""
-    from transformers import DynamicCache
-
     B, T = batch["input_ids"].shape
     loaded = load_masked_model(model_name, reports, T)
     cache = DynamicCache()
@@ -104,8 +109,6 @@ def masked_decode(
 
 def fastest(loaded: Any, pipe: Any, batch: dict[str, Any], opts: argparse.Namespace) -> tuple[Any, float]:
     """(result, seconds per decode step) of the fastest of ``opts.repeat`` runs (one decode per run)."""
-    from kvlab.engine.generation import generate
-
     best = None
     for _ in range(opts.repeat):
         result = generate(loaded, pipe, batch, max_new_tokens=opts.steps + 1)
@@ -179,8 +182,6 @@ def padded_lengths(T: int, batch: int, spread: float) -> list[int]:
 
 def padded_batch(loaded: Any, lengths: list[int]) -> dict[str, Any]:
     """A left-padded batch of seeded random token ids with the given prompt lengths."""
-    from kvlab.models.base import PAD
-
     T = max(lengths)
     gen = torch.Generator().manual_seed(T)
     vocab = loaded.model.config.get_text_config().vocab_size
@@ -218,11 +219,6 @@ def measure_prefill(
     whether it did: otherwise the mark covers the process's whole life), the prefill's seconds
     and the cache's bytes after compression.
     """
-    import gc
-
-    from kvlab.engine.generation import prefill
-    from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
-
     batch = padded_batch(loaded, lengths)
     gc.collect()
     reset = reset_peak_rss()
@@ -241,8 +237,6 @@ def prefill_peaks(spec: dict[str, Any]) -> list[dict[str, Any]]:
     ``spec``: ``model``, ``contexts`` (longest prompt per point), ``batch``, ``spread``, ``method``
     (a preset), ``chunk`` (``model.prefill_chunk`` or None), ``threads``.
     """
-    from kvlab.engine.prefill_plan import check_prefill_chunk
-
     torch.set_num_threads(spec.get("threads", 1))
     loaded = kvlab.load_model(spec["model"])
     pipeline = kvlab.load_pipeline(spec["method"])
@@ -264,8 +258,6 @@ def measure_in_subprocess(
     Raises:
         RuntimeError: the process failed otherwise (its stderr's tail in the message).
     """
-    import psutil
-
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         command = [sys.executable, "-m", "kvlab.bench.memory", json.dumps(spec)]
         child = subprocess.Popen(command, stdout=out, stderr=err, text=True)

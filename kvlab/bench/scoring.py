@@ -14,7 +14,9 @@ import time
 
 import torch
 
+import kvlab
 from kvlab.bench.common import add_threads_option, context_label, parse_list, print_table
+from kvlab.compression.context import LayerContext
 
 PAIRS = {"snapkv": "mixkv_snapkv", "adakv": "mixkv_adakv", "pyramidkv": "mixkv_pyramidkv"}
 
@@ -34,8 +36,6 @@ def parse(args: list[str]) -> argparse.Namespace:
 
 
 def layer_context(T: int, opts: argparse.Namespace, device: torch.device):
-    from kvlab.compression.context import LayerContext
-
     gen = torch.Generator().manual_seed(T)
     shape = (1, opts.heads, T, opts.head_dim)
     kv_shape = (1, opts.kv_heads, T, opts.head_dim)
@@ -81,8 +81,6 @@ def fastest_interleaved(pipes: list, fresh, device: torch.device, repeat: int) -
 
 
 def run(args: list[str]) -> None:
-    import kvlab
-
     opts = parse(args)
     torch.set_num_threads(opts.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -75,7 +75,7 @@ def run(args: list[str]) -> None:
         ref_s, ref_mib = measure(window_attention_scores_reference, inputs, device, opts.repeat)
         tri_s = tri_mib = None
         if has_triton:
-            from kvlab.kernels.tl.window_scores import window_attention_scores_triton
+            from kvlab.kernels.tl.window_scores import window_attention_scores_triton  # triton: optional
 
             tri_s, tri_mib = measure(window_attention_scores_triton, inputs, device, opts.repeat)
         rows.append(

@@ -80,7 +80,9 @@ def calibrate(settings: dict[str, Any]) -> Path:
         raise ConfigError(
             "calibration config needs data.dataset, e.g. {name: synthetic_image_qa, num_samples: 32}."
         )
-    samples = build_dataset(dataset_node, "data.dataset", tokenizer=model_name).samples()
+    samples = build_dataset(
+        dataset_node, "data.dataset", tokenizer=model_name, processors=models.PROCESSORS
+    ).samples()
     if statistic.needs_answers and any(not s.answers for s in samples):
         raise ConfigError(
             f"calibration '{statistic.registry_name}' teacher-forces reference answers, but some samples of "

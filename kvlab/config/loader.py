@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import inspect
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -175,8 +176,6 @@ def check_fields(cfg: dict[str, Any], sections: dict[str, Any]) -> None:
 
 def _hints(function: Any) -> dict[str, Any]:
     """Resolved type hints of ``function`` (empty when they cannot be evaluated)."""
-    import typing
-
     try:
         return typing.get_type_hints(function)
     except Exception:  # hints naming types unavailable at runtime: skip type checks

@@ -33,7 +33,9 @@ from kvlab.config.errors import ConfigError
 IMPORTS_KEY = "imports"
 ENTRY_POINT_GROUP = "kvlab.plugins"
 
-_entry_points_loaded = False
+#: whether this process has loaded the ``kvlab.plugins`` entry points (set back to False to load
+#: them again at the next registry lookup, e.g. after installing a plugin package)
+entry_points_loaded = False
 
 
 def is_file_reference(entry: str) -> bool:
@@ -145,10 +147,10 @@ def import_plugins(entries: Iterable[str], relative_to: Path | None = None) -> l
 
 def load_entry_points() -> list[str]:
     """Load every ``kvlab.plugins`` entry point once per process; returns the names loaded (now)."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
+    global entry_points_loaded
+    if entry_points_loaded:
         return []
-    _entry_points_loaded = True  # set first: a plugin that looks a component up does not recurse
+    entry_points_loaded = True  # set first: a plugin that looks a component up does not recurse
     loaded = []
     for point in entry_points(group=ENTRY_POINT_GROUP):
         try:

@@ -7,7 +7,9 @@ names (listing the known ones and the closest match), unknown, missing or mistyp
 (naming the component and the field). Every registry enrols itself in :data:`REGISTRIES` when
 it is created, so ``kvlab list`` prints :meth:`Registry.describe` for each one without a
 hand-written list. The first lookup loads the installed plugins' ``kvlab.plugins`` entry points
-(:mod:`kvlab.config.plugins`).
+(:mod:`kvlab.config.plugins`). A field declared with :func:`context_field` is no parameter: kvlab
+fills it when it builds the component (``Registry.build``'s context), YAML cannot set it and
+``kvlab list`` does not show it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,25 @@ _MISSING = dataclasses.MISSING
 
 # every Registry ever created, in creation order (filled by Registry.__init__)
 REGISTRIES: list[Registry[Any]] = []
+#: the metadata key that marks a :func:`context_field`
+CONTEXT_ONLY = "kvlab_context_only"
+
+
+def context_field(default: Any = None) -> Any:
+    """A dataclass field that kvlab fills when it builds the component (``Registry.build(node,
+    where, **context)``), such as the source of model processors a dataset measures tokens with:
+    not a YAML parameter, not listed by ``kvlab list``, left out of ``repr`` and comparisons."""
+    return dataclasses.field(default=default, repr=False, compare=False, metadata={CONTEXT_ONLY: True})
+
+
+def parameter_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of dataclass ``cls`` that YAML sets: initialised, not private (``_``), not a
+    :func:`context_field`."""
+    return [
+        f
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.init and not f.name.startswith("_") and not f.metadata.get(CONTEXT_ONLY)
+    ]
 
 
 def to_plain(node: Any) -> Any:
@@ -116,8 +137,8 @@ class Registry(Generic[T]):
         return decorator
 
     def unregister(self, name: str) -> None:
-        """Remove the registration of ``name`` (nothing when absent): a test undoes its own, a
-        module registering again after a reload starts clean."""
+        """Forget the component registered as ``name`` (a plugin reloaded in one process, a test
+        that registered its own); unknown names are ignored."""
         self._entries.pop(name, None)
 
     def names(self) -> list[str]:
@@ -182,9 +203,7 @@ class Registry(Generic[T]):
             params = []
             if dataclasses.is_dataclass(cls):
                 hints = typing.get_type_hints(cls)
-                for f in dataclasses.fields(cls):
-                    if not f.init or f.name.startswith("_"):
-                        continue
+                for f in parameter_fields(cls):
                     if f.default is not _MISSING:
                         default = repr(f.default)
                     elif f.default_factory is not _MISSING:  # type: ignore[misc]
@@ -207,7 +226,7 @@ def validate_params(cls: type, params: Mapping[str, Any], where: str) -> dict[st
     if not dataclasses.is_dataclass(cls):
         return dict(params)
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+    fields = {f.name: f for f in parameter_fields(cls)}
     for key in params:
         if key not in fields:
             allowed = ", ".join(fields) or "none"

@@ -36,6 +36,7 @@ from typing import Any
 
 from kvlab.config.errors import ConfigError
 from kvlab.data.datasets import DATASETS, check_metrics
+from kvlab.data.hf import HFDataset
 from kvlab.data.jsonl import read_json_lines
 from kvlab.data.sample import Sample
 
@@ -92,8 +93,6 @@ class KVPressDataset:
                 f"{WHERE}.path: {local} has suffix '{local.suffix}'; the kvpress dataset reads .jsonl/.json "
                 "lines files, .parquet files, save_to_disk directories and Hub names."
             )
-        from kvlab.data.hf import HFDataset
-
         loader = HFDataset(
             path=self.path,
             split=self.split,
@@ -189,7 +188,7 @@ def _json_lines(path: Path) -> list[dict[str, Any]]:
 def _parquet(path: Path) -> list[dict[str, Any]]:
     """Rows of a parquet file, read with pyarrow."""
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # pyarrow (comes with datasets): slow to import, parquet files only
     except ImportError:
         raise ConfigError(f"{WHERE}.path: reading {path} needs pyarrow: `pip install pyarrow`.") from None
     try:

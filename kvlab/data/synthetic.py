@@ -16,8 +16,10 @@ from typing import Literal
 from PIL import Image
 
 from kvlab.config.errors import ConfigError
+from kvlab.config.registry import context_field
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import ProcessorSource, check_tokenizer_name, fit_units, require_tokenizer
 
 # --- text task -------------------------------------------------------------------------------
 # Filler vocabulary: no digits and none of the key names or the words "secret"/"code", so the
@@ -96,7 +98,7 @@ class SyntheticRetrieval:
     seeded shuffled order). Length: ``context_words`` filler words, or, when ``context_tokens`` is
     set, the most filler sentences whose prompt takes at most ``context_tokens`` tokens of the
     ``tokenizer`` model (null: the run's ``model.model``), counted as the model sees the prompt
-    (its chat template included; :mod:`kvlab.data.benchmarks.tokens`): one more sentence would
+    (its chat template included; :mod:`kvlab.data.tokens`): one more sentence would
     exceed it, so a prompt falls short by less than one sentence (~10-30 tokens).
     ``value: word`` asks for "the secret word" (a common noun) instead of a 5-digit code.
     ``Sample.meta`` records ``key``, ``needle_depth`` (requested) and ``needle_word_fraction``
@@ -112,6 +114,7 @@ class SyntheticRetrieval:
     metrics: tuple[str, ...] = ("contains_answer", "exact_match")
     seed: int = 0
     tokenizer: str | None = None
+    processors: ProcessorSource | None = context_field()  # loads the tokenizer's processor (kvlab's)
 
     def __post_init__(self) -> None:
         check_num_samples(self.num_samples)
@@ -139,11 +142,9 @@ class SyntheticRetrieval:
                 f"needle_depth must be in [0, 1] (0 = start of the context, 1 = end) or null to vary "
                 f"it across samples, got {self.needle_depth}. Fix data.dataset.needle_depth."
             )
-        from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer
-
-        check_tokenizer_name(self.tokenizer)
-        if self.context_tokens is not None and self.tokenizer is None:
-            require_tokenizer(None, "synthetic_retrieval", "context_tokens")  # refuses, naming the fix
+        check_tokenizer_name(self.tokenizer, self.processors)
+        if self.context_tokens is not None and self.tokenizer is None:  # refuses, naming the fix
+            require_tokenizer(None, self.processors, "synthetic_retrieval", "context_tokens")
 
     def depths(self) -> list[float]:
         """The needle depth of each sample."""
@@ -162,9 +163,7 @@ class SyntheticRetrieval:
 
     def _fitted_sample(self, index: int, depth: float) -> Sample:
         """The sample with the most filler sentences whose prompt fits ``context_tokens``."""
-        from kvlab.data.benchmarks.tokens import fit_units, require_tokenizer
-
-        counter = require_tokenizer(self.tokenizer, "synthetic_retrieval", "context_tokens")
+        counter = require_tokenizer(self.tokenizer, self.processors, "synthetic_retrieval", "context_tokens")
         limit = int(self.context_tokens)  # type: ignore[arg-type]
         fitted = fit_units(
             lambda n: counter.count_prompt(self._sample(index, depth, n)), limit, max(1, limit // 16)

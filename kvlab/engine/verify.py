@@ -38,6 +38,7 @@ from kvlab.engine.registration import enable_kvlab_attention
 from kvlab.models.base import TEXT, LoadedModel
 from kvlab.models.common import text_config
 from kvlab.models.placement import input_device
+from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 
 #: dtype -> (atol, rtol) on the prompt's last-position logits (see the module docstring)
@@ -233,15 +234,13 @@ def _compare(name: str, loaded: LoadedModel, batch: dict[str, Any], steps: int, 
 
 def _one_sample(loaded: LoadedModel, batch_or_ids: dict[str, Any] | list[int]) -> dict[str, Any]:
     """A one-sample batch: token ids collated, or a batch's first sample re-collated alone."""
-    from kvlab.api import _collate_ids
-
     if isinstance(batch_or_ids, dict):
         samples = batch_or_ids.get("samples") or []
         if samples:
             return loaded.processor.collate(samples[:1])
         mask = batch_or_ids["attention_mask"][0].bool()
         batch_or_ids = batch_or_ids["input_ids"][0][mask].tolist()
-    return _collate_ids(loaded, [list(batch_or_ids)])
+    return collate_ids(loaded, [list(batch_or_ids)])
 
 
 def verify_engine(

@@ -5,8 +5,11 @@ Public API::
     MODELS                      # Registry of built-in model builders (YAML field model.model)
     load_model(name, dtype)     # -> LoadedModel(model, processor, info, extras)
     load_processor(name)        # -> Processor (cached per name; no weights loaded)
+    wrap_model(model, tokenizer) # -> LoadedModel around a user's transformers model
     model_info(config, name)    # -> ModelInfo from an HF config
+    context_length(name)        # -> max_position_embeddings, read without weights
     validate_model_name(name)   # ConfigError early for unknown names
+    PROCESSORS                  # the above as the processor source datasets measure tokens with
 
 ``name`` is a built-in name (see :mod:`kvlab.models.builtin`), an existing local directory with
 an HF ``config.json``, or a Hub id ``org/name``.
@@ -28,11 +31,13 @@ from kvlab.models.common import resolve_dtype
 from kvlab.models.info import model_info
 from kvlab.models.placement import DeviceMap, dispatch, validate_device_map
 from kvlab.models.processors import ChatProcessor
+from kvlab.models.wrap import wrap_model
 
 __all__ = [
     "IMAGE",
     "MODELS",
     "PAD",
+    "PROCESSORS",
     "TEXT",
     "VIDEO",
     "BuiltinModel",
@@ -41,9 +46,11 @@ __all__ = [
     "ModelInfo",
     "Processor",
     "load_model",
+    "context_length",
     "load_processor",
     "model_info",
     "validate_model_name",
+    "wrap_model",
 ]
 
 
@@ -95,6 +102,22 @@ def load_processor(name: str) -> Processor:
     return hub.load_processor(name)
 
 
+class ModelProcessors:
+    """kvlab's models as the :class:`~kvlab.data.tokens.ProcessorSource` of the datasets
+    that measure lengths in tokens: names checked by :func:`validate_model_name`, processors from
+    :func:`load_processor` (looked up when called)."""
+
+    def check(self, name: str) -> None:
+        validate_model_name(name)
+
+    def load(self, name: str) -> Processor:
+        return load_processor(name)
+
+
+#: the processor source kvlab passes to datasets (``build_dataset(..., processors=PROCESSORS)``)
+PROCESSORS = ModelProcessors()
+
+
 def load_model(
     name: str, dtype: str | torch.dtype = "float32", device_map: DeviceMap | None = None
 ) -> LoadedModel:
@@ -134,3 +157,15 @@ def load_model(
         extras["device_map"] = {module: str(device) for module, device in resolved.items()}
     extras.update(dtype=torch_dtype, load_seconds=time.perf_counter() - start)
     return LoadedModel(model=model, processor=processor, info=info, extras=extras)
+
+
+def context_length(name: str) -> int | None:
+    """The model's context (``max_position_embeddings`` of its config), read without weights;
+    None when ``name`` is neither a built-in, a local directory nor a Hub id."""
+    if name in MODELS:
+        config = MODELS.get(name)().config()
+    elif hub.local_dir(name) is not None or hub.is_hub_id(name):
+        config = hub.load_config(name)
+    else:
+        return None
+    return model_info(config, name).max_position_embeddings

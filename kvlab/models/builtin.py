@@ -29,11 +29,14 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
+import transformers
+from transformers import AutoTokenizer
 
 from kvlab.config.registry import Registry
 from kvlab.models.common import build_from_config, seeded
+from kvlab.models.images import ImageAdapter
 from kvlab.models.info import model_info
-from kvlab.models.processors import ChatProcessor, ImageAdapter
+from kvlab.models.processors import ChatProcessor
 from kvlab.models.scaffolding import gemma3, graft, smollm2, tiny
 from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
 from kvlab.models.vlm import llava_config, llava_images, qwen2_vl_config, qwen2_vl_images
@@ -95,8 +98,6 @@ class TinyModel(BuiltinModel):
         return tiny_tokenizer(IMAGE_PLACEHOLDERS.get(self.family, ""))
 
     def build(self, dtype: torch.dtype) -> torch.nn.Module:
-        import transformers
-
         return build_from_config(getattr(transformers, self.model_class), self.config(), self.seed, dtype)
 
 
@@ -160,8 +161,6 @@ class ConvertedLM(BuiltinModel):
         return self.source.load_config()
 
     def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(self.source.ensure_converted())
 
     def build(self, dtype: torch.dtype) -> torch.nn.Module:
@@ -200,8 +199,6 @@ class GraftedSmolLM2(BuiltinModel):
         return graft.vlm_tokenizer(self.family)
 
     def build(self, dtype: torch.dtype) -> torch.nn.Module:
-        import transformers
-
         return graft.build_grafted(getattr(transformers, self.model_class), self.config(), self.seed, dtype)
 
     def extras(self) -> dict[str, Any]:

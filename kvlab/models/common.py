@@ -1,4 +1,4 @@
-"""Small helpers shared by the model families: dtypes, seeded construction, HF logging."""
+"""Small helpers shared by the model families: dtypes, seeded construction, reading HF configs."""
 
 from __future__ import annotations
 
@@ -57,3 +57,21 @@ def build_from_config(model_cls: Any, config: Any, seed: int, dtype: torch.dtype
 def text_config(config: Any) -> Any:
     """The language-model part of an HF config (the config itself for text-only models)."""
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+#: the config fields holding the ids of the tokens that carry image / video features
+IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
+VIDEO_TOKEN_FIELDS = ("video_token_id", "video_token_index")
+
+
+def config_token_ids(config: Any, *names: str) -> tuple[int, ...]:
+    """The distinct int ids stored under any of ``names`` on the top-level config (or its text config)."""
+    ids: list[int] = []
+    for cfg in (config, text_config(config)):
+        for name in names:
+            value = getattr(cfg, name, None)
+            values = value if isinstance(value, list | tuple) else [value]
+            for v in values:
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and v not in ids:
+                    ids.append(v)
+    return tuple(ids)

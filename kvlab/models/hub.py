@@ -20,6 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    GenerationConfig,
+)
+from transformers.models.llava import LlavaImageProcessorPil
+from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.utils import cached_file
 
 from kvlab.config.errors import ConfigError
 from kvlab.models.info import model_info
@@ -102,15 +113,11 @@ def hub_errors(name: str, what: str = "model") -> Iterator[None]:
 
 def load_config(name: str) -> Any:
     """``AutoConfig.from_pretrained`` of a directory or Hub id (:class:`ConfigError` when it fails)."""
-    from transformers import AutoConfig
-
     with hub_errors(name, "config"):
         return AutoConfig.from_pretrained(_source(name))
 
 
 def _file(source: str, filename: str) -> str | None:
-    from transformers.utils import cached_file
-
     try:
         return cached_file(source, filename, _raise_exceptions_for_missing_entries=False)
     except OSError:
@@ -140,12 +147,10 @@ def _image_processor(name: str, source: str, config: Any) -> Any:
     if model_type in NON_CAUSAL_FAMILIES:
         return None
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil as cls
+        cls = Qwen2VLImageProcessorPil
     elif model_type == "llava":
-        from transformers.models.llava import LlavaImageProcessorPil as cls
+        cls = LlavaImageProcessorPil
     elif model_type in FAMILY_PROCESSORS:
-        import transformers
-
         cls = getattr(transformers, FAMILY_PROCESSORS[model_type][0])
     else:
         return None
@@ -161,8 +166,6 @@ def _image_processor(name: str, source: str, config: Any) -> Any:
 
 
 def _generation_eos(source: str) -> tuple[int, ...]:
-    from transformers import GenerationConfig
-
     try:
         eos = GenerationConfig.from_pretrained(source).eos_token_id
     except (OSError, ValueError):
@@ -186,8 +189,6 @@ def load_processor(name: str) -> ChatProcessor:
         ConfigError: the model cannot be loaded, or is a family kvlab refuses (before any weight
             loads; :func:`~kvlab.models.vlm.image_adapter`).
     """
-    from transformers import AutoTokenizer
-
     source = _source(name)
     config = load_config(name)
     is_vlm = getattr(config, "vision_config", None) is not None
@@ -214,8 +215,6 @@ def load_model(
 
     ``device_map`` goes to ``from_pretrained`` (accelerate places the layers; None: CPU).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
     config = load_config(name)
     cls = (
         AutoModelForImageTextToText

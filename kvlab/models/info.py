@@ -5,21 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvlab.models.base import ModelInfo
-from kvlab.models.common import text_config
+from kvlab.models.common import IMAGE_TOKEN_FIELDS, VIDEO_TOKEN_FIELDS, config_token_ids, text_config
 from kvlab.models.vlm import BIDIRECTIONAL_IMAGE_FAMILIES
-
-
-def _token_ids(config: Any, *names: str) -> tuple[int, ...]:
-    """The distinct int ids stored under any of ``names`` on the top-level config (or its text config)."""
-    ids: list[int] = []
-    for cfg in (config, text_config(config)):
-        for name in names:
-            value = getattr(cfg, name, None)
-            values = value if isinstance(value, list | tuple) else [value]
-            for v in values:
-                if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and v not in ids:
-                    ids.append(v)
-    return tuple(ids)
 
 
 def model_info(config: Any, name: str) -> ModelInfo:
@@ -35,8 +22,8 @@ def model_info(config: Any, name: str) -> ModelInfo:
     num_heads = int(text.num_attention_heads)
     num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    image_ids = _token_ids(config, "image_token_id", "image_token_index")
-    video_ids = _token_ids(config, "video_token_id", "video_token_index")
+    image_ids = config_token_ids(config, *IMAGE_TOKEN_FIELDS)
+    video_ids = config_token_ids(config, *VIDEO_TOKEN_FIELDS)
     return ModelInfo(
         name=name,
         num_layers=int(text.num_hidden_layers),

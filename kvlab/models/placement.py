@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from accelerate import dispatch_model, infer_auto_device_map
+from accelerate.utils import check_device_map, get_balanced_memory
 
 from kvlab.config.errors import ConfigError
 
@@ -70,9 +72,6 @@ def dispatch(model: torch.nn.Module, device_map: DeviceMap, dtype: torch.dtype) 
     Returns:
         the same model, dispatched.
     """
-    from accelerate import dispatch_model, infer_auto_device_map
-    from accelerate.utils import check_device_map, get_balanced_memory
-
     validate_device_map(device_map)
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     if isinstance(device_map, str):

@@ -1,10 +1,10 @@
 """Vision-language families: which image adapter feeds each one, and the built-in VLMs' configs.
 
 :func:`image_adapter` picks the adapter of a config's family (``model_type``): Qwen2-VL and
-Qwen2.5-VL (:class:`~kvlab.models.processors.Qwen2VLImages`), LLaVA
-(:class:`~kvlab.models.processors.LlavaImages`), and the families in :data:`FAMILY_PROCESSORS`
+Qwen2.5-VL (:class:`~kvlab.models.images.Qwen2VLImages`), LLaVA
+(:class:`~kvlab.models.images.LlavaImages`), and the families in :data:`FAMILY_PROCESSORS`
 (LLaVA-NeXT, Idefics3, SmolVLM, Gemma 3), fed through their own transformers processor
-(:class:`~kvlab.models.processors.FamilyImages`). Families in
+(:class:`~kvlab.models.images.FamilyImages`). Families in
 :data:`BIDIRECTIONAL_IMAGE_FAMILIES` (Gemma 3) let the tokens of one image attend to each other
 in both directions; kvlab's prefill attention and its attention-reading scorers apply those
 image blocks for them (``ModelInfo.bidirectional_image_blocks``). Families in
@@ -21,8 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from transformers import LlavaConfig, Qwen2VLConfig
+from transformers.models.llava import LlavaImageProcessorPil
+from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
 from kvlab.config.errors import ConfigError
-from kvlab.models.processors import FamilyImages, ImageAdapter, LlavaImages, Qwen2VLImages
+from kvlab.models.common import IMAGE_TOKEN_FIELDS, config_token_ids
+from kvlab.models.images import FamilyImages, ImageAdapter, LlavaImages, Qwen2VLImages
 
 QWEN2VL_PATCH = 14
 QWEN2VL_MERGE = 2
@@ -82,8 +87,6 @@ def qwen2_vl_config(text: dict[str, Any], token_ids: dict[str, int], mrope_secti
         token_ids: ids of ``<|image_pad|> <|video_pad|> <|vision_start|> <|vision_end|>``.
         mrope_section: (t, h, w) split of the rotary half-dim; sums to head_dim / 2.
     """
-    from transformers import Qwen2VLConfig
-
     text = {k: v for k, v in text.items() if k != "head_dim"}  # Qwen2-VL derives it: hidden / heads
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(mrope_section)}
     vision = dict(
@@ -109,8 +112,6 @@ def qwen2_vl_config(text: dict[str, Any], token_ids: dict[str, int], mrope_secti
 
 def llava_config(text: dict[str, Any], token_ids: dict[str, int], image_size: int) -> Any:
     """A ``LlavaConfig``: Llama language model with dims ``text`` and a tiny CLIP tower for ``image_size``."""
-    from transformers import LlavaConfig
-
     text = {**text, "model_type": "llama"}
     vision = dict(
         model_type="clip_vision_model",
@@ -136,8 +137,6 @@ def llava_config(text: dict[str, Any], token_ids: dict[str, int], image_size: in
 def qwen2_vl_images(image_size: int | None, image_processor: Any = None) -> ImageAdapter:
     """Qwen2-VL image adapter; built-ins squash images to ``image_size`` (a multiple of 28)."""
     if image_processor is None:
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
         assert image_size is not None and image_size % (QWEN2VL_PATCH * QWEN2VL_MERGE) == 0
         pixels = image_size * image_size
         image_processor = Qwen2VLImageProcessorPil(
@@ -151,8 +150,6 @@ def llava_images(config: Any, image_processor: Any = None) -> ImageAdapter:
     vision = config.vision_config
     size = int(vision.image_size)
     if image_processor is None:
-        from transformers.models.llava import LlavaImageProcessorPil
-
         image_processor = LlavaImageProcessorPil(
             size={"shortest_edge": size}, crop_size={"height": size, "width": size}
         )
@@ -191,15 +188,11 @@ def image_adapter(
         )
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
         if image_processor is None and image_size is None:
-            from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
             image_processor = Qwen2VLImageProcessorPil()
         return qwen2_vl_images(image_size, image_processor)
     if model_type == "llava":
         return llava_images(config, image_processor)
     if model_type in FAMILY_PROCESSORS:
-        from kvlab.models.info import model_info
-
         class_name, type_ids = FAMILY_PROCESSORS[model_type]
         if not hasattr(image_processor, "replace_image_token"):
             raise ConfigError(
@@ -208,7 +201,7 @@ def image_adapter(
                 f"processor inside) as the image processor, e.g. processor = {class_name}.from_pretrained("
                 "path); kvlab.wrap_model(model, processor.tokenizer, processor)."
             )
-        return FamilyImages(image_processor, model_info(config, "").image_token_ids, type_ids)
+        return FamilyImages(image_processor, config_token_ids(config, *IMAGE_TOKEN_FIELDS), type_ids)
     raise ConfigError(
         f"kvlab has no image processing for vision-language models of type '{model_type}'. "
         f"Supported families: {supported} (or use a text-only model); docs/models.md says how to add one."

@@ -1,4 +1,5 @@
-"""``kvlab compare runs/<experiment>``: methods x metrics, a methods x budget leaderboard, and plots.
+"""The comparison of an experiment's runs (``kvlab compare``): methods x metrics, a methods x budget
+leaderboard, and plots.
 
 Every subdirectory of the experiment holding a ``predictions.jsonl`` is a run (``reference/``
 and the outputs below are not). Its aggregates are recomputed from the per-sample records
@@ -14,7 +15,7 @@ Writes into the experiment directory (``docs/evaluation.md``, "Comparing runs"):
   family and overall; ``score_vs_<ratio|tokens>.png``: score against budget, one panel per
   family, one line per method, the full cache dashed;
 - ``quality_vs_memory.png``: each quality metric against the kept KV fraction, one line per
-  method family (the points of a sweep, :func:`kvlab.config.sweep.parse_method`);
+  method family (the points of a sweep, :func:`kvlab.runner.run_names.parse_method`);
 - ``longbench_e.csv``: for runs of LongBench-E tasks, each task's ``longbench_score`` per length
   bucket (``0-4k``, ``4-8k``, ``8k+``; LongBench's ``scorer_e``, NaN for an empty bucket);
 - ``positions_overlap.csv``: for runs that recorded kept positions (``model.record_positions``),
@@ -27,17 +28,13 @@ Writes into the experiment directory (``docs/evaluation.md``, "Comparing runs"):
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.config.errors import ConfigError
-from kvlab.config.sweep import parse_method
+from torch.utils.tensorboard import SummaryWriter
+
 from kvlab.data.benchmarks.report import LONGBENCH_E_BUCKETS, longbench_e_scores
-from kvlab.metrics.run import summarize
 from kvlab.metrics.tasks import TASK_METRICS
 from kvlab.runner.leaderboard import (
     FULL,
@@ -51,7 +48,7 @@ from kvlab.runner.leaderboard import (
     pyplot,
 )
 from kvlab.runner.positions import mean_jaccard, read_positions
-from kvlab.runner.writer import PREDICTIONS, read_predictions
+from kvlab.runner.runs import Run, load_runs
 
 FIDELITY = ("fidelity_exact", "fidelity_token_match", "fidelity_rouge_l", "fidelity_kl", "fidelity_top1")
 COST = (
@@ -63,57 +60,6 @@ COST = (
 LONGBENCH_E_HEADER = ["method", "task", *LONGBENCH_E_BUCKETS]
 QUALITY = ("fidelity_top1", "fidelity_token_match", "fidelity_kl", *TASK_METRICS)
 TB_DIR = Path("compare") / "tensorboard"
-
-
-@dataclass
-class Run:
-    """One method's run: its directory name, family and swept values, recomputed metrics, and (for
-    the leaderboard) its records and recorded fingerprint fields (``run.json``, empty if absent)."""
-
-    method: str
-    family: str
-    point: dict[str, str]
-    metrics: dict[str, Any]
-    records: list[dict[str, Any]] = field(default_factory=list, repr=False)
-    fields: dict[str, Any] = field(default_factory=dict, repr=False)
-    path: Path | None = None
-
-
-def _sort_key(run: Run) -> tuple:
-    values = []
-    for value in run.point.values():
-        try:
-            values.append((0, float(value), ""))
-        except ValueError:
-            values.append((1, 0.0, value))
-    return (run.family, values)
-
-
-def _fields(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "run.json").read_text()).get("fields") or {}
-    except (OSError, ValueError, AttributeError):
-        return {}
-
-
-def load_runs(experiment: str | Path) -> list[Run]:
-    """The experiment's runs, grouped by family and ordered by swept value."""
-    root = Path(experiment)
-    if not root.is_dir():
-        raise ConfigError(
-            f"kvlab compare: {root} is not a directory; pass runs/<experiment> (a run.dir/run.experiment)."
-        )
-    runs = []
-    for path in sorted(p for p in root.iterdir() if (p / PREDICTIONS).is_file()):
-        family, point = parse_method(path.name)
-        records = read_predictions(path)
-        runs.append(Run(path.name, family, point, summarize(records), records, _fields(path), path))
-    if not runs:
-        raise ConfigError(
-            f"kvlab compare: no runs in {root} (no subdirectory holds a {PREDICTIONS}); "
-            "run `kvlab predict --run.experiment NAME ...` first."
-        )
-    return sorted(runs, key=_sort_key)
 
 
 def columns(runs: list[Run]) -> list[str]:
@@ -197,8 +143,6 @@ def write_tensorboard(runs: list[Run], root: Path, figure: Any, board: Leaderboa
                       board_figures: dict[str, Any] | None = None) -> None:  # fmt: skip
     """Quality-vs-memory scalars per family (step = kept KV per mille), the leaderboard's scores per
     method (step = budget: per mille of a ratio, or tokens), and the figures."""
-    from torch.utils.tensorboard import SummaryWriter
-
     shutil.rmtree(root, ignore_errors=True)  # our own output: rewritten whole on every compare
     for family, members in families(runs).items():
         writer = SummaryWriter(str(root / family))
@@ -229,7 +173,7 @@ def write_tensorboard(runs: list[Run], root: Path, figure: Any, board: Leaderboa
     writer.close()
 
 
-def _compare(root: Path, plots: bool) -> tuple[str, list[str]]:
+def write_comparison(root: Path, plots: bool = True) -> tuple[str, list[str]]:
     """Write the comparison files; returns the Markdown and the names of the files written."""
     runs = load_runs(root)
     stale_files = [root / "leaderboard.csv", root / "positions_overlap.csv", root / "longbench_e.csv"]
@@ -277,15 +221,4 @@ def _compare(root: Path, plots: bool) -> tuple[str, list[str]]:
 
 def compare_experiment(experiment: str | Path, plots: bool = True) -> str:
     """Write the comparison files of an experiment; returns the Markdown (table, leaderboard, overlap)."""
-    return _compare(Path(experiment), plots)[0]
-
-
-def main(args: list[str]) -> None:
-    """``kvlab compare``."""
-    parser = argparse.ArgumentParser(prog="kvlab compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("experiment", help="an experiment directory, runs/<experiment>")
-    parser.add_argument("--no-plots", action="store_true", help="tables only (no PNG, no TensorBoard)")
-    ns = parser.parse_args(args)
-    text, written = _compare(Path(ns.experiment), plots=not ns.no_plots)
-    print(text, end="")
-    print(f"kvlab: wrote {', '.join(written)} in {ns.experiment}")
+    return write_comparison(Path(experiment), plots)[0]

@@ -1,12 +1,15 @@
-"""Crash-safe file writes: a file is either its old content or its new content, never half of one."""
+"""Crash-safe files: a write leaves either the old content or the new, never half of one; a read of a
+JSON-lines file skips the one line a crash may have cut short."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["atomic_write_text"]
+__all__ = ["atomic_write_text", "read_jsonl"]
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
@@ -30,3 +33,16 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of one JSONL file (a line cut short by a crash is ignored)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

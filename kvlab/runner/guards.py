@@ -39,8 +39,9 @@ _NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 _state: dict[str, Any] = {"run_dir": None, "interrupted": False}
 
 
-def _writable(directory: Path) -> bool:
-    """Whether this process may create entries in ``directory``."""
+def writable(directory: Path) -> bool:
+    """Whether this process may create entries in ``directory`` (``os.access``: a root user may
+    write anywhere, so tests stand in a replacement to see the refusal)."""
     return os.access(directory, os.W_OK | os.X_OK)
 
 
@@ -62,7 +63,7 @@ def check_run_dir_writable(run_dir: str | Path) -> None:
             "remove that file, or choose another place with --run.dir / --run.experiment / --run.method."
         )
     existing = next(p for p in (run_dir, *run_dir.parents) if p.is_dir())
-    if not _writable(existing):
+    if not writable(existing):
         raise ConfigError(
             f"run directory {run_dir}: {existing} is not writable by this user, so the run cannot write "
             "its config, predictions and metrics. Choose a writable --run.dir, or fix the permissions "

@@ -16,12 +16,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvlab.data import DATASETS
 from kvlab.metrics.tasks import TASK_METRICS
-
-if TYPE_CHECKING:
-    from kvlab.runner.compare import Run
+from kvlab.runner.runs import Run
 
 FULL = "full"  # the budget label of a run that compresses nothing
 OVERALL = "overall"
@@ -42,7 +41,7 @@ def csv_text(header: list[str], rows: list[list[str]]) -> str:
 
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend (files only, no display)."""
-    import matplotlib
+    import matplotlib  # matplotlib: optional (the dev extra), needed only for the plots
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -107,15 +106,10 @@ def primary_metric(run: Run) -> str | None:
     dataset class's default); None when its records hold no task score."""
     dataset = (run.fields.get("data") or {}).get("dataset") or {}
     names = dataset.get("metrics") if isinstance(dataset, dict) else None
-    if not names and isinstance(dataset, dict) and dataset.get("name"):
-        from kvlab.data import DATASETS
-
-        if dataset["name"] in DATASETS:
-            cls = DATASETS.get(dataset["name"])
-            defaults = (
-                {f.name: f.default for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-            )
-            names = defaults.get("metrics")
+    if not names and isinstance(dataset, dict) and dataset.get("name") in DATASETS:
+        cls = DATASETS.get(dataset["name"])
+        fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
+        names = {f.name: f.default for f in fields}.get("metrics")
     # the dataset's metric when it names one (None if its records lack it: never another metric)
     names = [n for n in (names or []) if n in TASK_METRICS] or list(TASK_METRICS)
     return next((n for n in names if any(n in r for r in run.records)), None)

@@ -17,6 +17,7 @@ from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import GenerationResult
 from kvlab.engine.prefill_plan import check_prefill_chunk, chunked_vlm_message
 from kvlab.engine.protocols import Protocol, build_protocol
+from kvlab.engine.verify import verify_engine
 from kvlab.kernels.dispatch import set_mode as set_kernel_mode
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
 from kvlab.metrics.reference import ReferenceStore
@@ -26,7 +27,10 @@ from kvlab.metrics.tasks import (
     score_output,
     validate_task_metrics,
 )
+from kvlab.models import MODELS, validate_model_name
 from kvlab.models.base import LoadedModel
+from kvlab.models.fingerprint import model_fingerprint, reproduce_record
+from kvlab.models.placement import validate_device_map
 from kvlab.runner.fidelity_run import FidelityEvaluator
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.positions import RECORD_FIELD as POSITIONS_FIELD
@@ -108,8 +112,6 @@ class KVLabModule(L.LightningModule):
         prefill_chunk: int | None = None,
     ):
         super().__init__()
-        from kvlab.models import validate_model_name
-
         if max_new_tokens < 1:
             raise ConfigError(f"model.max_new_tokens must be >= 1, got {max_new_tokens}.")
         if inspect_samples < 0:
@@ -152,8 +154,6 @@ class KVLabModule(L.LightningModule):
         self.task_metrics: tuple[str, ...] = DEFAULT_TASK_METRICS
         self.inspector: Inspector | None = None
         set_kernel_mode(kernels)
-        from kvlab.models.placement import validate_device_map
-
         validate_device_map(device_map)
         self.device_map = device_map
         self.loaded: LoadedModel | None = None
@@ -207,9 +207,6 @@ class KVLabModule(L.LightningModule):
     def reproduce_record(self) -> dict[str, Any]:
         """:func:`kvlab.models.fingerprint.reproduce_record` of this run (the fingerprint is computed
         once per loaded model and kept in ``loaded.extras["fingerprint"]``)."""
-        from kvlab.models import MODELS
-        from kvlab.models.fingerprint import model_fingerprint, reproduce_record
-
         extras = self.loaded.extras
         if "fingerprint" not in extras:
             extras["fingerprint"] = model_fingerprint(self.loaded.model)
@@ -300,8 +297,6 @@ class KVLabModule(L.LightningModule):
         Raises:
             ConfigError: kvlab does not reproduce the model (before any prediction is returned).
         """
-        from kvlab.engine.verify import verify_engine
-
         result = verify_engine(self.loaded, batch)
         self.verify_seconds = result.seconds_native + result.seconds_kvlab
         if not result.ok:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlab.runner.files import atomic_write_text
+from kvlab.runner.files import atomic_write_text, read_jsonl
 
 __all__ = [
     "POSITIONS",
@@ -174,8 +174,6 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> None:
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    from kvlab.runner.writer import read_jsonl  # the writer imports this module
-
     seen: set[str] = set()
     rows = []
     for path in [run_dir / POSITIONS, *shard_paths(run_dir)]:

@@ -119,7 +119,7 @@ def image_grids(batch: dict[str, Any], b: int, processor: Any) -> list[tuple[int
 
 
 def _figure(height: float, width: float = WIDTH) -> Any:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: optional (dev extra)
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
@@ -140,7 +140,7 @@ def _wrap(title: str, width: int = 100) -> str:
 
 def _colorbar(fig: Any, ax: Any, cmap: str, label: str) -> None:
     """A 0..1 colour bar of ``cmap`` at full opacity (the overlays themselves are translucent)."""
-    from matplotlib.cm import ScalarMappable
+    from matplotlib.cm import ScalarMappable  # matplotlib: optional (dev extra)
     from matplotlib.colors import Normalize
 
     fig.colorbar(ScalarMappable(Normalize(0.0, 1.0), cmap), ax=ax, label=label, fraction=0.046, pad=0.03)

@@ -35,7 +35,7 @@ from torchmetrics import Metric
 
 from kvlab.metrics.run import RunMetrics, summarize
 from kvlab.runner import positions
-from kvlab.runner.files import atomic_write_text
+from kvlab.runner.files import atomic_write_text, read_jsonl
 
 __all__ = [
     "METRICS",
@@ -61,19 +61,6 @@ def shard_paths(run_dir: str | Path) -> list[Path]:
     """The run's predictions shards, by rank."""
     paths = [p for p in Path(run_dir).glob("predictions.rank*.jsonl") if SHARD.fullmatch(p.name)]
     return sorted(paths, key=lambda p: int(SHARD.fullmatch(p.name).group(1)))  # type: ignore[union-attr]
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of one JSONL file (a line cut short by a crash is ignored)."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def read_predictions(run_dir: str | Path) -> list[dict[str, Any]]:

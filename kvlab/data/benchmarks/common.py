@@ -25,6 +25,7 @@ from typing import Any
 
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.data.jsonl import read_json_lines
+from kvlab.data.synthetic import filler_sentence
 
 __all__ = [
     "HaystackWords",
@@ -102,7 +103,7 @@ def _read_jsonl(file: Path) -> list[dict[str, Any]]:
 
 def _load_hf(path: str, subset: str | None, split: str, features: Any = None) -> Any:
     try:
-        import datasets
+        import datasets  # datasets: 1.7 s to import, only when a Hub dataset is read (kvlab list)
     except ImportError:
         raise ConfigError("data.dataset.path: reading a Hub dataset needs `pip install datasets`.") from None
     try:
@@ -146,7 +147,7 @@ def read_task_rows(
             if (local / name).is_file():
                 return _read_jsonl(local / name)
         if any((local / f).is_file() for f in ("state.json", "dataset_dict.json")):
-            import datasets
+            import datasets  # datasets: 1.7 s to import, only when a saved dataset is read
 
             loaded = datasets.load_from_disk(str(local))
             if isinstance(loaded, datasets.DatasetDict):
@@ -220,8 +221,6 @@ class HaystackWords:
     def take(self, n: int) -> list[str]:
         """The first ``n`` words (cycling through a file's text when it is shorter)."""
         if self.generated:
-            from kvlab.data.synthetic import filler_sentence
-
             while len(self._words) < n:
                 self._words.extend(filler_sentence(self._rng).split())
             return self._words[:n]

@@ -26,10 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import check_count, check_tasks, fill, read_task_rows, split_at_context
-from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer, truncate_before_question
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import (
+    ProcessorSource,
+    check_tokenizer_name,
+    require_tokenizer,
+    truncate_before_question,
+)
 
 __all__ = ["INFINITEBENCH_MAX_NEW_TOKENS", "INFINITEBENCH_PROMPTS", "InfiniteBenchDataset", "official_labels"]
 
@@ -60,7 +66,7 @@ OPTIONS = "ABCD"
 
 def _hub_features() -> Any:
     """The schema the Hub files are read with (their ``answer`` types differ between tasks)."""
-    from datasets import Features, Sequence, Value
+    from datasets import Features, Sequence, Value  # datasets: 1.7 s to import, Hub files only
 
     return Features(
         {
@@ -109,6 +115,7 @@ class InfiniteBenchDataset:
     samples_per_task: int | None = None
     max_length: int | None = None
     tokenizer: str | None = None
+    processors: ProcessorSource | None = context_field()  # loads the tokenizer's processor (kvlab's)
     metrics: tuple[str, ...] = ("infinitebench_score",)
     _rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
 
@@ -116,9 +123,9 @@ class InfiniteBenchDataset:
         self.tasks = list(check_tasks(self.tasks, INFINITEBENCH_PROMPTS, "InfiniteBench"))
         check_count(self.samples_per_task, "samples_per_task", allow_none=True)
         check_count(self.max_length, "max_length", least=64, allow_none=True)
-        check_tokenizer_name(self.tokenizer)
+        check_tokenizer_name(self.tokenizer, self.processors)
         if self.max_length is not None and self.tokenizer is None:
-            require_tokenizer(None, "infinitebench", "max_length")
+            require_tokenizer(None, self.processors, "infinitebench", "max_length")
         self.metrics = check_metrics(self.metrics)
         features = None if Path(self.path).expanduser().exists() else _hub_features()
         for task in self.tasks:
@@ -170,7 +177,9 @@ class InfiniteBenchDataset:
     def samples(self) -> list[Sample]:
         """One sample per row, tasks in order."""
         counter = (
-            require_tokenizer(self.tokenizer, "infinitebench", "max_length") if self.max_length else None
+            require_tokenizer(self.tokenizer, self.processors, "infinitebench", "max_length")
+            if self.max_length
+            else None
         )
         out = []
         for task in self.tasks:

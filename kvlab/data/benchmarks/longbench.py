@@ -25,10 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import check_count, check_tasks, fill, read_task_rows, split_at_context
-from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer, truncate_before_question
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import (
+    ProcessorSource,
+    check_tokenizer_name,
+    require_tokenizer,
+    truncate_before_question,
+)
 
 __all__ = ["LONGBENCH_MAXLEN", "LONGBENCH_PROMPTS", "LongBenchDataset"]
 
@@ -93,6 +99,7 @@ class LongBenchDataset:
     samples_per_task: int | None = None
     max_length: int | None = None
     tokenizer: str | None = None
+    processors: ProcessorSource | None = context_field()  # loads the tokenizer's processor (kvlab's)
     split: str = "test"
     metrics: tuple[str, ...] = ("longbench_score",)
     _rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
@@ -101,9 +108,9 @@ class LongBenchDataset:
         self.tasks = list(check_tasks(self.tasks, TASKS, "LongBench"))
         check_count(self.samples_per_task, "samples_per_task", allow_none=True)
         check_count(self.max_length, "max_length", least=64, allow_none=True)
-        check_tokenizer_name(self.tokenizer)
+        check_tokenizer_name(self.tokenizer, self.processors)
         if self.max_length is not None and self.tokenizer is None:
-            require_tokenizer(None, "longbench", "max_length")
+            require_tokenizer(None, self.processors, "longbench", "max_length")
         self.metrics = check_metrics(self.metrics)
         for task in self.tasks:
             rows = read_task_rows(self.path, task, [f"{task}.jsonl"], task, self.split)
@@ -126,7 +133,11 @@ class LongBenchDataset:
 
     def samples(self) -> list[Sample]:
         """One sample per row, tasks in order."""
-        counter = require_tokenizer(self.tokenizer, "longbench", "max_length") if self.max_length else None
+        counter = (
+            require_tokenizer(self.tokenizer, self.processors, "longbench", "max_length")
+            if self.max_length
+            else None
+        )
         out = []
         for task in self.tasks:
             base = _base(task)

@@ -25,10 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import check_count, read_task_rows
-from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer, truncate_before_question
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import (
+    ProcessorSource,
+    check_tokenizer_name,
+    require_tokenizer,
+    truncate_before_question,
+)
 
 __all__ = ["LONGBENCH_V2_MAX_NEW_TOKENS", "LONGBENCH_V2_PROMPT", "LongBenchV2Dataset"]
 
@@ -92,6 +98,7 @@ class LongBenchV2Dataset:
     limit: int | None = None
     max_length: int | None = None
     tokenizer: str | None = None
+    processors: ProcessorSource | None = context_field()  # loads the tokenizer's processor (kvlab's)
     metrics: tuple[str, ...] = ("longbench_v2_accuracy",)
     _rows: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
 
@@ -100,9 +107,9 @@ class LongBenchV2Dataset:
         self.lengths = list(_choose(self.lengths, LENGTHS, "lengths"))
         check_count(self.limit, "limit", allow_none=True)
         check_count(self.max_length, "max_length", least=64, allow_none=True)
-        check_tokenizer_name(self.tokenizer)
+        check_tokenizer_name(self.tokenizer, self.processors)
         if self.max_length is not None and self.tokenizer is None:
-            require_tokenizer(None, "longbench_v2", "max_length")
+            require_tokenizer(None, self.processors, "longbench_v2", "max_length")
         self.metrics = check_metrics(self.metrics)
         rows = []
         for index, row in enumerate(_read_rows(self.path)):
@@ -125,7 +132,11 @@ class LongBenchV2Dataset:
 
     def samples(self) -> list[Sample]:
         """One sample per question, in file order."""
-        counter = require_tokenizer(self.tokenizer, "longbench_v2", "max_length") if self.max_length else None
+        counter = (
+            require_tokenizer(self.tokenizer, self.processors, "longbench_v2", "max_length")
+            if self.max_length
+            else None
+        )
         before, after = LONGBENCH_V2_PROMPT.split("$DOC$")
         out = []
         for index, row in enumerate(self._rows):

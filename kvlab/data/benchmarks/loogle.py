@@ -26,10 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import check_count, check_tasks, fill, read_task_rows, split_at_context
-from kvlab.data.benchmarks.tokens import check_tokenizer_name, require_tokenizer, truncate_middle
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import (
+    ProcessorSource,
+    check_tokenizer_name,
+    require_tokenizer,
+    truncate_middle,
+)
 
 __all__ = ["LOOGLE_MAX_NEW_TOKENS", "LOOGLE_PROMPTS", "LooGLEDataset"]
 
@@ -75,6 +81,7 @@ class LooGLEDataset:
     samples_per_task: int | None = None
     max_length: int | None = None
     tokenizer: str | None = None
+    processors: ProcessorSource | None = context_field()  # loads the tokenizer's processor (kvlab's)
     split: str = "test"
     metrics: tuple[str, ...] | None = None
     _items: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
@@ -83,9 +90,9 @@ class LooGLEDataset:
         self.tasks = list(check_tasks(self.tasks, LOOGLE_PROMPTS, "LooGLE"))
         check_count(self.samples_per_task, "samples_per_task", allow_none=True)
         check_count(self.max_length, "max_length", least=64, allow_none=True)
-        check_tokenizer_name(self.tokenizer)
+        check_tokenizer_name(self.tokenizer, self.processors)
         if self.max_length is not None and self.tokenizer is None:
-            require_tokenizer(None, "loogle", "max_length")
+            require_tokenizer(None, self.processors, "loogle", "max_length")
         if self.metrics is None:
             cloze = "shortdep_cloze" in self.tasks
             text = any(t != "shortdep_cloze" for t in self.tasks)
@@ -132,7 +139,11 @@ class LooGLEDataset:
 
     def samples(self) -> list[Sample]:
         """One sample per question, tasks in order; a document's questions share its ``context_id``."""
-        counter = require_tokenizer(self.tokenizer, "loogle", "max_length") if self.max_length else None
+        counter = (
+            require_tokenizer(self.tokenizer, self.processors, "loogle", "max_length")
+            if self.max_length
+            else None
+        )
         out = []
         for task in self.tasks:
             before, after = split_at_context(LOOGLE_PROMPTS[task])

@@ -30,10 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import HaystackWords, check_count
-from kvlab.data.benchmarks.tokens import TokenCounter, check_tokenizer_name, require_tokenizer
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import (
+    ProcessorSource,
+    TokenCounter,
+    check_tokenizer_name,
+    require_tokenizer,
+)
 
 __all__ = ["NeedleHaystack", "needle_grid", "needle_heatmap"]
 
@@ -69,6 +75,7 @@ class NeedleHaystack:
     buffer: int = 200
     haystack_path: str | None = None
     tokenizer: str | None = None
+    processors: ProcessorSource | None = context_field()  # loads the tokenizer's processor (kvlab's)
     seed: int = 0
     metrics: tuple[str, ...] = ("needle_rouge1",)
 
@@ -105,13 +112,13 @@ class NeedleHaystack:
         for name in ("needle", "question"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ConfigError(f"data.dataset.{name} must be a non-empty string.")
-        check_tokenizer_name(self.tokenizer)
+        check_tokenizer_name(self.tokenizer, self.processors)
         self.metrics = check_metrics(self.metrics)
         self._haystack = HaystackWords(self.haystack_path, self.seed)
 
     def samples(self) -> list[Sample]:
         """Every (length, depth, repeat) cell, lengths outermost."""
-        counter = require_tokenizer(self.tokenizer, "needle_haystack", "lengths")
+        counter = require_tokenizer(self.tokenizer, self.processors, "needle_haystack", "lengths")
         needle_ids = counter.ids(self.needle)
         periods = set(counter.ids("."))
         question = (
@@ -218,7 +225,7 @@ def needle_heatmap(
         on the horizontal axis; the colour scale runs red (0) - yellow - green (1), as in the
         reference's figures, with a colour bar.
     """
-    import matplotlib
+    import matplotlib  # matplotlib: optional (the dev extra), needed only to draw the heatmap
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -4,7 +4,8 @@ RULER (Hsieh et al. 2024, "RULER: What's the Real Context Size of Your Long-Cont
 Models?", Sec. 3) builds each prompt to a target sequence length; this module reproduces its
 generators (NVIDIA/RULER ``scripts/data/synthetic/{niah,variable_tracking,
 common_words_extraction,freq_words_extraction}.py``), task settings (``scripts/synthetic.yaml``),
-templates, answer prefixes and output lengths (``scripts/data/synthetic/constants.py``):
+templates, answer prefixes and output lengths (``scripts/data/synthetic/constants.py``; both in
+:mod:`kvlab.data.benchmarks.ruler_tasks`):
 
 ==================  ==============================================================  ======
 task                what                                                            tokens
@@ -24,7 +25,7 @@ fwe                 frequent words: the 3 most frequent coded words of a Zipf te
 Length: RULER's ``max_seq_length`` counts the prompt and the tokens to generate; kvlab fits the
 number of haystack units (words, noise sentences, distractor needles, list words, coded words)
 so that the prompt as the run's model sees it (chat template included, answer prefix included,
-:mod:`kvlab.data.benchmarks.tokens`) plus the task's output length is at most ``length``, and
+:mod:`kvlab.data.tokens`) plus the task's output length is at most ``length``, and
 adding one unit would exceed it. ``Sample.meta["prompt_tokens"]`` records the measured prompt.
 
 Differences from RULER, all forced by working offline (docs/benchmark_suites.md): the "essay"
@@ -47,92 +48,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.config.registry import context_field
 from kvlab.data.benchmarks.common import HaystackWords, check_count, check_tasks, split_sentences
-from kvlab.data.benchmarks.tokens import check_tokenizer_name, fit_units, require_tokenizer
+from kvlab.data.benchmarks.ruler_tasks import (
+    DEPTHS,
+    NEEDLE,
+    NOISE,
+    REFUSED,
+    RULER_TASKS,
+    TEMPLATES,
+    VT_EXAMPLE_TOKENS,
+)
 from kvlab.data.benchmarks.words import key_words, word_pool
 from kvlab.data.datasets import DATASETS, check_metrics
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import ProcessorSource, check_tokenizer_name, fit_units, require_tokenizer
 
-__all__ = ["RULER_TASKS", "RulerDataset", "TEMPLATES"]
-
-#: RULER ``constants.py``: per task family, the output length, the template and the answer prefix
-TEMPLATES: dict[str, dict[str, Any]] = {
-    "niah": {
-        "tokens_to_generate": 128,
-        "template": (
-            "Some special magic {type_needle_v} are hidden within the following text. Make sure to "
-            "memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all "
-            "the special magic {type_needle_v} for {query} mentioned in the provided text?"
-        ),
-        "answer_prefix": " The special magic {type_needle_v} for {query} mentioned in the provided text are",
-    },
-    "variable_tracking": {
-        "tokens_to_generate": 30,
-        "template": (
-            "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-            "{context}\nQuestion: Find all variables that are assigned the value {query} in the text above."
-        ),
-        "answer_prefix": (
-            " Answer: According to the chain(s) of variable assignment in the text above, {num_v} "
-            "variables are assigned the value {query}, they are: "
-        ),
-    },
-    "common_words_extraction": {
-        "tokens_to_generate": 120,
-        "template": (
-            "Below is a numbered list of words. In these words, some appear more often than others. "
-            "Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most common "
-            "words in the above list?"
-        ),
-        "answer_prefix": " Answer: The top 10 words that appear most often in the list are:",
-    },
-    "freq_words_extraction": {
-        "tokens_to_generate": 50,
-        "template": (
-            "Read the following coded text and track the frequency of each coded word. Find the three "
-            "most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. "
-            "Please ignore the dots '....'. What are the three most frequently appeared words in the "
-            "above coded text?"
-        ),
-        "answer_prefix": (
-            " Answer: According to the coded text above, the three most frequently appeared words are:"
-        ),
-    },
-}
-
-
-def _niah(
-    haystack: str, key: str, value: str, k: int = 1, v: int = 1, q: int = 1
-) -> tuple[str, dict[str, Any]]:
-    params = {"type_haystack": haystack, "type_needle_k": key, "type_needle_v": value}
-    return "niah", {**params, "num_needle_k": k, "num_needle_v": v, "num_needle_q": q}
-
-
-#: RULER ``synthetic.yaml``: task -> (family, arguments)
-RULER_TASKS: dict[str, tuple[str, dict[str, Any]]] = {
-    "niah_single_1": _niah("noise", "words", "numbers"),
-    "niah_single_2": _niah("essay", "words", "numbers"),
-    "niah_single_3": _niah("essay", "words", "uuids"),
-    "niah_multikey_1": _niah("essay", "words", "numbers", k=4),
-    "niah_multikey_2": _niah("needle", "words", "numbers"),
-    "niah_multikey_3": _niah("needle", "uuids", "uuids"),
-    "niah_multivalue": _niah("essay", "words", "numbers", v=4),
-    "niah_multiquery": _niah("essay", "words", "numbers", q=4),
-    "vt": ("variable_tracking", {"type_haystack": "noise", "num_chains": 1, "num_hops": 4}),
-    "cwe": ("common_words_extraction", {"freq_cw": 30, "freq_ucw": 3, "num_cw": 10}),
-    "fwe": ("freq_words_extraction", {"alpha": 2.0}),
-}
-REFUSED = {
-    name: f"it asks questions about {source} documents, which kvlab cannot download; run the "
-    "synthetic tasks, or LongBench's hotpotqa through the `longbench` dataset"
-    for name, source in (("qa_1", "SQuAD"), ("qa_2", "HotpotQA"))
-}
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
-#: RULER's needle depths (percent): ``np.round(np.linspace(0, 100, num=40)).astype(int)``
-DEPTHS = [round(100 * i / 39) for i in range(40)]
-#: RULER's ICL example budget for variable tracking (``max_seq_length=500``)
-VT_EXAMPLE_TOKENS = 500
+__all__ = ["RulerDataset"]
 
 
 def zeta(alpha: float) -> float:
@@ -190,6 +122,7 @@ class RulerDataset:
     seed: int = 0
     haystack_path: str | None = None
     tokenizer: str | None = None
+    processors: ProcessorSource | None = context_field()  # loads the tokenizer's processor (kvlab's)
     metrics: tuple[str, ...] = ("string_match_all",)
 
     def __post_init__(self) -> None:
@@ -206,7 +139,7 @@ class RulerDataset:
         self.lengths = list(self.lengths)
         check_count(self.samples_per_task, "samples_per_task")
         check_count(self.seed, "seed", least=0)
-        check_tokenizer_name(self.tokenizer)
+        check_tokenizer_name(self.tokenizer, self.processors)
         self.metrics = check_metrics(self.metrics)
         self._haystack = HaystackWords(self.haystack_path, self.seed)
         self._keys = key_words()
@@ -215,7 +148,7 @@ class RulerDataset:
     # ---- public -----------------------------------------------------------------------------
     def samples(self) -> list[Sample]:
         """Every (task, length, index) sample, measured and fitted with the tokenizer."""
-        counter = require_tokenizer(self.tokenizer, "ruler", "lengths")
+        counter = require_tokenizer(self.tokenizer, self.processors, "ruler", "lengths")
         out = []
         for task in self.tasks:
             for length in self.lengths:
@@ -225,7 +158,7 @@ class RulerDataset:
     def prompt(self, task: str, length: int, index: int, units: int) -> Sample:
         """Sample ``index`` of ``task`` at ``length`` built with ``units`` haystack units (what
         :meth:`samples` fits; for inspecting the fit)."""
-        counter = require_tokenizer(self.tokenizer, "ruler", "lengths")
+        counter = require_tokenizer(self.tokenizer, self.processors, "ruler", "lengths")
         family, params = RULER_TASKS[task]
         generate = self._generator(counter, family, params, length)
         draft = generate(random.Random(f"{self.seed}:{task}:{length}:{index}"), units)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from kvlab.config.errors import ConfigError
 from kvlab.models.scaffolding.smollm2 import convert_gguf, convert_once, kvlab_cache_root, load_lm_from
@@ -95,8 +96,6 @@ def ensure_converted() -> Path:
 
 def load_config() -> Any:
     """Gemma 3 270M's ``Gemma3TextConfig``."""
-    from transformers import AutoConfig
-
     return AutoConfig.from_pretrained(ensure_converted())
 
 

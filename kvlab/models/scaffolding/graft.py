@@ -18,6 +18,8 @@ import functools
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
+from transformers.initialization import no_init_weights
 
 from kvlab.models.common import seeded
 from kvlab.models.scaffolding import smollm2
@@ -54,8 +56,6 @@ def vlm_tokenizer(family: str) -> Any:
     Text without vision tokens renders and tokenizes exactly as with SmolLM2's own template
     (including its default system turn).
     """
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(smollm2.ensure_converted())
     add_vision_tokens(tokenizer, IMAGE_PLACEHOLDERS[family], SMOLLM2_DEFAULT_SYSTEM)
     return tokenizer
@@ -108,8 +108,6 @@ def build_grafted(model_cls: Any, config: Any, seed: int, dtype: torch.dtype) ->
     ``torch.nn.init`` but not the plain ``torch.randn`` some modules call in ``__init__``
     (CLIP's ``class_embedding``, which the generic ``_init_weights`` below leaves alone).
     """
-    from transformers.initialization import no_init_weights
-
     with seeded(seed + 1), no_init_weights():  # its own stream: the init below draws as before
         vlm = model_cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     with seeded(seed):

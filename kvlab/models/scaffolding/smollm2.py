@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.initialization import no_init_weights
 
 from kvlab.config.errors import ConfigError
 
@@ -92,16 +95,12 @@ def _is_complete(path: Path) -> bool:
 def convert_gguf(src: Path, gguf_name: str, dst: Path) -> None:
     """GGUF ``src / gguf_name`` -> plain HF directory ``dst`` (float32 safetensors, tokenizer, chat
     template if the GGUF has one), for any causal LM that transformers reads from GGUF."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_name)
     quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_name, dtype=torch.float32)
     config = quantized.config.to_dict()
     for key in ("quantization_config", "_model_name_or_path", "architectures", "transformers_version"):
         config.pop(key, None)
     # a model loaded from GGUF counts as "quantized" and refuses save_pretrained: rebuild a clean one
-    from transformers.initialization import no_init_weights
-
     with no_init_weights():
         clean = type(quantized)(type(quantized.config)(**config))
     clean.load_state_dict(quantized.state_dict())
@@ -140,8 +139,6 @@ def convert_once(target: Path, convert: Callable[[Path], None], complete: Callab
 
 def load_lm_from(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM saved in ``path``, in ``dtype``, sdpa attention, eval mode."""
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
 
 
@@ -162,8 +159,6 @@ def ensure_converted() -> Path:
 
 def load_config() -> Any:
     """SmolLM2's ``LlamaConfig`` (30 layers, hidden 576, 9 heads / 3 KV heads, head_dim 64)."""
-    from transformers import AutoConfig
-
     return AutoConfig.from_pretrained(ensure_converted())
 
 
@@ -174,6 +169,4 @@ def load_lm(dtype: torch.dtype) -> torch.nn.Module:
 
 def load_state_dict() -> dict[str, torch.Tensor]:
     """SmolLM2's float32 weights (keys ``model.*`` and ``lm_head.weight`` if untied)."""
-    from safetensors.torch import load_file
-
     return load_file(ensure_converted() / "model.safetensors")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from transformers import LlamaConfig, Qwen2Config
+
 from kvlab.models.scaffolding.tokenizer import SPECIAL_TOKENS, TINY_VOCAB_SIZE
 from kvlab.models.vlm import llava_config, qwen2_vl_config
 
@@ -43,15 +45,11 @@ def text_dims(num_layers: int, num_heads: int, num_kv_heads: int) -> dict[str, A
 
 def tiny_llama_config() -> Any:
     """``LlamaConfig``: 2 layers, MHA with 4 heads / 4 KV heads."""
-    from transformers import LlamaConfig
-
     return LlamaConfig(**text_dims(num_layers=2, num_heads=4, num_kv_heads=4))
 
 
 def tiny_qwen2_config() -> Any:
     """``Qwen2Config``: 3 layers, GQA with 4 heads / 2 KV heads (q/k/v biases)."""
-    from transformers import Qwen2Config
-
     dims = {k: v for k, v in text_dims(num_layers=3, num_heads=4, num_kv_heads=2).items() if k != "head_dim"}
     return Qwen2Config(**dims)
 

@@ -8,7 +8,11 @@ per process). Its first ids are the special tokens in :data:`SPECIAL_TOKENS` ord
 from __future__ import annotations
 
 import functools
+from pydoc_data.topics import topics
 from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 #: chat and vision special tokens, in id order for the tiny BPE (``<|endoftext|>`` = 0, ...)
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -73,10 +77,6 @@ def chatml_template(image_placeholder: str = "", default_system: str | None = No
 @functools.cache
 def _trained_bpe() -> Any:
     """The raw ``tokenizers.Tokenizer`` (trained once per process; never mutate it)."""
-    from pydoc_data.topics import topics
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -102,9 +102,6 @@ def tiny_tokenizer(image_placeholder: str = "", named_tokens: dict[str, str] | N
             tokens not in the BPE are added), default Qwen2-VL's ``image_token`` / ``video_token``.
             Family processors read them: LLaVA-NeXT's ``image_token``, Gemma 3's ``boi_token``.
     """
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
     bpe = Tokenizer.from_str(_trained_bpe().to_str())
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe,

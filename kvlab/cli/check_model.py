@@ -13,8 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
+from kvlab.api import load_model
+from kvlab.cli.prompt_example import elide
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
+from kvlab.engine.verify import verify_engine
 from kvlab.models.base import LoadedModel
 
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches"
@@ -55,12 +60,6 @@ def parse_lengths(text: str) -> list[int]:
 
 def main(args: list[str]) -> None:
     """Run the check for every length, print the table; exit 1 on any mismatch."""
-    import torch
-
-    from kvlab.api import load_model
-    from kvlab.engine.verify import verify_engine
-    from kvlab.models.processors import elide
-
     parser = argparse.ArgumentParser(prog="kvlab check-model", description=__doc__.split("\n\n")[1])
     parser.add_argument("model", help="built-in name (kvlab list), local directory or Hub id")
     parser.add_argument("--lengths", default="256,2048", help="prompt lengths in tokens, comma-separated")

@@ -1,15 +1,12 @@
-"""The ``kvlab`` command.
+"""``kvlab predict``: presets and overrides resolved, a sweep expanded, each run handed to LightningCLI.
 
-- ``kvlab predict --config snapkv.yaml [--model.compression.budget.tokens 128 ...]``: run a
-  method on a dataset (LightningCLI: ``--print_config``, dotted overrides, ``--help``);
-  writes ``<run.dir>/<run.experiment>/<run.method>/`` with ``run.json`` (the fingerprint),
-  ``config.yaml``, ``predictions.jsonl``, ``metrics.json`` and TensorBoard events. Overrides
-  that change results name the run (``snapkv@budget.tokens=128``, :mod:`kvlab.config.sweep`);
-  a re-run resumes only the same run (:mod:`kvlab.runner.fingerprint`) unless
-  ``--run.overwrite true``. ``--trainer.devices/num_nodes/strategy`` run data-parallel
-  (``docs/scaling.md``).
-- ``kvlab list``: every registry (its kind and the YAML field where its components are written),
-  each registered component with its parameters and defaults, and the presets.
+``kvlab predict --config snapkv.yaml [--model.compression.budget.tokens 128 ...]`` runs a method
+on a dataset (LightningCLI: ``--print_config``, dotted overrides, ``--help``) and writes
+``<run.dir>/<run.experiment>/<run.method>/`` with ``run.json`` (the fingerprint),
+``config.yaml``, ``predictions.jsonl``, ``metrics.json`` and TensorBoard events. Overrides that
+change results name the run (``snapkv@budget.tokens=128``, :mod:`kvlab.cli.sweep`); a re-run
+resumes only the same run (:mod:`kvlab.runner.fingerprint`) unless ``--run.overwrite true``.
+``--trainer.devices/num_nodes/strategy`` run data-parallel (``docs/scaling.md``).
 
 User plugins (:mod:`kvlab.config.plugins`) load before the config is used: the ``kvlab.plugins``
 entry points when the command starts, a config's top-level ``imports:`` before its pipeline is
@@ -21,13 +18,11 @@ Bad configuration exits with status 2 and a one-paragraph message, before any mo
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +30,20 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from kvlab.config.errors import ConfigError, did_you_mean
-from kvlab.config.loader import check_fields, preset_names, resolve, split_overrides
-from kvlab.config.plugins import IMPORTS_KEY, import_plugins, load_entry_points
-from kvlab.config.registry import REGISTRIES, Registry
+from kvlab.cli.prompt_example import describe_prompt
+from kvlab.cli.sweep import cli_sweep, expand, has_option, naming_overrides, pop_run_args
+from kvlab.config.loader import check_fields, resolve, split_overrides
+from kvlab.config.plugins import IMPORTS_KEY, import_plugins
 from kvlab.metrics.reference import REFERENCE_DIR
 from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, check_task_samples, validate_task_metrics
+from kvlab.runner.compare import compare_experiment
+from kvlab.runner.datamodule import KVLabDataModule
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.fingerprint import check_run, clear_results, fingerprint_fields, record_run
-from kvlab.runner.guards import RunGuard, guarded, make_run_dir
+from kvlab.runner.guards import RunGuard, make_run_dir
+from kvlab.runner.module import KVLabModule
 from kvlab.runner.progress import RunProgress, format_summary
+from kvlab.runner.run_names import override_suffix
 from kvlab.runner.writer import METRICS, PredictionWriter, local_summary, merge_predictions
 
 
@@ -124,8 +123,6 @@ class KVLabCLI(LightningCLI):
         self.trainer.callbacks.extend([writer, RunProgress(), RunGuard(run_dir)])
         self.trainer.logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="")
         if launch_rank() == 0 and self.datamodule.selected_samples:  # what the model sees, shown once
-            from kvlab.models.processors import describe_prompt
-
             self.datamodule.setup("predict")
             sample = self.datamodule.selected_samples[0]
             text, n_tokens = describe_prompt(self.datamodule.processor, sample)
@@ -148,52 +145,9 @@ class KVLabCLI(LightningCLI):
         print(format_summary(metrics, self.run_dir()))
 
 
-def print_components(out: Any = None) -> None:
-    """``kvlab list``: for every registry its kind and YAML field (the role its components play),
-    each component with parameters and defaults; then the presets."""
-    out = out or sys.stdout
-    for registry in sorted(all_registries(), key=lambda r: r.field):
-        print(f"{plural(registry.kind)}  (YAML field: {registry.field})", file=out)
-        for name, doc, params, capabilities in registry.describe():
-            print(f"  {name}: {doc}", file=out)
-            if capabilities is not None:
-                print(f"      capabilities: {capabilities}", file=out)
-            for param, type_name, default in params:
-                print(f"      {param}: {type_name} = {default}", file=out)
-        print(file=out)
-    print("presets  (kvlab predict --config NAME)", file=out)
-    print("  " + ", ".join(preset_names()), file=out)
-
-
-def plural(kind: str) -> str:
-    """``"decode policy"`` -> ``"decode policies"``, ``"mixer"`` -> ``"mixers"``."""
-    if kind.endswith("y") and kind[-2:-1] not in tuple("aeiou"):
-        return kind[:-1] + "ies"
-    return kind + "s"
-
-
-def all_registries() -> list[Registry[Any]]:
-    """Every registry, as enrolled on creation: importing the packages that define registries
-    (and every component module, through ``kvlab.compression``) fills the list."""
-    importlib.import_module("kvlab.compression")
-    importlib.import_module("kvlab.calibration.statistics")
-    importlib.import_module("kvlab.data")
-    importlib.import_module("kvlab.models")
-    load_entry_points()
-    return list(REGISTRIES)
-
-
-def predict(args: list[str]) -> None:
-    """Resolve presets and kvlab-merged overrides, expand a sweep, then hand each run to LightningCLI."""
-    from kvlab.config.sweep import (
-        cli_sweep,
-        expand,
-        has_option,
-        naming_overrides,
-        override_suffix,
-        pop_run_args,
-    )
-
+def main(args: list[str]) -> None:
+    """``kvlab predict``: resolve presets and kvlab-merged overrides, expand a sweep, then hand each
+    run to LightningCLI (:func:`run_predict`); a sweep ends with ``kvlab compare``'s table."""
     configs, rest, overrides = split_overrides(args)
     if not (configs or overrides):
         run_predict(None, rest)
@@ -220,8 +174,6 @@ def predict(args: list[str]) -> None:
         run_predict({**cfg, "run": {**run, "method": f"{run['method']}@{name}"}}, rest, imports)
     if len(points) == 1:
         return
-    from kvlab.runner.compare import compare_experiment
-
     print(compare_experiment(Path(run["dir"]) / run["experiment"]))
 
 
@@ -231,9 +183,6 @@ def run_predict(resolved: dict[str, Any] | None, rest: list[str], imports: Seque
     The resolved config reaches LightningCLI as a temporary file, deleted when the run ends;
     ``imports`` (plugin modules, already imported) is recorded in the run's ``config.yaml``.
     """
-    from kvlab.data import KVLabDataModule
-    from kvlab.runner.module import KVLabModule
-
     if resolved is not None and IMPORTS_KEY in resolved:  # a caller that did not import them first
         resolved = dict(resolved)
         imports = list(dict.fromkeys([*imports, *resolved.pop(IMPORTS_KEY)]))
@@ -265,80 +214,3 @@ def run_predict(resolved: dict[str, Any] | None, rest: list[str], imports: Seque
     finally:
         if config_file is not None:
             os.unlink(config_file)
-
-
-def compare_command(args: list[str]) -> None:
-    """``kvlab compare runs/<experiment>``."""
-    from kvlab.runner.compare import main as compare_main
-
-    compare_main(args)
-
-
-def list_command(args: list[str]) -> None:
-    """``kvlab list``."""
-    print_components()
-
-
-def lazy_main(module: str) -> Callable[[list[str]], None]:
-    """A command handler that imports ``module`` only when the command runs, then calls its ``main(args)``."""
-
-    def handler(args: list[str]) -> None:
-        importlib.import_module(module).main(args)
-
-    return handler
-
-
-# name -> (handler taking the remaining arguments, one-line help). Each subcommand's code lives
-# in its own module and is imported lazily by its handler, so `kvlab list` stays fast.
-COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
-    "predict": (lambda args: predict(args), "run a method on a dataset (kvlab predict --help)"),
-    "list": (list_command, "components, parameters, defaults, presets"),
-    "compare": (
-        lambda args: compare_command(args),
-        "table and plots of an experiment's runs (kvlab compare DIR)",
-    ),
-    "calibrate": (
-        lazy_main("kvlab.calibration.command"),
-        "measure per-model statistics into a calibration artefact (kvlab calibrate --help)",
-    ),
-    "check-model": (
-        lazy_main("kvlab.runner.check_model"),
-        "kvlab's engine vs transformers' own forward on a model (kvlab check-model MODEL --lengths 256,2048)",
-    ),
-    "bench": (lazy_main("kvlab.bench"), "benchmarks printing tables: kernels, memory, scoring"),
-    "reference-table": (
-        lazy_main("kvlab.runner.reference_table"),
-        "methods x budgets on the synthetic tasks with smollm2-135m (docs/evaluation.md); "
-        "--suite ruler: the RULER-style suite under query_aware/query_agnostic",
-    ),
-}
-
-
-def usage() -> str:
-    lines = [f"usage: kvlab {{{','.join(COMMANDS)}}} ...", ""]
-    lines += [f"  kvlab {name:<16} {doc}" for name, (_, doc) in COMMANDS.items()]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``kvlab`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
-        return
-    command, args = argv[0], argv[1:]
-    try:
-        if command not in COMMANDS:
-            raise ConfigError(
-                f"unknown command '{command}'.{did_you_mean(command, list(COMMANDS))} "
-                f"Commands: {', '.join(COMMANDS)}."
-            )
-        load_entry_points()
-        guarded(COMMANDS[command][0], args)  # disk full, permissions -> ConfigError; Ctrl-C -> 130
-    except ConfigError as exc:
-        print(f"kvlab: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

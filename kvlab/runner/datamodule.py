@@ -1,146 +1,30 @@
-"""The Lightning data module: builds the configured dataset and batches it with the model's processor."""
+"""The Lightning data module: builds the configured dataset and batches it with the model's processor.
+
+It is where data meets the model: the run's model name gives the processor (loaded through
+:mod:`kvlab.models`) that the data functions below it are handed (prompt lengths, truncation,
+token-measured datasets), so :mod:`kvlab.data` never imports a model.
+"""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
-from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, SequentialSampler
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.registry import to_plain
+from kvlab.data.contexts import ContextBatchSampler, check_contexts
 from kvlab.data.datasets import build_dataset
+from kvlab.data.long_prompts import LONG_PROMPTS, prompt_length, truncate_left
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import ProcessorSource
+from kvlab.models import PROCESSORS, context_length
+from kvlab.models.processors import read_chat_template
 
 DEFAULT_DATASET: dict[str, Any] = {"name": "synthetic_retrieval", "num_samples": 8, "context_words": 400}
-LONG_PROMPTS = ("refuse", "truncate_left")
-
-
-def context_length(name: str) -> int | None:
-    """The model's context (``max_position_embeddings`` of its config), read without weights;
-    None when ``name`` is neither a built-in, a local directory nor a Hub id."""
-    from kvlab.models import MODELS, hub, model_info
-
-    if name in MODELS:
-        config = MODELS.get(name)().config()
-    elif hub.local_dir(name) is not None or hub.is_hub_id(name):
-        config = hub.load_config(name)
-    else:
-        return None
-    return model_info(config, name).max_position_embeddings
-
-
-def prompt_length(processor: Any, sample: Sample) -> int:
-    """Tokens of ``sample``'s full prompt (chat template, images expanded), as the model sees it.
-    A text-only sample is tokenized without building tensors."""
-    if not sample.images and hasattr(processor, "prompt_ids"):
-        return len(processor.prompt_ids(sample))
-    return int(processor.collate([sample])["input_ids"].shape[-1])
-
-
-def truncate_left(processor: Any, sample: Sample, limit: int) -> tuple[Sample, int]:
-    """``sample`` with the fewest leading words of its prompt dropped so that it fits ``limit``
-    tokens; returns ``(sample, words dropped)``. Only context words are dropped: a sample's
-    ``question`` stays whole. Raises :class:`ConfigError` when even the empty context (chat
-    template, system message, images, question, answer prefix) does not fit."""
-    words = sample.context.split(" ")
-    question = sample.question or ""
-
-    def cut(k: int) -> Sample:
-        return replace(sample, prompt=" ".join(words[k:]) + question)
-
-    if prompt_length(processor, cut(len(words))) > limit:
-        raise ConfigError(
-            f"sample '{sample.id}': even with its whole prompt text before the question removed, the chat "
-            f"template, system message, images, question and answer prefix take more than the model's "
-            f"context of {limit} tokens, so data.long_prompts = truncate_left cannot make it fit. Remove "
-            "images or the system message from this sample, or use a model with a longer context."
-        )
-    low, high = 0, len(words)  # invariant: cut(high) fits
-    while low < high:
-        mid = (low + high) // 2
-        if prompt_length(processor, cut(mid)) <= limit:
-            high = mid
-        else:
-            low = mid + 1
-    return cut(high), high
-
-
-def check_contexts(samples: list[Sample]) -> None:
-    """Refuse samples of one ``context_id`` whose contexts differ (text before the question, system
-    message, number of images): they could not share one compressed context."""
-    first: dict[str, Sample] = {}
-
-    def shared(s: Sample) -> tuple[str, str | None, int]:
-        return s.context, s.system, len(s.images)
-
-    for sample in samples:
-        if sample.context_id is None:
-            continue
-        seen = first.setdefault(sample.context_id, sample)
-        if shared(seen) != shared(sample):
-            raise ConfigError(
-                f"samples '{seen.id}' and '{sample.id}' share context_id '{sample.context_id}' but not their "
-                "context (the prompt before the question, the system message or the images differ). Samples "
-                "of one context_id must differ only in their question; fix the data or their context ids."
-            )
-
-
-def context_batches(context_ids: Sequence[str | None], batch_size: int) -> list[list[int]]:
-    """Batches of positions in ``context_ids`` (one per sample) holding whole contexts: the samples
-    of each context id (in order of first appearance; a sample without one is its own context),
-    ``batch_size`` contexts per batch."""
-    groups: dict[Any, list[int]] = {}
-    for index, context_id in enumerate(context_ids):
-        key = context_id if context_id is not None else ("sample", index)
-        groups.setdefault(key, []).append(index)
-    contexts = list(groups.values())
-    return [
-        [i for members in contexts[start : start + batch_size] for i in members]
-        for start in range(0, len(contexts), batch_size)
-    ]
-
-
-class ContextBatchSampler(BatchSampler):
-    """Batches of whole contexts (:func:`context_batches`) over the indices ``sampler`` yields.
-
-    ``context_ids[i]``: the ``context_id`` of sample ``i``. A ``BatchSampler`` with a ``sampler``
-    argument, so Lightning can put its own (distributed) sampler in; under data-parallel predict a
-    context whose samples land on two ranks is compressed once on each.
-    """
-
-    def __init__(
-        self,
-        sampler: Sampler[int] | Iterable[int],
-        batch_size: int,
-        drop_last: bool = False,
-        context_ids: Sequence[str | None] = (),
-    ) -> None:
-        super().__init__(sampler, batch_size, drop_last)
-        self.context_ids = list(context_ids)
-
-    def _batches(self) -> list[list[int]]:
-        indices = list(self.sampler)
-        positions = context_batches([self.context_ids[i] for i in indices], self.batch_size)
-        return [[indices[p] for p in batch] for batch in positions]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self._batches()
-
-    def __len__(self) -> int:
-        return len(self._batches())
-
-
-def _validate_model_name(name: str) -> None:
-    """Check the model name with kvlab.models when that module provides a validator."""
-    try:
-        from kvlab.models import validate_model_name
-    except ImportError:  # kvlab.models not available: the processor load will report problems
-        return
-    validate_model_name(name)
 
 
 class KVLabDataModule(L.LightningDataModule):
@@ -168,7 +52,12 @@ class KVLabDataModule(L.LightningDataModule):
     :attr:`group_by_context` (set by the model's protocol, ``multi_question``) makes each batch
     hold whole contexts: every pending sample of a ``context_id``, ``batch_size`` contexts per
     batch (docs/protocols.md); the samples of one ``context_id`` must share their context.
+    The model's name is checked and its processor loaded through :attr:`processors`, which the
+    token-measured datasets are given too.
     """
+
+    #: where model names are checked and processors loaded (a class attribute, not a config field)
+    processors: ProcessorSource = PROCESSORS
 
     def __init__(
         self,
@@ -204,14 +93,12 @@ class KVLabDataModule(L.LightningDataModule):
                 f"{chat_template!r}. Use `auto` (the model's own template, or the raw prompt when it has "
                 "none), `none` (always the raw prompt) or a file path."
             )
-        from kvlab.models.processors import read_chat_template
-
         read_chat_template(chat_template)  # a missing file surfaces before anything loads
         self.save_hyperparameters()
         node = to_plain(dataset) if dataset is not None else dict(DEFAULT_DATASET)
         self.dataset_config: dict[str, Any] | str = node
-        _validate_model_name(model)  # before the dataset, which may load the model's tokenizer
-        self.source = build_dataset(node, "data.dataset", tokenizer=model)
+        self.processors.check(model)  # before the dataset, which may load the model's tokenizer
+        self.source = build_dataset(node, "data.dataset", tokenizer=model, processors=self.processors)
         self.model_name = model
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -247,9 +134,7 @@ class KVLabDataModule(L.LightningDataModule):
         against the model (images for a text-only model, prompts longer than its context): the
         trainer calls this before the model's weights load."""
         if self.processor is None:
-            from kvlab.models import load_processor
-
-            processor = load_processor(self.model_name)
+            processor = self.processors.load(self.model_name)
             if hasattr(processor, "with_chat_template"):  # kvlab's ChatProcessor (a copy: the load is cached)
                 processor = processor.with_chat_template(self.chat_template)
                 processor.check_template()

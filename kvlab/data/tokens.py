@@ -7,6 +7,12 @@ whose tokenizer and chat template measure it. ``null`` means the run's ``model.m
 passes it when it builds the dataset (``build_dataset(node, tokenizer=model)``), and a dataset
 built without one refuses a length in tokens (:func:`require_tokenizer`).
 
+The data layer does not load models: such a dataset also declares ``processors`` (a
+:func:`~kvlab.config.registry.context_field`), a :class:`ProcessorSource` that gives the processor
+of a model name. Whoever builds the dataset passes it: ``kvlab predict`` and ``kvlab calibrate``
+give :data:`kvlab.models.PROCESSORS` (``build_dataset(node, tokenizer=model,
+processors=PROCESSORS)``); a script building a dataset itself does the same.
+
 What is counted (one rule for every suite, docs/benchmark_suites.md): the prompt as the model
 sees it with ``data.chat_template: auto`` (the model's own chat template, system turn, assistant
 header and answer prefix included: exactly the ids of ``ChatProcessor.prompt_ids``). A run
@@ -22,12 +28,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
 
 __all__ = [
+    "ProcessorSource",
     "TokenCounter",
     "check_tokenizer_name",
     "fit_units",
@@ -38,19 +45,32 @@ __all__ = [
 ]
 
 
+class ProcessorSource(Protocol):
+    """Where a dataset gets the processor of the model its ``tokenizer`` field names
+    (:data:`kvlab.models.PROCESSORS`)."""
+
+    def check(self, name: str) -> None:
+        """Raise :class:`ConfigError` unless ``name`` names a model; loads nothing."""
+        ...
+
+    def load(self, name: str) -> Any:
+        """The processor of model ``name`` (its tokenizer and chat template; no weights)."""
+        ...
+
+
 class TokenCounter:
-    """Counts tokens with the tokenizer (and chat template) of model ``name``.
+    """Counts tokens with the tokenizer (and chat template) of a model's processor.
 
     Args:
-        name: a built-in model, a local model directory or a Hub id (only its tokenizer loads).
+        name: the model's name (for messages).
+        processor: its processor (a ``ChatProcessor``, or any processor with a ``tokenizer`` and
+            ``collate``).
     """
 
-    def __init__(self, name: str):
-        from kvlab.models import load_processor
-
+    def __init__(self, name: str, processor: Any):
         self.name = name
-        self.processor: Any = load_processor(name)
-        self.tokenizer: Any = self.processor.tokenizer
+        self.processor: Any = processor
+        self.tokenizer: Any = processor.tokenizer
 
     def ids(self, text: str) -> list[int]:
         """Token ids of ``text`` alone (no special tokens)."""
@@ -74,28 +94,33 @@ class TokenCounter:
 
 
 @functools.cache
-def token_counter(name: str) -> TokenCounter:
-    """The (cached) :class:`TokenCounter` of model ``name``."""
-    return TokenCounter(name)
+def token_counter(name: str, processors: ProcessorSource) -> TokenCounter:
+    """The (cached) :class:`TokenCounter` of model ``name``, its processor from ``processors``."""
+    return TokenCounter(name, processors.load(name))
 
 
-def check_tokenizer_name(name: str | None, where: str = "data.dataset.tokenizer") -> None:
-    """Validate a ``tokenizer`` field without loading anything (None is allowed)."""
-    if name is None:
+def check_tokenizer_name(
+    name: str | None, processors: ProcessorSource | None, where: str = "data.dataset.tokenizer"
+) -> None:
+    """Validate a ``tokenizer`` field without loading anything (None is allowed; without a
+    processor source the name is checked when the tokenizer is needed)."""
+    if name is None or processors is None:
         return
-    from kvlab.models import validate_model_name
-
     try:
-        validate_model_name(name)
+        processors.check(name)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def require_tokenizer(name: str | None, dataset: str, what: str) -> TokenCounter:
-    """The counter of ``name``; a :class:`ConfigError` when no tokenizer is known.
+def require_tokenizer(
+    name: str | None, processors: ProcessorSource | None, dataset: str, what: str
+) -> TokenCounter:
+    """The counter of ``name``; a :class:`ConfigError` when no tokenizer is known or no processor
+    source was given.
 
     Args:
         name: the dataset's ``tokenizer`` field.
+        processors: the dataset's ``processors`` (what loads the model's processor).
         dataset: the dataset's registered name (for the message).
         what: the field measured in tokens (for the message), e.g. ``context_tokens``.
     """
@@ -105,7 +130,14 @@ def require_tokenizer(name: str | None, dataset: str, what: str) -> TokenCounter
             "`kvlab predict` sets it to the run's model.model; when you build the dataset yourself "
             "(Python API, a custom script), pass `tokenizer: <model name>` (e.g. smollm2-135m)."
         )
-    return token_counter(name)
+    if processors is None:
+        raise ConfigError(
+            f"{dataset}'s `{what}` is measured in tokens of model {name!r}, but the dataset was built "
+            "without a processor source to load that model's tokenizer. `kvlab predict` passes one; when "
+            "you build the dataset yourself, pass `processors=kvlab.models.PROCESSORS` (with "
+            "`tokenizer=<model name>`)."
+        )
+    return token_counter(name, processors)
 
 
 def fit_units(

@@ -12,73 +12,33 @@ Two ways to ask for one:
         model.compression.budget.tokens: [32, 64, 128]
 
 Several swept keys give their cartesian product. Each point runs as its own method
-``<method>@<key>=<value>[,<key>=<value>]`` (``key`` without its ``model.compression.``,
-``data.dataset.`` or ``model.`` prefix), e.g. ``runs/<experiment>/snapkv@budget=32/``, so the
-points sit next to the other methods of the experiment and ``kvlab compare`` reads the swept
-values back from the directory names (:func:`parse_method`).
+``<method>@<key>=<value>[,<key>=<value>]`` (the run-name convention of
+:mod:`kvlab.runner.run_names`), e.g. ``runs/<experiment>/snapkv@budget=32/``, so the points sit
+next to the other methods of the experiment and ``kvlab compare`` reads the swept values back
+from the directory names.
 
 Command-line overrides name a run the same way: every override of a field that changes results
 (the run's fingerprint, :mod:`kvlab.runner.fingerprint`: ``--model.compression.*``,
 ``--data.dataset*``, ``--model.max_new_tokens``, ``--model.model``, ...; not ``--trainer.*``,
 ``--data.batch_size`` or the TensorBoard options) is appended as ``@key=value[,key=value]``, in
-the order given, before any swept values: ``kvlab predict --config my_hybrid.yaml
---model.compression.budget.ratio 0.1`` writes ``runs/<experiment>/my_hybrid@budget.ratio=0.1/``
-(:func:`override_suffix`). A mapping value names each of its leaves (``--data.dataset '{name:
-jsonl, path: data/qa.jsonl}'`` -> ``name=jsonl,path=qa.jsonl``: a path by its file name). An
-explicit ``--run.method`` wins: no override suffix (a sweep still appends its point).
+the order given, before any swept values (:func:`naming_overrides`,
+:func:`kvlab.runner.run_names.override_suffix`). An explicit ``--run.method`` wins: no override
+suffix (a sweep still appends its point).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import merge
+from kvlab.runner.fingerprint import DATA_EXCLUDED, MODEL_EXCLUDED
+from kvlab.runner.run_names import short_key, split_values, value_text
 
 SWEEP_KEY = "sweep"
-SHORT_PREFIXES = ("model.compression.", "data.dataset.", "model.")
-MAX_SUFFIX = 120  # longer override suffixes are cut and end with a hash of the whole text
-
-
-def split_values(text: str) -> list[str]:
-    """Split ``text`` at the commas outside brackets and braces (``"32,64"`` -> ``["32", "64"]``)."""
-    parts, depth, current = [], 0, ""
-    for ch in text:
-        if ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += ch
-    parts.append(current.strip())
-    return parts
-
-
-def short_key(dotted: str) -> str:
-    """``model.compression.budget.tokens`` -> ``budget.tokens`` (the name used in method names)."""
-    for prefix in SHORT_PREFIXES:
-        if dotted.startswith(prefix):
-            return dotted[len(prefix) :]
-    return dotted
-
-
-def value_text(value: Any) -> str:
-    """A value as written in a method name (scalars as is, others as compact JSON)."""
-    text = (
-        str(value)
-        if isinstance(value, str | int | float | bool)
-        else json.dumps(value, separators=(",", ":"))
-    )
-    return text.replace("/", "_")
 
 
 def set_dotted(cfg: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
@@ -140,16 +100,6 @@ def expand(resolved: dict[str, Any], overrides: list[tuple[str, str]]) -> list[t
     return points
 
 
-def parse_method(name: str) -> tuple[str, dict[str, str]]:
-    """``snapkv@budget=32,window=8`` -> ``("snapkv", {"budget": "32", "window": "8"})``."""
-    base, _, point = name.partition("@")
-    values: dict[str, str] = {}
-    for part in split_values(point) if point else []:
-        key, _, value = part.partition("=")
-        values[key] = value
-    return base, values
-
-
 def pop_run_args(args: list[str]) -> tuple[list[str], dict[str, str]]:
     """Take ``--run.dir/experiment/method`` out of LightningCLI arguments (a sweep sets them per point)."""
     rest: list[str] = []
@@ -171,8 +121,6 @@ def pop_run_args(args: list[str]) -> tuple[list[str], dict[str, str]]:
 
 def names_run(dotted: str) -> bool:
     """Whether an override of ``dotted`` changes results (is in the run's fingerprint), so names the run."""
-    from kvlab.runner.fingerprint import DATA_EXCLUDED, MODEL_EXCLUDED
-
     group, _, field = dotted.partition(".")
     field = field.split(".")[0]
     if group == "model":
@@ -199,36 +147,3 @@ def naming_overrides(args: list[str]) -> list[tuple[str, str]]:
 def has_option(args: list[str], option: str) -> bool:
     """Whether ``option`` (``--run.method``) is among the arguments, as ``--opt v`` or ``--opt=v``."""
     return any(a == option or a.startswith(option + "=") for a in args)
-
-
-def _leaves(dotted: str, value: Any) -> list[tuple[str, Any]]:
-    if isinstance(value, dict) and value:
-        return [leaf for key, item in value.items() for leaf in _leaves(f"{dotted}.{key}", item)]
-    return [(dotted, value)]
-
-
-def override_suffix(overrides: list[tuple[str, str]]) -> str:
-    """The run-name suffix of command-line overrides: ``key=value`` parts joined by commas.
-
-    ``[("model.compression.budget.ratio", "0.1")]`` -> ``"budget.ratio=0.1"``. Values are parsed
-    as YAML; a mapping names each leaf; a string holding ``/`` (a path) is named by its last
-    part; a later override of the same key replaces the earlier one. A suffix longer than 120
-    characters is cut and ends with ``~`` and 8 hex digits of the whole (the run's fingerprint,
-    not its name, decides whether two runs are the same).
-    """
-    parts: dict[str, str] = {}
-    for dotted, text in overrides:
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
-        for key, leaf in _leaves(dotted, value):
-            if isinstance(leaf, str) and "/" in leaf:
-                leaf = Path(leaf).name or leaf
-            parts.pop(short_key(key), None)
-            parts[short_key(key)] = value_text(leaf)
-    suffix = ",".join(f"{key}={value}" for key, value in parts.items())
-    if len(suffix) > MAX_SUFFIX:
-        digest = hashlib.sha256(suffix.encode()).hexdigest()[:8]
-        suffix = f"{suffix[: MAX_SUFFIX - 9]}~{digest}"
-    return suffix

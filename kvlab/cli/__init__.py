@@ -1,0 +1,14 @@
+"""The ``kvlab`` command, the top layer: one module per command.
+
+- :mod:`kvlab.cli.main`: the command table and the console script's entry point;
+- :mod:`kvlab.cli.predict`: ``kvlab predict`` (LightningCLI, run directory, fingerprint, resume);
+- :mod:`kvlab.cli.sweep`: comma lists and ``sweep:`` blocks expanded into one run per point;
+- :mod:`kvlab.cli.listing`: ``kvlab list``;
+- :mod:`kvlab.cli.compare`: ``kvlab compare``;
+- :mod:`kvlab.cli.bench`: ``kvlab bench``;
+- :mod:`kvlab.cli.check_model`: ``kvlab check-model``;
+- :mod:`kvlab.cli.reference_table`: ``kvlab reference-table``.
+
+``kvlab calibrate`` runs :func:`kvlab.calibration.command.main`. Nothing below this package
+imports it.
+"""
