@@ -64,7 +64,29 @@ from kvlab.kernels.decode_attention import (
     SegmentRuns,
     grouped_logits,
     ragged_decode_attention,
+    reads_in_place,
 )
+
+
+def write_rows(buffer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, write: torch.Tensor) -> None:
+    """``buffer[rows[write]] = values[write]`` without reading ``write`` on the host.
+
+    ``rows`` ``[...]`` row indices into ``buffer [N, *entry]``, ``values [..., *entry]``, ``write``
+    ``[...]`` bool; the written rows must be distinct. Every entry not written repeats the first
+    written ``(row, value)`` (row 0 and its own value when none is written), so the one scatter
+    holds duplicate indices with equal values only: the result does not depend on the order in
+    which the device applies them.
+    """
+    if buffer.shape[0] == 0:
+        return
+    rows, write = rows.reshape(-1), write.reshape(-1)
+    values = values.reshape(-1, *buffer.shape[1:])
+    first = write.to(torch.uint8).argmax().view(1)  # the first written entry (0 when none is)
+    hit = write[first]  # [1]; indexed by a tensor, never read on the host
+    fill_row = torch.where(hit, rows[first], 0)
+    entry = (-1, *([1] * (buffer.dim() - 1)))
+    fill_value = torch.where(hit.view(entry), values[first], buffer[:1])
+    buffer[torch.where(write, rows, fill_row)] = torch.where(write.view(entry), values, fill_value)
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -265,7 +287,9 @@ class CompressedLayer(CacheLayerMixin):
             self.decode_length,
             scaling,
             self.max_prompt_length,
-            runs=self.segment_runs(),
+            # the runs serve the in-place torch path (CPU) only; elsewhere computing them would
+            # cost a host sync whenever the segments change (a decode policy's eviction)
+            runs=self.segment_runs() if reads_in_place(query) else None,
             sliding_window=window,
             softcap=softcap,
             sinks=sinks,
@@ -368,24 +392,21 @@ class CompressedLayer(CacheLayerMixin):
         K = self.prompt_slots
         self._own_buffers()
         new = self.decode_length - 1
-        b, h = torch.meshgrid(
-            torch.arange(victim.shape[0], device=victim.device),
-            torch.arange(victim.shape[1], device=victim.device),
-            indexing="ij",
-        )
-        in_prompt = victim < K
-        pb, ph = b[in_prompt], h[in_prompt]
-        row = self.starts[pb, ph] + victim[in_prompt]
-        self.prompt_keys[row] = self.decode_keys[pb, ph, new]
-        self.prompt_values[row] = self.decode_values[pb, ph, new]
+        B, Hkv = victim.shape
+        b = torch.arange(B, device=victim.device)[:, None].expand(B, Hkv)
+        h = torch.arange(Hkv, device=victim.device)[None, :].expand(B, Hkv)
+        in_prompt = victim < K  # dense over every (sample, head): no host sync (write_rows)
+        row = self.starts + victim.clamp(max=max(K - 1, 0))
+        write_rows(self.prompt_keys, row, self.decode_keys[:, :, new], in_prompt)
+        write_rows(self.prompt_values, row, self.decode_values[:, :, new], in_prompt)
         if self.prompt_positions is not None:
-            self.prompt_positions[row] = self.decode_positions[pb, ph, new]
-        db, dh, slot = b[~in_prompt], h[~in_prompt], victim[~in_prompt] - K
+            write_rows(self.prompt_positions, row, self.decode_positions[:, :, new], in_prompt)
+        slot = torch.where(in_prompt, new, victim - K)  # a prompt victim's row rewrites its newest slot
         buffers = [self.decode_keys, self.decode_values]
         if self.decode_positions is not None:
             buffers.append(self.decode_positions)
         for buffer in buffers:
-            buffer[db, dh, slot] = buffer[db, dh, new]
+            buffer[b, h, slot] = buffer[:, :, new]
         self.decode_length = new
 
     def keep_slots(self, keep: torch.Tensor) -> None:
