@@ -33,24 +33,23 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
-from kvlab.engine.cache import CompressedLayer
+from kvlab.engine.cache import CompressedLayer, write_rows
 
 if TYPE_CHECKING:
     from kvlab.engine.attention import CompressionSession
 
 
 def _read(prompt: torch.Tensor, decode: torch.Tensor, layer: CompressedLayer, b, h, slots) -> torch.Tensor:
-    """Entries at ``slots`` (slot layout, see ``CompressedLayer.slot_valid``) of rows ``(b, h)``."""
+    """The entry at slot ``slots [B, Hkv]`` (slot layout, see ``CompressedLayer.slot_valid``) of every
+    row ``(b, h)`` (``[B, Hkv]`` grids), ``[B, Hkv, *entry]``; a slot outside the row reads a clamped
+    neighbour, which callers discard."""
     K = layer.prompt_slots
-    rows = (layer.starts[b, h] + slots).clamp(max=max(prompt.shape[0] - 1, 0))
-    inside = (slots < K).view(-1, *([1] * (prompt.dim() - 1)))
-    return torch.where(inside, prompt[rows], decode[b, h, (slots - K).clamp(min=0)])
-
-
-def _write(prompt: torch.Tensor, decode: torch.Tensor, layer: CompressedLayer, b, h, slots, values) -> None:
-    inside = slots < layer.prompt_slots
-    prompt[layer.starts[b[inside], h[inside]] + slots[inside]] = values[inside]
-    decode[b[~inside], h[~inside], slots[~inside] - layer.prompt_slots] = values[~inside]
+    from_decode = decode[b, h, (slots - K).clamp(min=0, max=decode.shape[2] - 1)]
+    if prompt.shape[0] == 0:
+        return from_decode
+    rows = (layer.starts + slots).clamp(min=0, max=prompt.shape[0] - 1)
+    inside = (slots < K).view(*slots.shape, *([1] * (prompt.dim() - 1)))
+    return torch.where(inside, prompt[rows], from_decode)
 
 
 def move_entries(
@@ -62,21 +61,42 @@ def move_entries(
 ) -> None:
     """In every row ``(b, h)`` where ``rows`` is True, copy the entry at slot ``source[b, h]`` to
     slot ``target[b, h]`` (keys, values, stored positions, and the ``[B, Hkv, S]`` ``tracked``
-    bookkeeping of the caller). All sources are read before anything is written."""
-    b, h = rows.nonzero(as_tuple=True)
-    if b.numel() == 0:
-        return
+    bookkeeping of the caller). All sources are read before anything is written.
+
+    Dense over the ``[B, Hkv]`` rows, with no host sync: a row that does not move rewrites one of
+    its own decode slots (or, in the flat prompt buffer, repeats another row's write, see
+    :func:`write_rows`) with the value it holds.
+    """
     layer._own_buffers()  # a checkpoint may share these buffers: copy before writing in place
-    src, dst = source[b, h], target[b, h]
+    K = layer.prompt_slots
+    B, Hkv = rows.shape
+    b = torch.arange(B, device=rows.device)[:, None].expand(B, Hkv)
+    h = torch.arange(Hkv, device=rows.device)[None, :].expand(B, Hkv)
+    to_prompt = rows & (target < K)
+    to_decode = rows & (target >= K)
+    decode_slot = torch.where(to_decode, target - K, 0)
     pairs = [(layer.prompt_keys, layer.decode_keys), (layer.prompt_values, layer.decode_values)]
     if layer.prompt_positions is not None:
         pairs.append((layer.prompt_positions, layer.decode_positions))
-    moved = [_read(prompt, decode, layer, b, h, src) for prompt, decode in pairs]
-    extra = [t[b, h, src] for t in tracked]
-    for (prompt, decode), values in zip(pairs, moved, strict=True):
-        _write(prompt, decode, layer, b, h, dst, values)
-    for t, values in zip(tracked, extra, strict=True):
-        t[b, h, dst] = values
+    moved = [_read(prompt, decode, layer, b, h, source) for prompt, decode in pairs]
+    kept = [decode[b, h, decode_slot] for _, decode in pairs]  # what a row not moving rewrites
+    read = [source.clamp(min=0, max=t.shape[2] - 1) for t in tracked]
+    extra = [t.gather(2, slot[..., None]) for t, slot in zip(tracked, read, strict=True)]
+    for (prompt, decode), values, old in zip(pairs, moved, kept, strict=True):
+        write_rows(prompt, layer.starts + target.clamp(min=0, max=max(K - 1, 0)), values, to_prompt)
+        where = to_decode.view(B, Hkv, *([1] * (values.dim() - 2)))
+        decode[b, h, decode_slot] = torch.where(where, values, old)
+    for t, slot, values in zip(tracked, read, extra, strict=True):
+        t.scatter_(2, torch.where(rows, target, slot)[..., None], values)
+
+
+def evict_flags(layer: CompressedLayer, rows: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+    """``[3]`` bool on the layer's device: (some row evicts, the decode region can shrink, a row
+    that must evict has no prompt row left); what :func:`evict_rows` decides on, computed without
+    a host sync so that one read serves every layer of a step."""
+    D = layer.decode_length
+    shrink = ((layer.lengths < capacity) | rows).all() & (D >= 1)
+    return torch.stack([rows.any(), shrink, (rows & (layer.lengths < 1)).any()])
 
 
 def evict_rows(
@@ -85,6 +105,7 @@ def evict_rows(
     rows: torch.Tensor,
     capacity: torch.Tensor,
     tracked: Sequence[torch.Tensor] = (),
+    flags: Sequence[bool] | None = None,
 ) -> None:
     """Drop the entry at slot ``victim [B, Hkv]`` from the rows where ``rows [B, Hkv]`` is True only.
 
@@ -101,21 +122,25 @@ def evict_rows(
 
     ``lengths`` therefore drifts below the prefill count only while samples of a batch evict on
     different steps. ``tracked`` tensors (``[B, Hkv, S]``, slot layout) follow every move.
+    ``flags``: the host values of :func:`evict_flags` (read here when not given).
 
     Raises:
         RuntimeError: a row must evict but holds every entry in the shared decode region (the
             other rows cannot give one up); the cache would need per-row decode lengths.
     """
     K, D = layer.prompt_slots, layer.decode_length
+    evicts, shrink, empty = flags if flags is not None else evict_flags(layer, rows, capacity).tolist()
+    if not evicts:
+        return
     stay = ~rows
-    if D >= 1 and bool((layer.lengths[stay] < capacity[stay]).all()):
+    if shrink:
         source = torch.full_like(victim, K + D - 1)
         target = torch.where(rows, victim, layer.lengths)
         move_entries(layer, source, target, source != target, tracked)
         layer.lengths = layer.lengths + stay.long()  # not in place: lengths may be the selection's counts
         layer.decode_length = D - 1
         return
-    if bool((layer.lengths[rows] < 1).any()):
+    if empty:
         raise RuntimeError(
             "fixed_index_evict: a sample must drop an entry, but all of its entries sit in the decode region "
             "shared with the rest of the batch, which does not drop one on this step. Run this decode policy "
@@ -188,6 +213,9 @@ class FixedIndexEvict(DecodePolicy):
         return session.state[self.STATE]
 
     def after_step(self, session: CompressionSession, step: int) -> None:
+        """Decide every layer's evictions on the device, read the decisions of all layers at once
+        (one host sync per step, which the decode region's new length needs), then evict."""
+        pending = []
         for layer_idx, layer in enumerate(session.cache.layers):
             if layer.sliding_window is not None:  # entries leave its window by position, not here
                 continue
@@ -198,8 +226,16 @@ class FixedIndexEvict(DecodePolicy):
             processed = rows.prompt + step + 1  # prompt tokens and the tokens fed so far
             size = layer.lengths + D
             evict = size * rows.prompt - processed * rows.kept >= rows.prompt
-            if not bool(evict.any()):
-                continue
-            arrival = rows.order[..., : K + D].masked_fill(~layer.slot_valid(), torch.iinfo(torch.long).max)
-            victim = arrival.argsort(-1).gather(-1, rows.index[..., None]).squeeze(-1)
-            evict_rows(layer, victim, evict, rows.kept, [rows.order])
+            # The victim is the index-th entry in arrival order. The first `index` arrivals are never
+            # evicted (the victim is always the index-th), so it is the stored entry of lowest
+            # arrival rank at or above `index`: a masked argmin, no sort.
+            arrival = rows.order[..., : K + D]
+            candidate = layer.slot_valid() & (arrival >= rows.index[..., None])
+            victim = arrival.masked_fill(~candidate, torch.iinfo(torch.long).max).argmin(-1)
+            pending.append((layer, rows, victim, evict, evict_flags(layer, evict, rows.kept)))
+        if not pending:
+            return
+        device = pending[0][4].device
+        flags = torch.stack([f.to(device) for *_, f in pending]).tolist()  # the step's one host read
+        for (layer, rows, victim, evict, _), layer_flags in zip(pending, flags, strict=True):
+            evict_rows(layer, victim, evict, rows.kept, [rows.order], flags=layer_flags)
