@@ -141,7 +141,7 @@ def gather_chunks_reference(
     pinned = host_keys.is_pinned()
     out = []
     for host in (host_keys, host_values):
-        staging = torch.empty(flat.numel(), D, dtype=host.dtype, pin_memory=pinned)
+        staging = torch.empty(flat.numel(), D, dtype=host.dtype, device=host.device, pin_memory=pinned)
         torch.index_select(host.reshape(R * M, D), 0, flat, out=staging)
         staging = staging.view(R, q, S * chunk, D)
         staging.masked_fill_((ids_host < 0).repeat_interleave(chunk, -1)[..., None], 0)

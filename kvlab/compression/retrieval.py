@@ -378,7 +378,7 @@ class ChunkStore:
 
 def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
     """A host copy of ``tensor`` (page-locked when ``pinned``, so the device can read it directly)."""
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
     out.copy_(tensor)
     return out
 

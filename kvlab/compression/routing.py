@@ -167,7 +167,7 @@ class LayerSplitRule(RouteRule):
     after: str = "after"
 
     def decide(self, ctx: LayerContext) -> RouteDecision:
-        switched = torch.full((ctx.batch_size,), ctx.layer_idx >= self.split, dtype=torch.bool)
+        switched = torch.full((ctx.batch_size,), ctx.layer_idx >= self.split, dtype=torch.bool, device="cpu")
         return self._decision(switched)
 
 
@@ -205,9 +205,12 @@ class MetricLatchRule(RouteRule):
         key = ("route_latch", id(self))
         B = ctx.batch_size
         if key not in ctx.state:
-            ctx.state[key] = (torch.zeros(B, dtype=torch.bool), torch.full((B,), float(self.initial)))
+            ctx.state[key] = (  # the latch is host bookkeeping (it is read on the host every layer)
+                torch.zeros(B, dtype=torch.bool, device="cpu"),
+                torch.full((B,), float(self.initial), device="cpu"),
+            )
         switched, prev = ctx.state[key]
-        metric = torch.full((B,), float("nan"))
+        metric = torch.full((B,), float("nan"), device="cpu")
         if not bool(switched.all()):
             value = self._metric.measure(ctx).float().cpu()
             metric = value.masked_fill(switched, float("nan"))
