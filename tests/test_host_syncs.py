@@ -22,7 +22,7 @@ import tempfile
 
 import e2e
 import pytest
-from host_syncs import counting_steps, describe
+from host_syncs import POLICY_READS, counting_steps, describe
 from preset_runs import is_vlm_preset, preset_compression, preset_models, preset_samples
 
 from kvlab.compression.pipeline import Pipeline
@@ -32,8 +32,6 @@ from kvlab.engine.generation import decode, prefill
 STEPS = 6  # tokens generated: 5 forwards, 4 whole steps between on_step calls
 #: reads that only the CPU path makes (function of a counted origin): the strided segment runs
 CPU_ONLY = ("kernels/decode_attention.py:", "(of)")
-#: decode policy -> host reads it needs per step, on top of the stop check's one
-POLICY_READS = {"none": 0, "h2o": 0, "fixed_index_evict": 1}
 H2O_DECODE = "h2o+decode"  # the h2o preset with the h2o decode policy (evict_one every step)
 CASES = [(name, model) for name in preset_names() for model in preset_models(name)]
 CASES += [(H2O_DECODE, model) for model in preset_models("h2o")]
