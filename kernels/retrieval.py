@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels.dispatch import CALLS, use_triton
+from kvlab.kernels.dispatch import CALLS, launch_device, use_triton
 
 
 def chunk_scores_reference(
@@ -116,7 +116,8 @@ def chunk_topk(
         from kvlab.kernels.tl.retrieval import chunk_topk_triton as impl
     else:
         impl = chunk_topk_reference
-    return impl(query, index, rows, chunk_valid, n_sel, num_kv_heads, width)
+    with launch_device(query):
+        return impl(query, index, rows, chunk_valid, n_sel, num_kv_heads, width)
 
 
 def gather_chunks_reference(
@@ -164,4 +165,5 @@ def gather_chunks(
         from kvlab.kernels.tl.retrieval import gather_chunks_triton as impl
     else:
         impl = gather_chunks_reference
-    return impl(host_keys, host_values, ids, chunk, device)
+    with launch_device(ids):
+        return impl(host_keys, host_values, ids, chunk, device)

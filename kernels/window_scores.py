@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels.dispatch import use_triton
+from kvlab.kernels.dispatch import launch_device, use_triton
 
 #: fp32 elements of one block of the torch reference (``samples x heads x window rows x T``):
 #: 2**24 are 64 MiB, so the reference's working set stays ``O(T)`` at any prompt length.
@@ -90,4 +90,5 @@ def window_attention_scores(
         from kvlab.kernels.tl.window_scores import window_attention_scores_triton as impl
     else:
         impl = window_attention_scores_reference
-    return impl(queries, keys, valid, scaling)
+    with launch_device(keys):
+        return impl(queries, keys, valid, scaling)
