@@ -294,16 +294,25 @@ def bench_gather(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
                reference, host_link=True)  # fmt: skip
 
 
-def measure(shapes: Shapes, contexts: list[int], kept: list[float], timer: Timer) -> list[Row]:
-    """Every kernel's row at every context and kept fraction (window scores: one per context)."""
+def measure(
+    shapes: Shapes,
+    contexts: list[int],
+    kept: list[float],
+    timer: Timer,
+    on_row: Callable[[Row], None] = lambda row: None,
+) -> list[Row]:
+    """Every kernel's row at every context and kept fraction (window scores: one per context);
+    ``on_row`` sees each row as soon as it is measured."""
+    benches: list[tuple[Callable[..., Row], bool]] = [
+        (bench_decode, True), (bench_window, False), (bench_compaction, True), (bench_merge, True),
+        (bench_chunk_topk, True), (bench_gather, True),
+    ]  # fmt: skip
     rows = []
     for T in contexts:
-        rows += [bench_decode(shapes, T, p, timer) for p in kept]
-        rows.append(bench_window(shapes, T, timer))
-        rows += [bench_compaction(shapes, T, p, timer) for p in kept]
-        rows += [bench_merge(shapes, T, p, timer) for p in kept]
-        rows += [bench_chunk_topk(shapes, T, p, timer) for p in kept]
-        rows += [bench_gather(shapes, T, p, timer) for p in kept]
+        for bench, per_kept in benches:
+            for row in [bench(shapes, T, p, timer) for p in kept] if per_kept else [bench(shapes, T, timer)]:
+                on_row(row)
+                rows.append(row)
     return rows
 
 
@@ -333,7 +342,7 @@ def render(rows: list[Row], peak: float | None, fmt: str) -> str:
     if fmt == "markdown":
         lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
         return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in table])
-    widths = [max(len(h), *(len(c[i]) for c in table)) for i, h in enumerate(HEADERS)]
+    widths = [max([len(h), *(len(c[i]) for c in table)]) for i, h in enumerate(HEADERS)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [HEADERS, *table])
 
 
@@ -364,7 +373,6 @@ def run(args: list[str]) -> None:
     )
     timer = Timer(device, opts.warmup_ms, opts.rep_ms)
     peak, source = peak_with_source(device, opts.peak_gbs)
-    rows = measure(shapes, parse_list(opts.contexts, int), parse_list(opts.kept, float), timer)
     big = 2 << 30  # a 1 GiB copy: 2 GiB read + written
     copy_gbs = big / (timer.copy(big, device) * 1e-3) / 1e9
     print(
@@ -374,7 +382,17 @@ def run(args: list[str]) -> None:
         f"rotated past 2x the {timer.l2 / 2**20:.0f} MiB L2)\n"
     )
     print(f"Peak memory bandwidth: {'unknown' if peak is None else f'{peak:.0f} GB/s'} ({source}); a 1 GiB "
-          f"device-to-device copy measured {copy_gbs:.0f} GB/s (read + write).\n")  # fmt: skip
-    print(render(rows, peak, opts.format))
+          f"device-to-device copy measured {copy_gbs:.0f} GB/s (read + write).\n", flush=True)  # fmt: skip
+    stream = opts.format == "markdown"  # rows as they come: a cut-off run still shows its rows
+    if stream:
+        print("\n".join(render([], peak, "markdown").splitlines()[:2]), flush=True)
+
+    def show(row: Row) -> None:
+        if stream:
+            print("| " + " | ".join(row.cells(peak)) + " |", flush=True)
+
+    rows = measure(shapes, parse_list(opts.contexts, int), parse_list(opts.kept, float), timer, show)
+    if not stream:
+        print(render(rows, peak, opts.format))
     print("\nTargets (reported, not asserted):\n")
     print("\n".join(f"- {line}" for line in target_lines(rows, peak)))
