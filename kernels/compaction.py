@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels.dispatch import use_triton
+from kvlab.kernels.dispatch import launch_device, use_triton
 
 Compacted = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -60,4 +60,5 @@ def compact_kv(
         from kvlab.kernels.tl.compaction import compact_kv_triton as impl
     else:
         impl = compact_kv_reference
-    return impl(keys, values, indices, counts)
+    with launch_device(keys):
+        return impl(keys, values, indices, counts)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.config.errors import ConfigError
-from kvlab.kernels.dispatch import CALLS, get_mode, use_triton
+from kvlab.kernels.dispatch import CALLS, get_mode, launch_device, use_triton
 
 FULL_PRECISION = (torch.float32, torch.float64)  # a matmul of these gives full-precision logits
 
@@ -398,7 +398,8 @@ def ragged_decode_attention(
     elif use_triton("ragged_decode_attention", query, prompt_keys, decode_keys):
         from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton
 
-        return ragged_decode_attention_triton(*args, decode_length, scaling, max_prompt_length)
+        with launch_device(query):
+            return ragged_decode_attention_triton(*args, decode_length, scaling, max_prompt_length)
     return ragged_decode_attention_reference(
         *args, decode_length, scaling, max_prompt_length, sliding_window=sliding_window, softcap=softcap,
         sinks=sinks, prompt_positions=prompt_positions, decode_positions=decode_positions,

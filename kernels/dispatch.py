@@ -105,6 +105,23 @@ def use_triton(name: str, *tensors: torch.Tensor) -> bool:
     return chosen
 
 
+@contextmanager
+def launch_device(tensor: torch.Tensor) -> Iterator[None]:
+    """Make ``tensor``'s CUDA device the current one for the block (a no-op on the current device
+    and off CUDA).
+
+    Triton launches a kernel on the *current* CUDA device, whatever device its arguments are on:
+    a layer on ``cuda:1`` (a model placed there, or spread by a ``device_map``) would otherwise be
+    launched on ``cuda:0``. Every dispatcher calls its implementation inside this.
+    """
+    index = tensor.device.index if tensor.is_cuda else None
+    if index is not None and index != torch.cuda.current_device():
+        with torch.cuda.device(index):
+            yield
+    else:
+        yield
+
+
 def dot_upcast(dtype: torch.dtype) -> bool:
     """Whether kernels must cast ``tl.dot`` operands of ``dtype`` to fp32 first.
 

@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from kvlab.kernels.dispatch import use_triton
+from kvlab.kernels.dispatch import launch_device, use_triton
 
 Normalize = Literal["weights", "count"]
 
@@ -78,4 +78,5 @@ def merge_scatter(
         from kvlab.kernels.tl.merge import merge_scatter_triton as impl
     else:
         impl = merge_scatter_reference
-    return impl(kept, evicted, target, evicted_weight, kept_weight, normalize)
+    with launch_device(kept):
+        return impl(kept, evicted, target, evicted_weight, kept_weight, normalize)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels.dispatch import CALLS, use_triton
+from kvlab.kernels.dispatch import CALLS, launch_device, use_triton
 
 
 def chunk_scores_reference(
@@ -116,7 +116,8 @@ def chunk_topk(
         from kvlab.kernels.tl.retrieval import chunk_topk_triton as impl
     else:
         impl = chunk_topk_reference
-    return impl(query, index, rows, chunk_valid, n_sel, num_kv_heads, width)
+    with launch_device(query):
+        return impl(query, index, rows, chunk_valid, n_sel, num_kv_heads, width)
 
 
 def gather_chunks_reference(
@@ -141,7 +142,7 @@ def gather_chunks_reference(
     pinned = host_keys.is_pinned()
     out = []
     for host in (host_keys, host_values):
-        staging = torch.empty(flat.numel(), D, dtype=host.dtype, pin_memory=pinned)
+        staging = torch.empty(flat.numel(), D, dtype=host.dtype, device=host.device, pin_memory=pinned)
         torch.index_select(host.reshape(R * M, D), 0, flat, out=staging)
         staging = staging.view(R, q, S * chunk, D)
         staging.masked_fill_((ids_host < 0).repeat_interleave(chunk, -1)[..., None], 0)
@@ -164,4 +165,5 @@ def gather_chunks(
         from kvlab.kernels.tl.retrieval import gather_chunks_triton as impl
     else:
         impl = gather_chunks_reference
-    return impl(host_keys, host_values, ids, chunk, device)
+    with launch_device(ids):
+        return impl(host_keys, host_values, ids, chunk, device)

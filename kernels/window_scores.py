@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels.dispatch import use_triton
+from kvlab.kernels.dispatch import launch_device, use_triton
 
 #: fp32 elements of one block of the torch reference (``samples x heads x window rows x T``):
 #: 2**24 are 64 MiB, so the reference's working set stays ``O(T)`` at any prompt length.
@@ -95,5 +95,6 @@ def window_attention_scores(
         # triton is an optional dependency: imported only when the Triton path runs
         from kvlab.kernels.tl.window_scores import window_attention_scores_triton
 
-        return window_attention_scores_triton(queries, keys, valid, scaling)
+        with launch_device(keys):
+            return window_attention_scores_triton(queries, keys, valid, scaling)
     return window_attention_scores_reference(queries, keys, valid, scaling, block_elements)

@@ -1,6 +1,11 @@
 """Shared test settings: offline, one torch thread per xdist worker (2 workers on 2 cores), and
 the Triton interpreter when there is no GPU (it must be set before triton is first imported, so
-that ``@triton.jit`` builds interpreted kernels: tests/test_kernels.py runs them on CPU)."""
+that ``@triton.jit`` builds interpreted kernels: tests/test_kernels.py runs them on CPU).
+
+Tests marked ``gpu`` (the GPU tier, ``tests/gpu``; ``.ci/gpu`` runs it on a GPU machine) are
+collected everywhere and skipped without CUDA, unless ``KVLAB_GPU_TIER=interpreted`` asks for the
+tier's dry run on the CPU (tests/gpu/gpu_support.py).
+"""
 
 import os
 
@@ -13,6 +18,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() or os.environ.get("KVLAB_GPU_TIER") == "interpreted":
+        return
+    skip = pytest.mark.skip(reason="GPU tier: needs CUDA (run .ci/gpu on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

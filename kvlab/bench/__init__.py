@@ -16,6 +16,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "memory": ("kvlab.bench.memory", "KV bytes and decode time: ragged head budgets vs full vs masking"),
     "scoring": ("kvlab.bench.scoring", "compression time of MixKV scoring vs its host (SnapKV)"),
     "retrieval": ("kvlab.bench.retrieval", "device KV, fetched bytes, decode time: retrieval vs full/snapkv"),
+    "kernels": ("kvlab.bench.kernels", "every Triton kernel: GB/s vs peak and copy, speedup (CUDA only)"),
 }
 
 

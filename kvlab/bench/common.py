@@ -12,9 +12,11 @@ import torch
 # Peak HBM/GDDR bandwidth in GB/s from the vendors' data sheets, matched by substring of
 # torch.cuda.get_device_name(); the first match wins, so specific names come first.
 PEAK_GBS: list[tuple[str, float]] = [
+    ("GH200", 4000.0),  # the 96 GB HBM3 part (its name contains "H200")
     ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
     ("H100 PCIe", 2000.0),
-    ("H100", 3350.0),
+    ("H100", 3350.0),  # SXM5 (named "H100 80GB HBM3")
     ("A100-SXM4-80GB", 2039.0),
     ("A100 80GB PCIe", 1935.0),
     ("A100", 1555.0),

@@ -53,7 +53,7 @@ from kvlab.cache.checkpoint import Checkpoints
 from kvlab.cache.selection import OffloadedStore, Selection
 from kvlab.cache.slots import SlotLayout
 from kvlab.kernels.compaction import compact_kv
-from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention
+from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention, reads_in_place
 
 
 class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
@@ -268,7 +268,9 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
             self.decode_length,
             scaling,
             self.max_prompt_length,
-            runs=self.segment_runs(),
+            # the runs serve the in-place torch path (CPU) only; elsewhere computing them would
+            # cost a host sync whenever the segments change (a decode policy's eviction)
+            runs=self.segment_runs() if reads_in_place(query) else None,
             sliding_window=window,
             softcap=softcap,
             sinks=sinks,

@@ -30,6 +30,27 @@ from kvlab.kernels.compaction import compact_kv
 from kvlab.kernels.decode_attention import FULL_PRECISION, grouped_logits
 
 
+def write_rows(buffer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, write: torch.Tensor) -> None:
+    """``buffer[rows[write]] = values[write]`` without reading ``write`` on the host.
+
+    ``rows`` ``[...]`` row indices into ``buffer [N, *entry]``, ``values [..., *entry]``, ``write``
+    ``[...]`` bool; the written rows must be distinct. Every entry not written repeats the first
+    written ``(row, value)`` (row 0 and its own value when none is written), so the one scatter
+    holds duplicate indices with equal values only: the result does not depend on the order in
+    which the device applies them.
+    """
+    if buffer.shape[0] == 0:
+        return
+    rows, write = rows.reshape(-1), write.reshape(-1)
+    values = values.reshape(-1, *buffer.shape[1:])
+    first = write.to(torch.uint8).argmax().view(1)  # the first written entry (0 when none is)
+    hit = write[first]  # [1]; indexed by a tensor, never read on the host
+    fill_row = torch.where(hit, rows[first], 0)
+    entry = (-1, *([1] * (buffer.dim() - 1)))
+    fill_value = torch.where(hit.view(entry), values[first], buffer[:1])
+    buffer[torch.where(write, rows, fill_row)] = torch.where(write.view(entry), values, fill_value)
+
+
 class SlotLayout:
     """Mixin of :class:`~kvlab.cache.layer.CompressedLayer`: the slot layout (module docstring)."""
 
@@ -120,29 +141,27 @@ class SlotLayout:
 
         The newest decode token moves into the victim's slot (nothing moves when it is the
         victim) and the decode region shrinks by one, so each head keeps its size and no
-        buffer is reallocated.
+        buffer is reallocated. Dense over every (sample, head), so no host sync: decode victims
+        move the newest entry in place, prompt victims go through :func:`write_rows`.
         """
         K = self.prompt_slots
         self.own_buffers()
         new = self.decode_length - 1
-        b, h = torch.meshgrid(
-            torch.arange(victim.shape[0], device=victim.device),
-            torch.arange(victim.shape[1], device=victim.device),
-            indexing="ij",
-        )
+        B, Hkv = victim.shape
+        b = torch.arange(B, device=victim.device)[:, None].expand(B, Hkv)
+        h = torch.arange(Hkv, device=victim.device)[None, :].expand(B, Hkv)
         in_prompt = victim < K
-        pb, ph = b[in_prompt], h[in_prompt]
-        row = self.starts[pb, ph] + victim[in_prompt]
-        self.prompt_keys[row] = self.decode_keys[pb, ph, new]
-        self.prompt_values[row] = self.decode_values[pb, ph, new]
+        row = self.starts + victim.clamp(max=max(K - 1, 0))
+        write_rows(self.prompt_keys, row, self.decode_keys[:, :, new], in_prompt)
+        write_rows(self.prompt_values, row, self.decode_values[:, :, new], in_prompt)
         if self.prompt_positions is not None:
-            self.prompt_positions[row] = self.decode_positions[pb, ph, new]
-        db, dh, slot = b[~in_prompt], h[~in_prompt], victim[~in_prompt] - K
+            write_rows(self.prompt_positions, row, self.decode_positions[:, :, new], in_prompt)
+        slot = torch.where(in_prompt, new, victim - K)  # a prompt victim's row rewrites its newest slot
         buffers = [self.decode_keys, self.decode_values]
         if self.decode_positions is not None:
             buffers.append(self.decode_positions)
         for buffer in buffers:
-            buffer[db, dh, slot] = buffer[db, dh, new]
+            buffer[b, h, slot] = buffer[:, :, new]
         self.decode_length = new
 
     def move_entries(
@@ -154,33 +173,53 @@ class SlotLayout:
     ) -> None:
         """In every row ``(b, h)`` where ``rows`` is True, copy the entry at slot ``source[b, h]`` to
         slot ``target[b, h]`` (keys, values, stored positions, and the ``[B, Hkv, S]`` ``tracked``
-        bookkeeping of the caller). All sources are read before anything is written."""
-        b, h = rows.nonzero(as_tuple=True)
-        if b.numel() == 0:
-            return
+        bookkeeping of the caller). All sources are read before anything is written.
+
+        Dense over the ``[B, Hkv]`` rows, with no host sync: a row that does not move rewrites one of
+        its own decode slots (or, in the flat prompt buffer, repeats another row's write, see
+        :func:`write_rows`) with the value it holds.
+        """
         self.own_buffers()  # a checkpoint may share these buffers: copy before writing in place
-        src, dst = source[b, h], target[b, h]
+        K = self.prompt_slots
+        B, Hkv = rows.shape
+        b = torch.arange(B, device=rows.device)[:, None].expand(B, Hkv)
+        h = torch.arange(Hkv, device=rows.device)[None, :].expand(B, Hkv)
+        to_prompt = rows & (target < K)
+        to_decode = rows & (target >= K)
+        decode_slot = torch.where(to_decode, target - K, 0)
         pairs = [(self.prompt_keys, self.decode_keys), (self.prompt_values, self.decode_values)]
         if self.prompt_positions is not None:
             pairs.append((self.prompt_positions, self.decode_positions))
-        moved = [self._read_slots(prompt, decode, b, h, src) for prompt, decode in pairs]
-        extra = [t[b, h, src] for t in tracked]
-        for (prompt, decode), values in zip(pairs, moved, strict=True):
-            self._write_slots(prompt, decode, b, h, dst, values)
-        for t, values in zip(tracked, extra, strict=True):
-            t[b, h, dst] = values
+        moved = [self._read_slots(prompt, decode, b, h, source) for prompt, decode in pairs]
+        kept = [decode[b, h, decode_slot] for _, decode in pairs]  # what a row not moving rewrites
+        read = [source.clamp(min=0, max=t.shape[2] - 1) for t in tracked]
+        extra = [t.gather(2, slot[..., None]) for t, slot in zip(tracked, read, strict=True)]
+        for (prompt, decode), values, old in zip(pairs, moved, kept, strict=True):
+            write_rows(prompt, self.starts + target.clamp(min=0, max=max(K - 1, 0)), values, to_prompt)
+            where = to_decode.view(B, Hkv, *([1] * (values.dim() - 2)))
+            decode[b, h, decode_slot] = torch.where(where, values, old)
+        for t, slot, values in zip(tracked, read, extra, strict=True):
+            t.scatter_(2, torch.where(rows, target, slot)[..., None], values)
 
     def _read_slots(self, prompt: torch.Tensor, decode: torch.Tensor, b, h, slots) -> torch.Tensor:
-        """Entries at ``slots`` (slot layout) of rows ``(b, h)`` from a prompt / decode buffer pair."""
+        """The entry at slot ``slots [B, Hkv]`` (slot layout) of every row ``(b, h)`` (``[B, Hkv]``
+        grids) from a prompt / decode buffer pair, ``[B, Hkv, *entry]``; a slot outside the row
+        reads a clamped neighbour, which callers discard."""
         K = self.prompt_slots
-        rows = (self.starts[b, h] + slots).clamp(max=max(prompt.shape[0] - 1, 0))
-        inside = (slots < K).view(-1, *([1] * (prompt.dim() - 1)))
-        return torch.where(inside, prompt[rows], decode[b, h, (slots - K).clamp(min=0)])
+        from_decode = decode[b, h, (slots - K).clamp(min=0, max=decode.shape[2] - 1)]
+        if prompt.shape[0] == 0:
+            return from_decode
+        rows = (self.starts + slots).clamp(min=0, max=prompt.shape[0] - 1)
+        inside = (slots < K).view(*slots.shape, *([1] * (prompt.dim() - 1)))
+        return torch.where(inside, prompt[rows], from_decode)
 
-    def _write_slots(self, prompt: torch.Tensor, decode: torch.Tensor, b, h, slots, values) -> None:
-        inside = slots < self.prompt_slots
-        prompt[self.starts[b[inside], h[inside]] + slots[inside]] = values[inside]
-        decode[b[~inside], h[~inside], slots[~inside] - self.prompt_slots] = values[~inside]
+    def evict_flags(self, rows: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+        """``[3]`` bool on the layer's device: (some row evicts, the decode region can shrink, a row
+        that must evict has no prompt row left); what :meth:`evict_rows` decides on, computed
+        without a host sync so that one read serves every layer of a step."""
+        D = self.decode_length
+        shrink = ((self.lengths < capacity) | rows).all() & (D >= 1)
+        return torch.stack([rows.any(), shrink, (rows & (self.lengths < 1)).any()])
 
     def evict_rows(
         self,
@@ -188,6 +227,7 @@ class SlotLayout:
         rows: torch.Tensor,
         capacity: torch.Tensor,
         tracked: Sequence[torch.Tensor] = (),
+        flags: Sequence[bool] | None = None,
     ) -> None:
         """Drop the entry at slot ``victim [B, Hkv]`` from the rows where ``rows [B, Hkv]`` is True only.
 
@@ -204,22 +244,26 @@ class SlotLayout:
 
         ``lengths`` therefore drifts below the prefill count only while samples of a batch evict on
         different steps (PrefixKV's fixed-index rule, :mod:`kvlab.compression.decode_prefixkv`).
-        ``tracked`` tensors (``[B, Hkv, S]``, slot layout) follow every move.
+        ``tracked`` tensors (``[B, Hkv, S]``, slot layout) follow every move. ``flags``: the host
+        values of :meth:`evict_flags` (read here when not given).
 
         Raises:
             RuntimeError: a row must evict but holds every entry in the shared decode region (the
                 other rows cannot give one up); the cache would need per-row decode lengths.
         """
         K, D = self.prompt_slots, self.decode_length
+        evicts, shrink, empty = flags if flags is not None else self.evict_flags(rows, capacity).tolist()
+        if not evicts:
+            return
         stay = ~rows
-        if D >= 1 and bool((self.lengths[stay] < capacity[stay]).all()):
+        if shrink:
             source = torch.full_like(victim, K + D - 1)
             target = torch.where(rows, victim, self.lengths)
             self.move_entries(source, target, source != target, tracked)
             self.lengths = self.lengths + stay.long()  # not in place: lengths may be the selection's counts
             self.decode_length = D - 1
             return
-        if bool((self.lengths[rows] < 1).any()):
+        if empty:
             raise RuntimeError(
                 "fixed_index_evict: a sample must drop an entry, but all of its entries sit in the decode "
                 "region shared with the rest of the batch, which does not drop one on this step. Run this "

@@ -307,7 +307,7 @@ class SparseMMHeadAllocator(HeadAllocator, UsesArtefact):
         """``[L, Hkv]`` free-token caps for a free budget ``budget`` from ``head_scores [L, H]``."""
         L, H = head_scores.shape
         if budget <= 0:
-            return torch.zeros(L, num_kv_heads, dtype=torch.long)
+            return torch.zeros(L, num_kv_heads, dtype=torch.long, device=head_scores.device)
         total = head_scores.double().sum()
         if not total > 0:
             raise ConfigError(

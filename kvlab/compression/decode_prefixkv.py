@@ -102,6 +102,9 @@ class FixedIndexEvict(DecodePolicy):
         return run.owned(self, FixedIndexState).layers
 
     def after_step(self, run: RunState, step: int) -> None:
+        """Decide every layer's evictions on the device, read the decisions of all layers at once
+        (one host sync per step, which the decode region's new length needs), then evict."""
+        pending = []
         for layer_idx, layer in enumerate(run.cache.layers):
             if layer.sliding_window is not None:  # entries leave its window by position, not here
                 continue
@@ -112,8 +115,16 @@ class FixedIndexEvict(DecodePolicy):
             processed = rows.prompt + step + 1  # prompt tokens and the tokens fed so far
             size = layer.lengths + D
             evict = size * rows.prompt - processed * rows.kept >= rows.prompt
-            if not bool(evict.any()):
-                continue
-            arrival = rows.order[..., : K + D].masked_fill(~layer.slot_valid(), torch.iinfo(torch.long).max)
-            victim = arrival.argsort(-1).gather(-1, rows.index[..., None]).squeeze(-1)
-            layer.evict_rows(victim, evict, rows.kept, [rows.order])
+            # The victim is the index-th entry in arrival order. The first `index` arrivals are never
+            # evicted (the victim is always the index-th), so it is the stored entry of lowest
+            # arrival rank at or above `index`: a masked argmin, no sort.
+            arrival = rows.order[..., : K + D]
+            candidate = layer.slot_valid() & (arrival >= rows.index[..., None])
+            victim = arrival.masked_fill(~candidate, torch.iinfo(torch.long).max).argmin(-1)
+            pending.append((layer, rows, victim, evict, layer.evict_flags(evict, rows.kept)))
+        if not pending:
+            return
+        device = pending[0][4].device
+        flags = torch.stack([f.to(device) for *_, f in pending]).tolist()  # the step's one host read
+        for (layer, rows, victim, evict, _), layer_flags in zip(pending, flags, strict=True):
+            layer.evict_rows(victim, evict, rows.kept, [rows.order], flags=layer_flags)

@@ -180,7 +180,7 @@ class TextSparsityRule(RouteRule):
         dynamic = (~static).any(-1).tolist()
         return HeadClassDecision(
             branches=[self.dynamic if d else self.static for d in dynamic],
-            switched=torch.zeros(ctx.batch_size, dtype=torch.bool),
+            switched=torch.zeros(ctx.batch_size, dtype=torch.bool, device="cpu"),  # as the metric
             metric=score.float().mean(-1).cpu(),
             heads=(~static).long(),
             head_names=(self.static, self.dynamic),
@@ -246,7 +246,7 @@ def allocate_pool(
     dynamic = ~static
     n_dyn, n_stat = int(dynamic.sum()), N - int(dynamic.sum())
     total = per_head * N
-    out = torch.zeros(N, dtype=torch.long)
+    out = torch.zeros(N, dtype=torch.long, device="cpu")  # host arithmetic on the classes (prefill)
     b_dyn = 0
     if n_dyn:
         b_dyn = round_pow2(r * per_head, pow2)
@@ -362,7 +362,7 @@ class HybridKVHeadAllocator(HeadAllocator):
                 )
             layers = sorted(seen)
             B, Hkv = seen[layers[0]].score.shape
-            budgets = torch.empty(B, len(layers), Hkv, dtype=torch.long)
+            budgets = torch.empty(B, len(layers), Hkv, dtype=torch.long, device="cpu")  # host arithmetic
             for b in range(B):
                 score = torch.stack([seen[layer].score[b] for layer in layers]).flatten()
                 static = torch.stack([seen[layer].static[b] for layer in layers]).flatten()

@@ -213,8 +213,8 @@ class RandomScorer(ImportanceScorer):
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         B, Hkv, T = ctx.batch_size, ctx.num_kv_heads, ctx.seq_len
-        out = torch.zeros(B, Hkv, T)
+        out = torch.zeros(B, Hkv, T, device="cpu")  # drawn on the host: the same draws on every device
         for b, length in enumerate(ctx.lengths.tolist()):
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + ctx.layer_idx * 7919 + length)
-            out[b, :, T - length :] = torch.rand(Hkv, length, generator=gen)
+            out[b, :, T - length :] = torch.rand(Hkv, length, generator=gen, device=gen.device)
         return out.to(ctx.keys.device)

@@ -64,7 +64,8 @@ def group_topk_mask(scores: torch.Tensor, groups: torch.Tensor, quota: torch.Ten
         in_group = (groups == g)[:, None, :] & (scores > float("-inf"))
         masked = scores.masked_fill(~in_group, float("-inf"))
         order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+        ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(-1, order, ranks)
         keep |= in_group & (rank < quota[..., g : g + 1])
     return keep
 

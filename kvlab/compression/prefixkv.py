@@ -415,6 +415,7 @@ class PrefixCalibratedAllocator(LayerAllocator, UsesArtefact):
             grid, rows = torch.cat([grid, grid.new_ones(1)]), torch.cat([rows, rows.new_ones(1, L)])
         order = torch.argsort(grid)
         grid, rows = grid[order], rows[order]
-        i = int(torch.searchsorted(grid, torch.tensor(r, dtype=grid.dtype)).clamp(1, len(grid) - 1))
+        at = torch.tensor(r, dtype=grid.dtype, device=grid.device)
+        i = int(torch.searchsorted(grid, at).clamp(1, len(grid) - 1))
         t = (r - float(grid[i - 1])) / max(float(grid[i] - grid[i - 1]), 1e-12)
         return rows[i - 1] + t * (rows[i] - rows[i - 1])

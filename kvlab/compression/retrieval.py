@@ -33,6 +33,7 @@ from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
 from kvlab.compression.selectors import SELECTORS, Selector, topk_indices
 from kvlab.config.errors import ConfigError
+from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention, reads_in_place
 from kvlab.kernels.retrieval import chunk_topk, gather_chunks
 
 NEG_INF = float("-inf")
@@ -134,6 +135,16 @@ class ChunkStore:
         self._fetch = self.n_sel.tolist()
         NC = self.index.shape[1]
         self.width = min(max(self._fetch, default=0), NC)
+        retrieving = set(self._rows)
+        others = [
+            (b, h)
+            for b in range(self.batch_size)
+            for h in range(self.num_kv_heads)
+            if (b, h) not in retrieving
+        ]
+        # [R', 2] the (sample, KV head) rows that attend to their cached entries alone
+        self.local_rows = torch.tensor(others, dtype=torch.long, device=self.rows.device).view(-1, 2)
+        self._local_runs: tuple[torch.Tensor, torch.Tensor, SegmentRuns] | None = None
 
     @classmethod
     def build(
@@ -185,7 +196,7 @@ class ChunkStore:
                 "soft-capping, sinks and sliding windows are not implemented for retrieved chunks. Use "
                 "an eviction selector (e.g. topk) for this model."
             )
-        out = layer.local_decode_attention(query, scaling, options).contiguous()
+        out = self._local_attention(layer, query, scaling)  # the other rows are written below
         B, H, q, D = query.shape
         Hkv = self.num_kv_heads
         G = H // Hkv
@@ -200,6 +211,44 @@ class ChunkStore:
         self.steps += 1
         attended = self._attend(layer, query, scaling, keys, values, fetched)  # [R, G, q, D]
         out.view(B, Hkv, G, q, D)[self.rows[:, 0], self.rows[:, 1]] = attended.to(out.dtype)
+        return out
+
+    def _local_attention(self, layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``[B, H, q, D]``: the decode attention of the rows that do not retrieve (:attr:`local_rows`)
+        over their cached entries; the retrieving rows are left unwritten (their attention, local
+        entries included, is :meth:`_attend`'s). The local rows run as a batch of ``R'`` samples of
+        one KV head each through :func:`~kvlab.kernels.decode_attention.ragged_decode_attention`
+        (their segments read in place, their decode entries gathered): no attention is computed
+        for a row that is then overwritten."""
+        B, H, q, D = query.shape
+        Hkv = self.num_kv_heads
+        out = query.new_empty(B, H, q, D)
+        if self.local_rows.shape[0] == 0:
+            return out
+        b, h = self.local_rows[:, 0], self.local_rows[:, 1]
+        dl = layer.decode_length
+        starts, lengths = layer.starts[b, h][:, None], layer.lengths[b, h][:, None]  # [R', 1]
+        runs = None
+        if reads_in_place(query):  # the in-place torch path's strided runs, kept per segment layout
+            held = self._local_runs
+            if held is None or held[0] is not layer.starts or held[1] is not layer.lengths:
+                held = self._local_runs = (layer.starts, layer.lengths, SegmentRuns.of(starts, lengths))
+            runs = held[2]
+        local = ragged_decode_attention(
+            query.view(B, Hkv, H // Hkv, q, D)[b, h],  # [R', G, q, D]: R' samples of one KV head
+            layer.prompt_keys,
+            layer.prompt_values,
+            starts,
+            lengths,
+            layer.decode_keys[:, :, :dl][b, h][:, None],  # [R', 1, dl, D]
+            layer.decode_values[:, :, :dl][b, h][:, None],
+            dl,
+            scaling,
+            layer.max_prompt_length,
+            decode_valid=layer.decode_valid[b] if layer.decode_valid is not None else None,
+            runs=runs,
+        )
+        out.view(B, Hkv, H // Hkv, q, D)[b, h] = local
         return out
 
     def _attend(
@@ -329,7 +378,7 @@ class ChunkStore:
 
 def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
     """A host copy of ``tensor`` (page-locked when ``pinned``, so the device can read it directly)."""
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
     out.copy_(tensor)
     return out
 

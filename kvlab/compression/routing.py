@@ -139,7 +139,7 @@ class LayerSplitRule(RouteRule):
     after: str = "after"
 
     def decide(self, ctx: LayerContext) -> RouteDecision:
-        switched = torch.full((ctx.batch_size,), ctx.layer_idx >= self.split, dtype=torch.bool)
+        switched = torch.full((ctx.batch_size,), ctx.layer_idx >= self.split, dtype=torch.bool, device="cpu")
         return self._decision(switched)
 
 
@@ -183,10 +183,13 @@ class MetricLatchRule(RouteRule):
 
     def decide(self, ctx: LayerContext) -> RouteDecision:
         B = ctx.batch_size
-        fresh = lambda: Latch(torch.zeros(B, dtype=torch.bool), torch.full((B,), float(self.initial)))
+        fresh = lambda: Latch(  # the latch is host bookkeeping (it is read on the host every layer)
+            torch.zeros(B, dtype=torch.bool, device="cpu"),
+            torch.full((B,), float(self.initial), device="cpu"),
+        )
         latch = ctx.run.owned(self, fresh)
         switched, prev = latch.switched, latch.previous
-        metric = torch.full((B,), float("nan"))
+        metric = torch.full((B,), float("nan"), device="cpu")
         if not bool(switched.all()):
             value = self._metric.measure(ctx).float().cpu()
             metric = value.masked_fill(switched, float("nan"))

@@ -1,0 +1,398 @@
+"""``kvlab bench kernels``: every Triton kernel's achieved bandwidth on a CUDA device, and its speedup.
+
+For each kernel, at each prompt length (``--contexts``, default 4k and 32k tokens) and kept
+fraction (``--kept``, default 10% and 50%; window scoring reads the whole prompt, so it has one row
+per length), one table row:
+
+- **bytes**: the fewest bytes the call must move through device memory (each input read once,
+  each output written once; for the chunk gather, the bytes read from pinned host memory);
+- **GB/s** and **% of peak**: bytes over the Triton kernel's median time, against the device's
+  peak memory bandwidth (:data:`kvlab.bench.common.PEAK_GBS`, from the vendors' data sheets,
+  matched on the device name; ``--peak-gbs`` overrides). The chunk gather reads host memory over
+  the host link, so it has no HBM percentage;
+- **% of copy**: the same bandwidth against a plain copy moving the same bytes, measured in the
+  same run (``torch.Tensor.copy_`` device to device of half the bytes, read + write; pinned host
+  to device for the gather): what the memory system gives a transfer of this size;
+- **vs reference**: the torch reference's time over the kernel's (the path ``kernels: reference``
+  and machines without Triton run);
+- **vs full SDPA** (decode attention only): ``scaled_dot_product_attention`` over the whole,
+  uncompressed cache over the kernel's time: what compression buys at decode.
+
+Shapes default to Llama-3-8B attention (32 query heads, 8 KV heads, head dim 128), bf16, batch 4,
+16 decoded tokens, a 32-token scoring window and 8-token retrieval chunks. Every time is the
+median of ``triton.testing.do_bench`` (CUDA events, ``--warmup-ms`` of warm-up, ``--rep-ms`` of
+timed calls, the L2 cache cleared before each call); each contender also rotates through enough
+input sets to exceed twice the L2 cache, so no call reads data the previous one left there.
+Targets (printed, not asserted): ragged decode attention at >= 70% of peak bandwidth at 32k
+tokens, and >= 1.5x faster than the full cache with SDPA at 10% kept. Needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.bench.common import DTYPES, PEAK_GBS, context_label, device_name, parse_list
+from kvlab.config.errors import ConfigError
+
+HEADERS = [
+    "kernel", "context", "kept", "MB moved", "triton µs", "GB/s", "% of peak", "% of copy",
+    "reference µs", "vs reference", "full SDPA µs", "vs full SDPA",
+]  # fmt: skip
+MAX_SETS = 16  # input sets a contender rotates through at most
+
+
+@dataclass
+class Row:
+    """One kernel at one (context, kept): the times in ms (None: not measured) and bytes moved."""
+
+    kernel: str
+    context: int
+    kept: float | None
+    bytes: int
+    triton: float
+    copy: float
+    reference: float | None = None
+    full: float | None = None
+    host_link: bool = False  # the bytes cross the host link (no HBM peak applies)
+
+    def cells(self, peak: float | None) -> list[str]:
+        gbs = self.bytes / (self.triton * 1e-3) / 1e9
+        copy_gbs = self.bytes / (self.copy * 1e-3) / 1e9  # the copy moved the same bytes
+        of_peak = "n/a" if peak is None or self.host_link else f"{gbs / peak:.0%}"
+        return [
+            self.kernel, context_label(self.context), "-" if self.kept is None else f"{self.kept:.0%}",
+            f"{self.bytes / 1e6:.1f}", f"{self.triton * 1e3:.1f}", f"{gbs:.0f}", of_peak,
+            f"{gbs / copy_gbs:.0%}", _us(self.reference), _ratio(self.reference, self.triton),
+            _us(self.full), _ratio(self.full, self.triton),
+        ]  # fmt: skip
+
+
+def _us(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms * 1e3:.1f}"
+
+
+def _ratio(slow: float | None, fast: float) -> str:
+    return "n/a" if slow is None else f"{slow / fast:.2f}x"
+
+
+def peak_with_source(device: torch.device, override: float | None) -> tuple[float | None, str]:
+    """``(GB/s, where the figure comes from)`` for the device's peak memory bandwidth."""
+    if override is not None:
+        return override, "--peak-gbs"
+    name = torch.cuda.get_device_name(device)
+    for key, gbs in PEAK_GBS:
+        if key in name:
+            return gbs, f"vendor data sheet, matched '{key}' in '{name}'"
+    return None, f"unknown for '{name}' (pass --peak-gbs)"
+
+
+class Timer:
+    """``triton.testing.do_bench`` medians (ms) over input sets rotated past the L2 cache."""
+
+    def __init__(self, device: torch.device, warmup_ms: int, rep_ms: int):
+        import triton.testing  # the bench needs triton: imported only when it runs
+
+        self.do_bench = triton.testing.do_bench
+        props = torch.cuda.get_device_properties(device)
+        self.l2 = getattr(props, "L2_cache_size", 50 * 2**20) or 50 * 2**20
+        self.warmup, self.rep = warmup_ms, rep_ms
+
+    def sets(self, nbytes: int) -> int:
+        """Input sets whose bytes together exceed twice the L2 cache (at most :data:`MAX_SETS`)."""
+        return max(1, min(MAX_SETS, math.ceil(2 * self.l2 / max(nbytes, 1))))
+
+    def time(self, fn: Callable[[object], object], sets: list) -> float:
+        """Median ms of ``fn(inputs)``, each call on the next of ``sets``."""
+        cycle = _cycle(sets)
+        return self.do_bench(lambda: fn(next(cycle)), warmup=self.warmup, rep=self.rep, return_mode="median")
+
+    def copy(self, nbytes: int, device: torch.device, from_host: bool = False) -> float:
+        """Median ms of a plain copy that moves ``nbytes``: a device-to-device copy of ``nbytes / 2``
+        (read + write), or ``nbytes`` from pinned host memory to the device (the host link's bytes)."""
+        size = max(1, nbytes if from_host else nbytes // 2)
+        n = self.sets(size)
+        pin = from_host and device.type == "cuda"
+        sources = [torch.empty(size, dtype=torch.uint8, device="cpu" if from_host else device,
+                               pin_memory=pin) for _ in range(n)]  # fmt: skip
+        pairs = [(src, torch.empty(size, dtype=torch.uint8, device=device)) for src in sources]
+        return self.time(lambda pair: pair[1].copy_(pair[0], non_blocking=True), pairs)
+
+
+def _cycle(items: list) -> Iterator:
+    while True:
+        yield from items
+
+
+@dataclass
+class Shapes:
+    B: int
+    H: int
+    Hkv: int
+    D: int
+    dtype: torch.dtype
+    decoded: int
+    window: int
+    chunk: int
+    device: torch.device
+
+    def randn(self, *shape: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=self.device).to(self.dtype)
+
+    def gen(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    @property
+    def elt(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def kept_positions(s: Shapes, T: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """``[B, Hkv, K]`` ascending random positions below ``T`` (what a top-k selection keeps)."""
+    order = torch.rand(s.B, s.Hkv, T, generator=gen, device=s.device).argsort(-1)
+    return order[..., :K].sort(-1).values
+
+
+def bench_decode(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
+    from kvlab.kernels.compaction import segment_starts
+    from kvlab.kernels.decode_attention import ragged_decode_attention_reference
+    from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton
+
+    def make(seed: int) -> tuple:
+        gen = s.gen(seed)
+        # ragged heads: each keeps between 0.5x and 1.5x the mean, as a head allocator gives
+        mean = max(1, round(kept * T))
+        lengths = (mean * (0.5 + torch.rand(s.B, s.Hkv, generator=gen, device=s.device))).round().long()
+        lengths = lengths.clamp(1, T)
+        N = int(lengths.sum())
+        decode = [s.randn(s.B, s.Hkv, s.decoded, s.D, gen=gen) for _ in range(2)]
+        prompt = [s.randn(N, s.D, gen=gen) for _ in range(2)]
+        query = s.randn(s.B, s.H, 1, s.D, gen=gen)
+        width = int(lengths.max())
+        return (query, *prompt, segment_starts(lengths), lengths, *decode, s.decoded, s.D**-0.5, width)
+
+    first = make(0)
+    nbytes = (first[1].numel() * 2 + first[5].numel() * 2 + first[0].numel() * 2) * s.elt
+    sets = [first] + [make(i) for i in range(1, timer.sets(nbytes))]
+    triton_ms = timer.time(lambda a: ragged_decode_attention_triton(*a), sets)
+    reference = timer.time(lambda a: ragged_decode_attention_reference(*a), sets[:1])
+    full_bytes = s.B * s.Hkv * (T + s.decoded) * s.D * 2 * s.elt
+    full_sets = [
+        (sets[0][0], *(s.randn(s.B, s.Hkv, T + s.decoded, s.D, gen=s.gen(100 + i)) for _ in range(2)))
+        for i in range(timer.sets(full_bytes))
+    ]
+    full = timer.time(lambda a: F.scaled_dot_product_attention(*a, enable_gqa=True), full_sets)
+    return Row("ragged decode attention", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device),
+               reference, full)  # fmt: skip
+
+
+def bench_window(s: Shapes, T: int, timer: Timer) -> Row:
+    from kvlab.kernels.tl.window_scores import window_attention_scores_triton
+    from kvlab.kernels.window_scores import window_attention_scores_reference
+
+    def make(seed: int) -> tuple:
+        gen = s.gen(seed)
+        valid = torch.ones(s.B, T, dtype=torch.bool, device=s.device)
+        queries = s.randn(s.B, s.H, s.window, s.D, gen=gen)
+        return queries, s.randn(s.B, s.Hkv, T, s.D, gen=gen), valid, s.D**-0.5
+
+    nbytes = (s.B * s.Hkv * T * s.D + s.B * s.H * s.window * s.D) * s.elt + s.B * T * (1 + 4 * s.H)
+    sets = [make(i) for i in range(timer.sets(nbytes))]
+    triton_ms = timer.time(lambda a: window_attention_scores_triton(*a), sets)
+    reference = timer.time(lambda a: window_attention_scores_reference(*a), sets[:1])
+    return Row("window scores", T, None, nbytes, triton_ms, timer.copy(nbytes, s.device), reference)
+
+
+def bench_compaction(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
+    from kvlab.kernels.compaction import compact_kv_reference
+    from kvlab.kernels.tl.compaction import compact_kv_triton
+
+    K = max(1, round(kept * T))
+
+    def make(seed: int) -> tuple:
+        gen = s.gen(seed)
+        counts = torch.full((s.B, s.Hkv), K, device=s.device)
+        keys, values = (s.randn(s.B, s.Hkv, T, s.D, gen=gen) for _ in range(2))
+        return keys, values, kept_positions(s, T, K, gen), counts
+
+    N = s.B * s.Hkv * K
+    nbytes = 4 * N * s.D * s.elt + N * 8  # kept rows of K and V read and written, positions read
+    sets = [make(i) for i in range(timer.sets(nbytes))]
+    triton_ms = timer.time(lambda a: compact_kv_triton(*a), sets)
+    reference = timer.time(lambda a: compact_kv_reference(*a), sets[:1])
+    return Row("compaction", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device), reference)
+
+
+def bench_merge(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
+    from kvlab.kernels.merge import merge_scatter_reference
+    from kvlab.kernels.tl.merge import merge_scatter_triton
+
+    rows = s.B * s.Hkv
+    N, M = rows * max(1, round(kept * T)), rows * (T - max(1, round(kept * T)))
+
+    def make(seed: int) -> tuple:
+        gen = s.gen(seed)
+        target = torch.randint(0, N, (M,), generator=gen, device=s.device)
+        weights = torch.rand(M, generator=gen, device=s.device)
+        return s.randn(N, s.D, gen=gen), s.randn(M, s.D, gen=gen), target, weights
+
+    nbytes = (2 * N + M) * s.D * s.elt + M * (8 + 4)  # kept read + written, evicted, targets, weights
+    sets = [make(i) for i in range(timer.sets(nbytes))]
+    triton_ms = timer.time(lambda a: merge_scatter_triton(*a), sets)
+    reference = timer.time(lambda a: merge_scatter_reference(*a), sets[:1])
+    return Row("merge (LOOK-M)", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device), reference)
+
+
+def bench_chunk_topk(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
+    from kvlab.kernels.retrieval import chunk_topk_reference
+    from kvlab.kernels.tl.retrieval import chunk_topk_triton
+
+    R, NC = s.B * s.Hkv, T // s.chunk
+    n_sel = max(1, round(kept * T) // s.chunk)
+    r = torch.arange(R, device=s.device)
+    rows = torch.stack([r // s.Hkv, r % s.Hkv], -1)  # (sample, KV head) of every row: all retrieve
+
+    def make(seed: int) -> tuple:
+        gen = s.gen(seed)
+        valid = torch.ones(R, NC, dtype=torch.bool, device=s.device)
+        n = torch.full((R,), n_sel, device=s.device)
+        return s.randn(s.B, s.H, 1, s.D, gen=gen), s.randn(R, NC, s.D, gen=gen), rows, valid, n, s.Hkv, n_sel
+
+    nbytes = R * NC * (s.D * s.elt + 1 + 8) + R * n_sel * 8  # index, validity, scores, chosen ids
+    sets = [make(i) for i in range(timer.sets(nbytes))]
+    triton_ms = timer.time(lambda a: chunk_topk_triton(*a), sets)
+    reference = timer.time(lambda a: chunk_topk_reference(*a), sets[:1])
+    return Row("chunk scores + top-k", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device), reference)
+
+
+def bench_gather(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
+    from kvlab.kernels.retrieval import gather_chunks_reference
+    from kvlab.kernels.tl.retrieval import gather_chunks_triton
+
+    R, NC = s.B * s.Hkv, T // s.chunk
+    S = max(1, round(kept * T) // s.chunk)
+    pinned = s.device.type == "cuda"  # the store as the retrieve selector keeps it on a GPU machine
+    host = [torch.empty(R, NC * s.chunk, s.D, dtype=s.dtype, pin_memory=pinned) for _ in range(2)]
+    for t in host:
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(s.dtype))
+
+    def make(seed: int) -> tuple:
+        gen = s.gen(seed)
+        ids = torch.rand(R, 1, NC, generator=gen, device=s.device).argsort(-1)[..., :S].sort(-1).values
+        return host[0], host[1], ids, s.chunk, s.device
+
+    nbytes = 2 * R * S * s.chunk * s.D * s.elt  # read from host memory (and written on the device)
+    sets = [make(i) for i in range(MAX_SETS)]
+    triton_ms = timer.time(lambda a: gather_chunks_triton(*a), sets)
+    reference = timer.time(lambda a: gather_chunks_reference(*a), sets[:1])
+    return Row("chunk gather (host)", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device, True),
+               reference, host_link=True)  # fmt: skip
+
+
+def measure(
+    shapes: Shapes,
+    contexts: list[int],
+    kept: list[float],
+    timer: Timer,
+    on_row: Callable[[Row], None] = lambda row: None,
+) -> list[Row]:
+    """Every kernel's row at every context and kept fraction (window scores: one per context);
+    ``on_row`` sees each row as soon as it is measured."""
+    benches: list[tuple[Callable[..., Row], bool]] = [
+        (bench_decode, True), (bench_window, False), (bench_compaction, True), (bench_merge, True),
+        (bench_chunk_topk, True), (bench_gather, True),
+    ]  # fmt: skip
+    rows = []
+    for T in contexts:
+        for bench, per_kept in benches:
+            for row in [bench(shapes, T, p, timer) for p in kept] if per_kept else [bench(shapes, T, timer)]:
+                on_row(row)
+                rows.append(row)
+    return rows
+
+
+def target_lines(rows: list[Row], peak: float | None) -> list[str]:
+    """The decode targets checked against the table (met / NOT met)."""
+    lines = []
+    longest = max(row.context for row in rows)
+    for row in rows:
+        if row.kernel != "ragged decode attention":
+            continue
+        where = f"{context_label(row.context)}, {row.kept:.0%} kept"
+        if row.context == longest and peak is not None:
+            share = row.bytes / (row.triton * 1e-3) / 1e9 / peak
+            lines.append(f"decode at {where}: {share:.0%} of peak (>= 70%: {_verdict(share >= 0.7)})")
+        if abs(row.kept - 0.1) < 1e-9 and row.full is not None:
+            speedup = row.full / row.triton
+            lines.append(f"decode at {where}: {speedup:.2f}x full SDPA (>= 1.5x: {_verdict(speedup >= 1.5)})")
+    return lines
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def render(rows: list[Row], peak: float | None, fmt: str) -> str:
+    table = [row.cells(peak) for row in rows]
+    if fmt == "markdown":
+        lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in table])
+    widths = [max([len(h), *(len(c[i]) for c in table)]) for i, h in enumerate(HEADERS)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [HEADERS, *table])
+
+
+def run(args: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="kvlab bench kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="4k,32k", help="prompt lengths (comma separated, k = 1024)")
+    p.add_argument("--kept", default="0.1,0.5", help="kept fractions of the prompt")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=32, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth (GB/s) if not known")
+    p.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up per contender (ms)")
+    p.add_argument("--rep-ms", type=int, default=100, help="do_bench timed calls per contender (ms)")
+    p.add_argument("--format", choices=["markdown", "text"], default="markdown")
+    p.add_argument("--device", default="cuda")
+    opts = p.parse_args(args)
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "kvlab bench kernels times the Triton kernels on a CUDA device, and this machine has none "
+            "(torch.cuda.is_available() is False). Run it on a GPU machine (.ci/gpu runs it there); "
+            "the kernels' CPU paths are timed by `kvlab bench decode --quick` and `kvlab bench window`."
+        )
+    device = torch.device(opts.device)
+    shapes = Shapes(
+        opts.batch, opts.heads, opts.kv_heads, opts.head_dim, DTYPES[opts.dtype], 16, 32, 8, device
+    )
+    timer = Timer(device, opts.warmup_ms, opts.rep_ms)
+    peak, source = peak_with_source(device, opts.peak_gbs)
+    big = 2 << 30  # a 1 GiB copy: 2 GiB read + written
+    copy_gbs = big / (timer.copy(big, device) * 1e-3) / 1e9
+    print(
+        f"kvlab bench kernels on {device_name(device)}, {opts.dtype}: B={opts.batch}, H={opts.heads}, "
+        f"Hkv={opts.kv_heads}, D={opts.head_dim}, 16 decoded tokens, window 32, chunks of 8; medians of "
+        f"triton.testing.do_bench ({opts.warmup_ms} ms warm-up, {opts.rep_ms} ms timed, L2 cleared, inputs "
+        f"rotated past 2x the {timer.l2 / 2**20:.0f} MiB L2)\n"
+    )
+    print(f"Peak memory bandwidth: {'unknown' if peak is None else f'{peak:.0f} GB/s'} ({source}); a 1 GiB "
+          f"device-to-device copy measured {copy_gbs:.0f} GB/s (read + write).\n", flush=True)  # fmt: skip
+    stream = opts.format == "markdown"  # rows as they come: a cut-off run still shows its rows
+    if stream:
+        print("\n".join(render([], peak, "markdown").splitlines()[:2]), flush=True)
+
+    def show(row: Row) -> None:
+        if stream:
+            print("| " + " | ".join(row.cells(peak)) + " |", flush=True)
+
+    rows = measure(shapes, parse_list(opts.contexts, int), parse_list(opts.kept, float), timer, show)
+    if not stream:
+        print(render(rows, peak, opts.format))
+    print("\nTargets (reported, not asserted):\n")
+    print("\n".join(f"- {line}" for line in target_lines(rows, peak)))
