@@ -23,6 +23,7 @@ from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
 from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton  # noqa: E402
 from kvlab.kernels.tl.launches import (  # noqa: E402
     ARCHS,
+    SHARED_LIMIT,
     compile_launches,
     constexpr_names,
     covering,
@@ -165,13 +166,15 @@ def describe(r):
     warps = dict(r.launch.options).get("num_warps")
     return (
         f"sm_{r.arch} {r.launch.name} warps={warps}: {r.registers} registers, {r.stack_bytes} B stack, "
-        f"{r.local_bytes} B local ({r.seconds} s)"
+        f"{r.local_bytes} B local, {r.shared_bytes} B shared ({r.seconds} s)"
     )
 
 
 def test_every_kernel_launch_compiles_for_sm80_and_sm90_without_spills(recorded):
     """Compile errors fail; so do spilled registers (stack or local memory in the cubin's resource
-    usage) at head dims <= 128, 16-bit and fp32 alike. Head dim 256 is reported, not checked."""
+    usage) at head dims <= 128, 16-bit and fp32 alike (head dim 256 is reported, not checked), and
+    a launch asking for more shared memory than the architecture gives one block (at any head
+    dim: such a launch compiles, then fails on the GPU)."""
     launches = distinct(recorded) if COMPILE_ALL else covering(recorded)
     start = time.perf_counter()
     results = compile_launches(launches)
@@ -186,3 +189,9 @@ def test_every_kernel_launch_compiles_for_sm80_and_sm90_without_spills(recorded)
         if (r.stack_bytes or r.local_bytes) and dict(r.launch.constexprs)["D"] <= 128
     ]
     assert not spilled, "\n".join(spilled)
+    too_big = [
+        f"{describe(r)}: {r.shared_bytes} B of shared memory > {SHARED_LIMIT[r.arch]}"
+        for r in results
+        if r.shared_bytes > SHARED_LIMIT[r.arch]
+    ]
+    assert not too_big, "\n".join(too_big)

@@ -38,7 +38,7 @@ from kvlab.kernels.tl.common import (
     split_size_for,
 )
 
-BLOCK_N = 64  # tokens per K/V tile
+BLOCK_N = 64  # tokens per K/V tile (half that for head dims over 128: see key_tile)
 MIN_SPLIT = 256  # fewest tokens per split
 BLOCK_S = 16  # partials merged per step of the combine kernel
 
@@ -160,6 +160,16 @@ def _decode_combine(
 LAUNCHED = (_decode_partial, _decode_combine)
 
 
+def key_tile(block_d: int) -> int:
+    """Tokens per K/V tile for a head tile of ``block_d``: :data:`BLOCK_N`, halved above 128.
+
+    The software pipeline holds ``num_stages`` K and V tiles in shared memory; at a 256-wide head
+    a 64-token tile asked for 305,152 bytes in 16-bit (sm_80 gives a block 163 KiB, sm_90
+    227 KiB: the launch failed on an H100), so wide heads take 32-token tiles.
+    """
+    return BLOCK_N if block_d <= 128 else BLOCK_N // 2
+
+
 def ragged_decode_attention_triton(
     query: torch.Tensor,
     prompt_keys: torch.Tensor,
@@ -176,7 +186,7 @@ def ragged_decode_attention_triton(
 ) -> torch.Tensor:
     """Triton version of :func:`~kvlab.kernels.decode_attention.ragged_decode_attention_reference`.
 
-    ``split_size`` (tokens per split, rounded up to the 64-token tile) overrides the automatic
+    ``split_size`` (tokens per split, rounded up to the key tile, :func:`key_tile`) overrides the automatic
     split-K sizing; ``slots`` (default :func:`~kvlab.kernels.tl.common.parallel_slots` of the
     device) is what the automatic sizing fills, so a test can size splits as a GPU would.
     """
@@ -186,11 +196,13 @@ def ragged_decode_attention_triton(
     if max_prompt_length is None:
         max_prompt_length = int(lengths.max()) if lengths.numel() else 0
     longest = max_prompt_length + decode_length
+    block_d = head_block(D)
+    block_n = key_tile(block_d)
     if split_size is None:
         slots = slots if slots is not None else parallel_slots(query.device)
-        split_size, S = split_size_for(longest, B * Hkv, slots, MIN_SPLIT, BLOCK_N)
+        split_size, S = split_size_for(longest, B * Hkv, slots, MIN_SPLIT, block_n)
     else:
-        split_size = -(-split_size // BLOCK_N) * BLOCK_N
+        split_size = -(-split_size // block_n) * block_n
         S = max(1, -(-longest // split_size))
     rows = G * q
     dev = query.device
@@ -204,14 +216,13 @@ def ragged_decode_attention_triton(
     if decode_values.stride() != decode_keys.stride():
         decode_values = decode_values.contiguous()
         decode_keys = decode_keys.contiguous()
-    block_d = head_block(D)
     shape = dict(D=D, BLOCK_D=block_d, **launch_options(block_d, query.dtype))
     _decode_partial[check_grid((B * Hkv, S))](
         query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values,
         part_acc, part_m, part_l,
         decode_length, scaling * LOG2E, split_size, S, q, Hkv, G,
         *query.stride(), prompt_keys.stride(0), *decode_keys.stride(),
-        ROWS=pow2(rows, 16), BLOCK_N=BLOCK_N, UPCAST=dot_upcast(query.dtype),
+        ROWS=pow2(rows, 16), BLOCK_N=block_n, UPCAST=dot_upcast(query.dtype),
         PRECISION=dot_precision(query.dtype), **shape,
     )  # fmt: skip
     _decode_combine[check_grid((B * Hkv * rows,))](

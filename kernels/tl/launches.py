@@ -43,6 +43,9 @@ MODULES = (
     "kvlab.kernels.tl.retrieval",
 )
 ARCHS = (80, 90)
+#: the most shared memory one block may use (bytes, the opt-in maximum): A100 163 KiB, H100 227 KiB
+#: (CUDA C Programming Guide, "Compute Capabilities"); a launch asking for more fails at run time
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class Compiled:
     registers: int = 0
     stack_bytes: int = 0  # per thread; > 0 means spilled registers
     local_bytes: int = 0
+    shared_bytes: int = 0  # per block, what the launch asks of the SM's shared memory
     seconds: float = 0.0  # compile time (near 0 when Triton's cache had it)
 
 
@@ -245,7 +249,16 @@ def _compile_one(item: tuple[Launch, int]) -> Compiled:
         ).stdout
     reg, stack, local = (int(x) for x in _RESOURCES.search(usage).groups())
     seconds = round(time.perf_counter() - start, 2)
-    return Compiled(launch, arch, registers=reg, stack_bytes=stack, local_bytes=local, seconds=seconds)
+    shared = int(compiled.metadata.shared)
+    return Compiled(
+        launch,
+        arch,
+        registers=reg,
+        stack_bytes=stack,
+        local_bytes=local,
+        shared_bytes=shared,
+        seconds=seconds,
+    )
 
 
 def _to_launch(data: dict) -> Launch:

@@ -20,7 +20,11 @@ reference on the CPU). Tolerances and why:
   (layer, sample, head) >= 0.9 and every row >= 0.5 (bf16 on the CPU against fp32 measured a
   mean >= 0.989 and a worst row of 0.95 on the tiny models; a wrong scorer or mask keeps a
   different set, ~0.4 for 40 random positions of 100). Logits within check-model's bf16
-  tolerance ``0.1 + 0.05 * max|logit|``; tokens as in fp32 with that tolerance.
+  tolerance ``0.1 + 0.05 * max|logit|``; tokens as in fp32 with that tolerance. A sample whose
+  kept sets differ anywhere (a rounding swap) is compared on its prefill logits only, as after an
+  fp32 tie swap: from the first decode step on it attends to other keys, so its logits may
+  legitimately differ by more (SmolLM2-135M on an H100, first run of the tier: 2.1 and 3.3
+  against a tolerance of 1.8 in two bf16 presets whose kept overlap was 0.995 and 0.98).
 
 Every kernel call on CUDA must have taken the Triton path (``kvlab.kernels.dispatch.CALLS``). The
 presets also run with the model on ``cuda:1`` where two GPUs exist, and the host syncs of the
