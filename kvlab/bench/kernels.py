@@ -6,7 +6,12 @@ per length), one table row:
 
 - **bytes**: the fewest bytes the call must move through device memory (each input read once,
   each output written once; for the chunk gather, the bytes read from pinned host memory);
-- **GB/s** and **% of peak**: bytes over the Triton kernel's median time, against the device's
+- **triton µs** is the eager call (Python's launch overhead included, as an unbatched decode step
+  pays it); **graph µs** the same calls replayed from one CUDA graph (the kernels alone; what a
+  decode loop captured in a graph pays; n/a where a call syncs with the host and cannot be
+  captured);
+- **GB/s** and **% of peak**: bytes over the kernels' own median time (the graph's when measured),
+  against the device's
   peak memory bandwidth (:data:`kvlab.bench.common.PEAK_GBS`, from the vendors' data sheets,
   matched on the device name; ``--peak-gbs`` overrides). The chunk gather reads host memory over
   the host link, so it has no HBM percentage;
@@ -16,7 +21,9 @@ per length), one table row:
 - **vs reference**: the torch reference's time over the kernel's (the path ``kernels: reference``
   and machines without Triton run);
 - **vs full SDPA** (decode attention only): ``scaled_dot_product_attention`` over the whole,
-  uncompressed cache over the kernel's time: what compression buys at decode.
+  uncompressed cache over the kernel's time, graph against graph when both could be captured
+  (the full SDPA column shows the eager time and the graph's in brackets): what compression buys
+  at decode.
 
 Shapes default to Llama-3-8B attention (32 query heads, 8 KV heads, head dim 128), bf16, batch 4,
 16 decoded tokens, a 32-token scoring window and 8-token retrieval chunks. Every time is the
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -41,7 +49,7 @@ from kvlab.bench.common import DTYPES, PEAK_GBS, context_label, device_name, par
 from kvlab.config.errors import ConfigError
 
 HEADERS = [
-    "kernel", "context", "kept", "MB moved", "triton µs", "GB/s", "% of peak", "% of copy",
+    "kernel", "context", "kept", "MB moved", "triton µs", "graph µs", "GB/s", "% of peak", "% of copy",
     "reference µs", "vs reference", "full SDPA µs", "vs full SDPA",
 ]  # fmt: skip
 MAX_SETS = 16  # input sets a contender rotates through at most
@@ -60,16 +68,33 @@ class Row:
     reference: float | None = None
     full: float | None = None
     host_link: bool = False  # the bytes cross the host link (no HBM peak applies)
+    graph: float | None = None  # the Triton calls replayed from a CUDA graph: no launch overhead
+    full_graph: float | None = None  # full SDPA replayed likewise
+
+    @property
+    def kernel_ms(self) -> float:
+        """The kernels' own time: the graph replay's when it was measured, else the eager call's."""
+        return self.graph if self.graph is not None else self.triton
+
+    def speedup_over_full(self) -> float | None:
+        """Full SDPA's time over the kernel's, graph against graph when both were measured."""
+        if self.full is None:
+            return None
+        if self.graph is not None and self.full_graph is not None:
+            return self.full_graph / self.graph
+        return self.full / self.triton
 
     def cells(self, peak: float | None) -> list[str]:
-        gbs = self.bytes / (self.triton * 1e-3) / 1e9
+        gbs = self.bytes / (self.kernel_ms * 1e-3) / 1e9
         copy_gbs = self.bytes / (self.copy * 1e-3) / 1e9  # the copy moved the same bytes
         of_peak = "n/a" if peak is None or self.host_link else f"{gbs / peak:.0%}"
+        speedup = self.speedup_over_full()
+        full = _us(self.full) if self.full_graph is None else f"{_us(self.full)} ({_us(self.full_graph)})"
         return [
             self.kernel, context_label(self.context), "-" if self.kept is None else f"{self.kept:.0%}",
-            f"{self.bytes / 1e6:.1f}", f"{self.triton * 1e3:.1f}", f"{gbs:.0f}", of_peak,
+            f"{self.bytes / 1e6:.1f}", f"{self.triton * 1e3:.1f}", _us(self.graph), f"{gbs:.0f}", of_peak,
             f"{gbs / copy_gbs:.0%}", _us(self.reference), _ratio(self.reference, self.triton),
-            _us(self.full), _ratio(self.full, self.triton),
+            full, "n/a" if speedup is None else f"{speedup:.2f}x",
         ]  # fmt: skip
 
 
@@ -111,6 +136,30 @@ class Timer:
         """Median ms of ``fn(inputs)``, each call on the next of ``sets``."""
         cycle = _cycle(sets)
         return self.do_bench(lambda: fn(next(cycle)), warmup=self.warmup, rep=self.rep, return_mode="median")
+
+    def graph(self, fn: Callable[[object], object], sets: list) -> float | None:
+        """Median ms per call of ``fn`` over every input set, replayed from one CUDA graph (the
+        kernels alone, without Python's launch overhead); None when the calls cannot be captured
+        (a host sync inside), with the reason on stderr, or without CUDA."""
+        if not torch.cuda.is_available():
+            return None
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for inputs in sets:  # compiled and allocated before the capture
+                    fn(inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for inputs in sets:
+                    fn(inputs)
+            total = self.do_bench(graph.replay, warmup=self.warmup, rep=self.rep, return_mode="median")
+        except Exception as error:  # a host sync or an uncapturable call: reported, not fatal
+            print(f"(no CUDA graph: {type(error).__name__}: {str(error)[:200]})", file=sys.stderr)
+            torch.cuda.synchronize()
+            return None
+        return total / len(sets)
 
     def copy(self, nbytes: int, device: torch.device, from_host: bool = False) -> float:
         """Median ms of a plain copy that moves ``nbytes``: a device-to-device copy of ``nbytes / 2``
@@ -180,15 +229,17 @@ def bench_decode(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
     nbytes = (first[1].numel() * 2 + first[5].numel() * 2 + first[0].numel() * 2) * s.elt
     sets = [first] + [make(i) for i in range(1, timer.sets(nbytes))]
     triton_ms = timer.time(lambda a: ragged_decode_attention_triton(*a), sets)
+    graph_ms = timer.graph(lambda a: ragged_decode_attention_triton(*a), sets)
     reference = timer.time(lambda a: ragged_decode_attention_reference(*a), sets[:1])
     full_bytes = s.B * s.Hkv * (T + s.decoded) * s.D * 2 * s.elt
     full_sets = [
         (sets[0][0], *(s.randn(s.B, s.Hkv, T + s.decoded, s.D, gen=s.gen(100 + i)) for _ in range(2)))
         for i in range(timer.sets(full_bytes))
     ]
-    full = timer.time(lambda a: F.scaled_dot_product_attention(*a, enable_gqa=True), full_sets)
+    sdpa = lambda a: F.scaled_dot_product_attention(*a, enable_gqa=True)
+    full, full_graph = timer.time(sdpa, full_sets), timer.graph(sdpa, full_sets)
     return Row("ragged decode attention", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device),
-               reference, full)  # fmt: skip
+               reference, full, graph=graph_ms, full_graph=full_graph)  # fmt: skip
 
 
 def bench_window(s: Shapes, T: int, timer: Timer) -> Row:
@@ -325,10 +376,10 @@ def target_lines(rows: list[Row], peak: float | None) -> list[str]:
             continue
         where = f"{context_label(row.context)}, {row.kept:.0%} kept"
         if row.context == longest and peak is not None:
-            share = row.bytes / (row.triton * 1e-3) / 1e9 / peak
+            share = row.bytes / (row.kernel_ms * 1e-3) / 1e9 / peak
             lines.append(f"decode at {where}: {share:.0%} of peak (>= 70%: {_verdict(share >= 0.7)})")
-        if abs(row.kept - 0.1) < 1e-9 and row.full is not None:
-            speedup = row.full / row.triton
+        speedup = row.speedup_over_full()
+        if abs(row.kept - 0.1) < 1e-9 and speedup is not None:
             lines.append(f"decode at {where}: {speedup:.2f}x full SDPA (>= 1.5x: {_verdict(speedup >= 1.5)})")
     return lines
 
