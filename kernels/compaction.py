@@ -11,14 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.kernels.dispatch import launch_device, use_triton
-
-Compacted = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def segment_starts(counts: torch.Tensor) -> torch.Tensor:
-    """Offsets ``[B, Hkv]`` of each (sample, head) segment in the flat buffer (exclusive cumsum)."""
-    flat = counts.flatten()
-    return (flat.cumsum(0) - flat).view(counts.shape)
+from kvlab.kernels.types import Compacted, segment_starts
 
 
 def compact_kv_reference(
@@ -57,6 +50,7 @@ def compact_kv(
 ) -> Compacted:
     """Dispatcher of :func:`compact_kv_reference` (same arguments and result)."""
     if use_triton("compact_kv", keys, values):
+        # triton is optional: the launcher (which imports it) loads on this path only
         from kvlab.kernels.tl.compaction import compact_kv_triton as impl
     else:
         impl = compact_kv_reference

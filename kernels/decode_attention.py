@@ -396,6 +396,7 @@ def ragged_decode_attention(
             )
         CALLS[("ragged_decode_attention", "reference")] += 1
     elif use_triton("ragged_decode_attention", query, prompt_keys, decode_keys):
+        # triton is optional: the launcher (which imports it) loads on this path only
         from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton
 
         with launch_device(query):

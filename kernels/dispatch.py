@@ -28,6 +28,8 @@ from typing import Literal, get_args
 
 import torch
 
+from kvlab.config.errors import ConfigError
+
 Mode = Literal["auto", "reference", "triton"]
 MODES: tuple[str, ...] = get_args(Mode)
 
@@ -41,8 +43,6 @@ def set_mode(mode: Mode) -> None:
     """Set the process-wide dispatch mode (``auto``, ``reference`` or ``triton``)."""
     global _mode
     if mode not in MODES:
-        from kvlab.config.errors import ConfigError
-
         raise ConfigError(
             f"model.kernels must be one of {', '.join(MODES)}, got '{mode}'. Use 'auto' (Triton on "
             "CUDA tensors, the torch reference elsewhere) unless you are debugging a kernel."

@@ -23,13 +23,10 @@ entries and offsets ``target`` by the head's first kept row, so one call merges 
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from kvlab.kernels.dispatch import launch_device, use_triton
-
-Normalize = Literal["weights", "count"]
+from kvlab.kernels.types import Normalize
 
 
 def merge_scatter_reference(
@@ -75,6 +72,7 @@ def merge_scatter(
     if normalize not in ("weights", "count"):
         raise ValueError(f"normalize must be 'weights' or 'count', got {normalize!r}")
     if use_triton("merge_scatter", kept, evicted):
+        # triton is optional: the launcher (which imports it) loads on this path only
         from kvlab.kernels.tl.merge import merge_scatter_triton as impl
     else:
         impl = merge_scatter_reference

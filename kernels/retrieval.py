@@ -113,6 +113,7 @@ def chunk_topk(
 ) -> torch.Tensor:
     """Dispatcher of :func:`chunk_topk_reference` (same arguments and result)."""
     if use_triton("chunk_topk", query, index):
+        # triton is optional: the launcher (which imports it) loads on this path only
         from kvlab.kernels.tl.retrieval import chunk_topk_triton as impl
     else:
         impl = chunk_topk_reference
@@ -162,6 +163,7 @@ def gather_chunks(
         CALLS[("gather_chunks", "reference")] += 1
         impl = gather_chunks_reference
     elif use_triton("gather_chunks", ids):
+        # triton is optional: the launcher (which imports it) loads on this path only
         from kvlab.kernels.tl.retrieval import gather_chunks_triton as impl
     else:
         impl = gather_chunks_reference

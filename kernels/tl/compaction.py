@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.compaction import Compacted, segment_starts
 from kvlab.kernels.tl.common import check_grid, pow2
+from kvlab.kernels.types import Compacted, segment_starts
 
 BLOCK_N = 32  # kept rows per program
 

@@ -23,6 +23,7 @@ distinct launches (the covering set with ``KVLAB_COMPILE_COVERING=1``) for sm_80
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import re
@@ -100,8 +101,6 @@ class Compiled:
 
 def constexpr_names(kernel: Any) -> list[str]:
     """Parameters of a ``@triton.jit`` kernel (jitted or interpreted) annotated ``tl.constexpr``."""
-    import inspect
-
     params = inspect.signature(kernel.fn).parameters.values()
     return [p.name for p in params if "constexpr" in str(p.annotation)]
 
@@ -122,6 +121,7 @@ def _specialise(kernel: Any, name: str, value: object) -> tuple[str, Any]:
     ``tt.divisibility`` attribute (``"D"``), unless the kernel lists the argument in
     ``do_not_specialize``.
     """
+    # triton (optional) is imported where it is used: the compile worker starts without it loaded
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
@@ -219,6 +219,7 @@ _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)")
 
 def _compile_one(item: tuple[Launch, int]) -> Compiled:
     """Compile ``launch`` for ``sm_<arch>`` (no interpreter: run in the worker subprocess)."""
+    # triton (optional): imported in the compile worker, after its environment is set
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.merge import Normalize
 from kvlab.kernels.tl.common import check_grid, pow2
+from kvlab.kernels.types import Normalize
 
 BLOCK_M = 16  # entries loaded per step
 MAX_RUN = 1024  # most entries one program sums

@@ -67,9 +67,9 @@ from kvlab.bench.common import (
     triton_note,
 )
 from kvlab.engine.generation import decode, prefill
-from kvlab.kernels.compaction import segment_starts
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention_reference
 from kvlab.kernels.dispatch import triton_available
+from kvlab.kernels.types import segment_starts
 
 HEADERS = [
     "context", "budget", "kept/head", "triton", "reference", "sdpa full", "sdpa padded",

@@ -44,9 +44,21 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton.testing
 
 from kvlab.bench.common import DTYPES, PEAK_GBS, context_label, device_name, parse_list
 from kvlab.config.errors import ConfigError
+from kvlab.kernels.compaction import compact_kv_reference
+from kvlab.kernels.decode_attention import ragged_decode_attention_reference
+from kvlab.kernels.merge import merge_scatter_reference
+from kvlab.kernels.retrieval import chunk_topk_reference, gather_chunks_reference
+from kvlab.kernels.tl.compaction import compact_kv_triton
+from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton
+from kvlab.kernels.tl.merge import merge_scatter_triton
+from kvlab.kernels.tl.retrieval import chunk_topk_triton, gather_chunks_triton
+from kvlab.kernels.tl.window_scores import window_attention_scores_triton
+from kvlab.kernels.types import segment_starts
+from kvlab.kernels.window_scores import window_attention_scores_reference
 
 HEADERS = [
     "kernel", "context", "kept", "MB moved", "triton µs", "graph µs", "GB/s", "% of peak", "% of copy",
@@ -121,8 +133,6 @@ class Timer:
     """``triton.testing.do_bench`` medians (ms) over input sets rotated past the L2 cache."""
 
     def __init__(self, device: torch.device, warmup_ms: int, rep_ms: int):
-        import triton.testing  # the bench needs triton: imported only when it runs
-
         self.do_bench = triton.testing.do_bench
         props = torch.cuda.get_device_properties(device)
         self.l2 = getattr(props, "L2_cache_size", 50 * 2**20) or 50 * 2**20
@@ -208,9 +218,6 @@ def kept_positions(s: Shapes, T: int, K: int, gen: torch.Generator) -> torch.Ten
 
 
 def bench_decode(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
-    from kvlab.kernels.compaction import segment_starts
-    from kvlab.kernels.decode_attention import ragged_decode_attention_reference
-    from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton
 
     def make(seed: int) -> tuple:
         gen = s.gen(seed)
@@ -243,8 +250,6 @@ def bench_decode(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
 
 
 def bench_window(s: Shapes, T: int, timer: Timer) -> Row:
-    from kvlab.kernels.tl.window_scores import window_attention_scores_triton
-    from kvlab.kernels.window_scores import window_attention_scores_reference
 
     def make(seed: int) -> tuple:
         gen = s.gen(seed)
@@ -260,8 +265,6 @@ def bench_window(s: Shapes, T: int, timer: Timer) -> Row:
 
 
 def bench_compaction(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
-    from kvlab.kernels.compaction import compact_kv_reference
-    from kvlab.kernels.tl.compaction import compact_kv_triton
 
     K = max(1, round(kept * T))
 
@@ -280,8 +283,6 @@ def bench_compaction(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
 
 
 def bench_merge(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
-    from kvlab.kernels.merge import merge_scatter_reference
-    from kvlab.kernels.tl.merge import merge_scatter_triton
 
     rows = s.B * s.Hkv
     N, M = rows * max(1, round(kept * T)), rows * (T - max(1, round(kept * T)))
@@ -300,8 +301,6 @@ def bench_merge(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
 
 
 def bench_chunk_topk(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
-    from kvlab.kernels.retrieval import chunk_topk_reference
-    from kvlab.kernels.tl.retrieval import chunk_topk_triton
 
     R, NC = s.B * s.Hkv, T // s.chunk
     n_sel = max(1, round(kept * T) // s.chunk)
@@ -322,8 +321,6 @@ def bench_chunk_topk(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
 
 
 def bench_gather(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
-    from kvlab.kernels.retrieval import gather_chunks_reference
-    from kvlab.kernels.tl.retrieval import gather_chunks_triton
 
     R, NC = s.B * s.Hkv, T // s.chunk
     S = max(1, round(kept * T) // s.chunk)

@@ -25,4 +25,13 @@ def main(args: list[str]) -> None:
     names = list(bench.BENCHES)
     if name not in names:
         raise ConfigError(f"unknown bench '{name}'.{did_you_mean(name, names)} Benches: {', '.join(names)}.")
-    importlib.import_module(bench.BENCHES[name][0]).run(rest)
+    try:
+        module = importlib.import_module(bench.BENCHES[name][0])
+    except ModuleNotFoundError as missing:  # a bench's own dependency (e.g. triton for `kernels`)
+        if missing.name is None or missing.name.split(".")[0] == "kvlab":
+            raise
+        raise ConfigError(
+            f"kvlab bench {name} needs the package '{missing.name}', which is not installed: "
+            f"`pip install {missing.name.split('.')[0]}` (the `dev` extra has it)."
+        ) from None
+    module.run(rest)
