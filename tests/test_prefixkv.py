@@ -24,8 +24,8 @@ from preset_runs import RECORD, is_vlm_preset, preset_compression, preset_models
 from kvlab.cache.cache import CompressedCache
 from kvlab.cache.selection import Selection
 from kvlab.cache.state import RunState
-from kvlab.calibration.command import calibrate
 from kvlab.calibration.prefixkv import PrefixLayerRatios, artefact_from_released_configs
+from kvlab.calibration.run import calibrate
 from kvlab.cli.main import main
 from kvlab.compression.allocators import LAYER_ALLOCATORS
 from kvlab.compression.decode import DECODE_POLICIES

@@ -7,8 +7,8 @@
 - :mod:`kvlab.cli.compare`: ``kvlab compare``;
 - :mod:`kvlab.cli.bench`: ``kvlab bench``;
 - :mod:`kvlab.cli.check_model`: ``kvlab check-model``;
-- :mod:`kvlab.cli.reference_table`: ``kvlab reference-table``.
+- :mod:`kvlab.cli.reference_table`: ``kvlab reference-table``;
+- :mod:`kvlab.cli.calibrate`: ``kvlab calibrate``.
 
-``kvlab calibrate`` runs :func:`kvlab.calibration.command.main`. Nothing below this package
-imports it.
+Nothing below this package imports it.
 """

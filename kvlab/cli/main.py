@@ -40,7 +40,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
         "table and plots of an experiment's runs (kvlab compare DIR)",
     ),
     "calibrate": (
-        lazy_main("kvlab.calibration.command"),
+        lazy_main("kvlab.cli.calibrate"),
         "measure per-model statistics into a calibration artefact (kvlab calibrate --help)",
     ),
     "check-model": (

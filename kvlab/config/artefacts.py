@@ -12,7 +12,7 @@ header in the safetensors metadata under the key ``kvlab``::
 artefacts shipped in ``kvlab/calibration/artefacts/``) through the :class:`UsesArtefact` mixin.
 Loading an artefact of another kind or made for another model (name or layer/head counts) is a
 :class:`~kvlab.config.errors.ConfigError` naming both. The file format is ground: components
-read artefacts without importing the calibration command that writes them.
+read artefacts without importing the calibration run that writes them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kvlab.config.errors import ConfigError
 
 FORMAT = "kvlab-calibration"
 VERSION = 1
-#: the artefacts shipped with kvlab (data files beside the calibration command)
+#: the artefacts shipped with kvlab (data files beside the calibration run)
 PACKAGED = Path(__file__).resolve().parent.parent / "calibration" / "artefacts"
 
 

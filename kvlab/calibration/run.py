@@ -1,9 +1,7 @@
-"""``kvlab calibrate``: run a model over a calibration set and write a calibration artefact.
+"""Running a calibration: a model over a calibration set, one statistic recorded, one artefact written.
 
-    kvlab calibrate --config visual_heads [--model NAME] [--output PATH] [--num_samples N]
-
-``--config`` takes a YAML file or the name of a shipped calibration config
-(``kvlab/calibration/configs/``: ``visual_heads``, ``redundancy``). Fields::
+A calibration config (a YAML file or the name of a shipped one, ``kvlab/calibration/configs/``:
+``visual_heads``, ``redundancy``, ...) has the fields::
 
     model: smollm2-qwen2-vl                 # built-in name, local directory or Hub id
     calibration: {name: visual_heads}       # a registered statistic and its parameters
@@ -11,12 +9,12 @@
     dtype: float32
     output: auto                            # or a path (auto: see kvlab.config.artefacts.cache_path)
 
-Everything is validated before the model loads.
+:func:`read_settings` reads and checks one, :func:`calibrate` runs it; everything is validated
+before the model loads. The command line (``kvlab calibrate``) is :mod:`kvlab.cli.calibrate`.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
@@ -38,35 +36,19 @@ CONFIGS = Path(__file__).parent / "configs"
 FIELDS = ("model", "calibration", "data", "dtype", "output")
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvlab calibrate", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="calibration YAML or shipped name")
-    parser.add_argument("--model", help="override the config's model")
-    parser.add_argument("--output", help="artefact path (default: the config's output)")
-    parser.add_argument("--num_samples", type=int, help="override data.dataset.num_samples")
-    return parser.parse_args(argv)
-
-
-def load_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The calibration config with the command-line overrides applied (plain dict)."""
-    path = find_config(args.config, shipped=CONFIGS, kind="calibration config")
+def read_settings(config: str) -> dict[str, Any]:
+    """The calibration config ``config`` (a YAML path or a shipped name) as a plain dict, its fields
+    checked."""
+    path = find_config(config, shipped=CONFIGS, kind="calibration config")
     settings = yaml.safe_load(path.read_text()) or {}
     if not isinstance(settings, dict):
-        raise ConfigError(
-            f"calibration config '{args.config}' must be a mapping with fields {', '.join(FIELDS)}."
-        )
+        raise ConfigError(f"calibration config '{config}' must be a mapping with fields {', '.join(FIELDS)}.")
     for key in settings:
         if key not in FIELDS:
             raise ConfigError(
                 f"calibration config has no field '{key}'.{did_you_mean(key, FIELDS)} "
                 f"Fields: {', '.join(FIELDS)}."
             )
-    if args.model:
-        settings["model"] = args.model
-    if args.output:
-        settings["output"] = args.output
-    if args.num_samples is not None:
-        settings.setdefault("data", {}).setdefault("dataset", {})["num_samples"] = args.num_samples
     return settings
 
 
@@ -143,12 +125,3 @@ def with_answer(loaded: Any, batch: dict[str, Any], answer: str) -> tuple[dict[s
         inputs[key] = value
     out["model_inputs"] = inputs
     return out, n
-
-
-def main(argv: list[str]) -> None:
-    """Entry point of ``kvlab calibrate``."""
-    settings = load_settings(parse_args(argv))
-    path = calibrate(settings)
-    artefact = Artefact.load(path)
-    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in artefact.tensors.items())
-    print(f"kvlab: wrote {artefact.kind} artefact for {artefact.model} ({shapes}) to {path}")
