@@ -107,7 +107,7 @@ def test_pyramid_float_matches_kvpress_formula():
 
 
 @pytest.mark.parametrize("arithmetic", ["int", "float"])
-def test_e5_pyramid_beta1_is_uniform(arithmetic):
+def test_pyramid_with_beta_1_gives_every_layer_the_same_budget(arithmetic):
     allocator = PyramidLayerAllocator(beta=1, arithmetic=arithmetic)
     for C, w, T, L in ((128, 32, 4096, 32), (64, 8, 100, 4), (20, 4, 33, 3), (2048, 64, 4096, 64)):
         for layer in range(L):
@@ -364,14 +364,14 @@ def assert_same_selections(first, second, lengths, seed, num_layers=4):
 
 
 @pytest.mark.parametrize("arithmetic", ["int", "float"])
-def test_e5_pyramid_beta1_pipeline_equals_snapkv(arithmetic):
+def test_pyramid_with_beta_1_keeps_what_snapkv_keeps(arithmetic):
     W = 4
     snap = Pipeline.from_config(snapkv_config(12, W))
     beta1 = Pipeline.from_config(snapkv_config(12, W, name="pyramid", beta=1, arithmetic=arithmetic))
     assert_same_selections(snap, beta1, [37, 26], seed=30)
 
 
-def test_e6_pyramid_short_prompt_pipeline_equals_snapkv():
+def test_pyramid_on_a_short_prompt_keeps_what_snapkv_keeps():
     """KVCF: T < 2 (C - w) = 24 -> SnapKV at every layer."""
     W = 4
     short = Pipeline.from_config(snapkv_config(16, W, name="pyramid"))
@@ -379,7 +379,7 @@ def test_e6_pyramid_short_prompt_pipeline_equals_snapkv():
     assert_same_selections(short, snap, [23, 20], seed=40)
 
 
-def test_e6_pyramid_float_fallback_is_snapkv_budget():
+def test_pyramid_float_arithmetic_falls_back_to_the_uniform_budget():
     """kvpress: min_num < w falls back to the uniform budget (T = 640, keep 20 %, w = 64)."""
     allocator = PyramidLayerAllocator(arithmetic="float")
     for T, C, w, L in ((640, 128, 64, 32), (4096, 512, 64, 32), (1000, 100, 16, 8)):

@@ -76,7 +76,7 @@ def test_window_attention_sanity():
 
 @pytest.mark.parametrize("gqa", ["mean", "sum"])
 @pytest.mark.parametrize("kernel", [3, 5, 7])
-def test_e12_avg_pool_commutes_with_group_reduction(gqa, kernel):
+def test_average_pooling_commutes_with_the_query_group_reduction(gqa, kernel):
     ctx = make_ctx(LENGTHS, seed=3)
     a = build(
         IMPORTANCE, name="window_attention", window=5, kernel=kernel, gqa=gqa, gqa_order="group_then_pool"
@@ -89,7 +89,7 @@ def test_e12_avg_pool_commutes_with_group_reduction(gqa, kernel):
 
 @pytest.mark.parametrize("order", ["group_then_pool", "pool_then_group"])
 @pytest.mark.parametrize("pool", ["avg", "max"])
-def test_e13_mha_gqa_reductions_identical(pool, order):
+def test_without_query_groups_every_gqa_reduction_gives_the_same_scores(pool, order):
     ctx = make_ctx(LENGTHS, heads=3, kv_heads=3, seed=4)
     scores = [
         build(IMPORTANCE, name="window_attention", window=5, pool=pool, gqa=gqa, gqa_order=order).score(ctx)
