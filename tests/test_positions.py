@@ -15,6 +15,8 @@ from kvlab.cli.main import main
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.engine.protocols import build_protocol
+from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 from kvlab.runner import positions
 from kvlab.runner.positions import (
@@ -255,6 +257,62 @@ def _csv(path):
     import csv
 
     return list(csv.DictReader(path.open()))
+
+
+# ---------------------------------------------------------------------------------------------
+# decode_time: the eviction log against the cache's own positions
+
+
+def test_decode_time_positions_equal_the_cache_positions_of_sliding_layers(monkeypatch):
+    """Gemma 3's sliding layers store each entry's position in the cache: after every decode-time
+    compression of a padded batch they hold exactly the recorded kept sets (the log never reads them)."""
+    from test_attention_variants import build, prompts, tokenizer
+
+    import kvlab
+    from kvlab.cache.layer import CompressedLayer
+
+    loaded = kvlab.wrap_model(build("gemma3-text"), tokenizer(), name="gemma3-text")
+    rows = prompts()  # 23, 17 and 9 tokens: left padding
+    batch = collate_ids(loaded, rows)
+    T = batch["input_ids"].shape[1]
+    snapshots = []  # per sliding layer's compression: [B][Hkv] stored positions (padded prompt coordinates)
+    keep_slots = CompressedLayer.keep_slots
+
+    def spy(layer, keep):
+        keep_slots(layer, keep)
+        if layer.prompt_positions is not None:  # a sliding layer
+            slots, valid = layer.slot_rows()
+            stored = layer.prompt_positions[slots]  # [B, Hkv, K]
+            B, Hkv, _ = stored.shape
+            snapshots.append([[stored[b, h][valid[b, h]].tolist() for h in range(Hkv)] for b in range(B)])
+
+    monkeypatch.setattr(CompressedLayer, "keep_slots", spy)
+    pipeline = Pipeline.from_config(
+        {"budget": {"tokens": 10_000, "window": 2}, "importance": {"key_norm": {"name": "key_norm"}}}
+    )
+    protocol = build_protocol({"name": "decode_time", "interval": 3, "target_size": 4})
+    out = protocol.run(loaded, pipeline, batch, 8, record_positions=True)
+    layer_types = loaded.model.config.layer_types
+    sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    assert len(snapshots) == 2 * len(sliding)  # after 3 and 6 fed tokens
+    prefill = kept_masks(out.result.reports, batch["attention_mask"], out.result.prompt_lengths)
+
+    def fed(mask, tokens):  # ``tokens`` more generated tokens in the cache, every head holding them
+        return np.concatenate([mask, np.ones((*mask.shape[:2], tokens), dtype=bool)], -1)
+
+    for b, record in enumerate(out.decode_positions):
+        pad = T - len(rows[b])
+        assert len(out.result.tokens[b]) == 8 and [e.step for e in record.evictions] == [3, 6]
+        held = prefill[b]
+        for e, eviction in enumerate(record.evictions):
+            held = fed(held, 3)
+            removed = eviction.removed.numpy()
+            assert removed.any() and not (removed & ~held).any()  # only what was held is removed
+            held = held & ~removed
+            for k, layer in enumerate(sliding):
+                for h, stored in enumerate(snapshots[e * len(sliding) + k][b]):
+                    assert [p - pad for p in stored] == np.flatnonzero(held[layer, h]).tolist()
+        assert record.final_step == 7 and np.array_equal(record.final.numpy(), fed(held, 1))  # 7th fed token
 
 
 @pytest.mark.parametrize("protocol", ["query_agnostic", "multi_question"])
