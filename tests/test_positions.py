@@ -1,5 +1,7 @@
 """Kept positions (``model.record_positions``): the side file, its reader, the shard merge, Jaccard in
-``kvlab compare``, and keydiff's anchor compared index by index with kvpress' formula."""
+``kvlab compare`` across protocols, every protocol's rows against an independent reconstruction (a
+query-aware prefill of the same tokens, the cache's own positions of sliding layers), and keydiff's
+anchor compared index by index with kvpress' formula."""
 
 import json
 import math
@@ -10,11 +12,15 @@ import pytest
 import torch
 from naive import LENGTHS, build, dot, make_ctx, norm, sample_lists
 from test_cli import TINY, write_jsonl
+from test_protocols import QUESTIONS
 
+from kvlab.api import load_pipeline
 from kvlab.cli.main import main
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.engine.protocols import build_protocol
+from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 from kvlab.runner import positions
 from kvlab.runner.positions import (
@@ -26,6 +32,7 @@ from kvlab.runner.positions import (
     kept_masks,
     mean_jaccard,
     merge_positions,
+    position_rows,
     read_positions,
 )
 
@@ -69,9 +76,41 @@ def test_jaccard_matches_sets():
             expected = naive_jaccard(np.flatnonzero(a[layer, head]), np.flatnonzero(b[layer, head]))
             assert values[layer, head] == pytest.approx(expected)
     other = KeptPositions(np.packbits(random_mask(3, (3, 2, 22)), -1, bitorder="little"), 22)
-    mean, samples, skipped = mean_jaccard({"x": A, "y": A, "z": A}, {"x": B, "y": A, "z": other})
-    assert (samples, skipped) == (2, 1) and mean == pytest.approx((values.sum() + 6) / 12)
-    assert mean_jaccard({"x": A}, {"q": B}) == (None, 0, 0)
+    overlap = mean_jaccard({"x": A, "y": A, "z": A}, {"x": B, "y": A, "z": other})
+    assert (overlap.samples, overlap.skipped) == (2, 1) and overlap.mean == pytest.approx(
+        (values.sum() + 6) / 12
+    )
+    assert overlap.mean_end == overlap.mean and overlap.reason is None  # nothing evicted after the prefill
+    none = mean_jaccard({"x": A}, {"q": B})
+    assert (none.mean, none.samples, none.skipped) == (None, 0, 0) and "no sample id in common" in none.reason
+    assert "differ in prompt tokens" in mean_jaccard({"z": A}, {"z": other}).reason
+
+
+def test_jaccard_is_over_the_context_positions_both_runs_compressed():
+    """A context-alone row (Tc < T) against a whole-prompt row: only the first Tc positions count,
+    before and after a decode-time run's evictions."""
+    whole, context = random_mask(4), random_mask(5)[..., :13]  # T = 21, Tc = 13
+    a = decode_row(encode_row("s", whole, protocol="query_aware"))
+    b = decode_row(encode_row("s", context, prompt_tokens=21, protocol="query_agnostic"))
+    assert (b.prompt_tokens, b.context_tokens, b.shape) == (21, 13, (3, 2, 21))
+    assert np.array_equal(b.context_mask(), context) and b.mask()[..., 13:].all()
+    values = jaccard(a, b)
+    for layer in range(3):
+        for head in range(2):
+            kept_a = np.flatnonzero(whole[layer, head, :13])
+            assert values[layer, head] == pytest.approx(
+                naive_jaccard(kept_a, np.flatnonzero(context[layer, head]))
+            )
+    final = random_mask(6, (3, 2, 25))  # decode_time: held at its last token, 4 generated tokens in
+    c = decode_row(encode_row("s", whole, protocol="decode_time", final=(4, final)))
+    end = jaccard(b, c, end=True)
+    for layer in range(3):
+        for head in range(2):
+            kept_c = np.flatnonzero(final[layer, head, :13])
+            assert end[layer, head] == pytest.approx(
+                naive_jaccard(np.flatnonzero(context[layer, head]), kept_c)
+            )
+    assert mean_jaccard({"s": b}, {"s": c}).mean_end == pytest.approx(end.mean())
 
 
 def test_shards_merge_in_order_without_loss_or_duplicates(tmp_path):
@@ -257,18 +296,218 @@ def _csv(path):
     return list(csv.DictReader(path.open()))
 
 
-@pytest.mark.parametrize("protocol", ["query_agnostic", "multi_question"])
-def test_record_positions_is_refused_outside_query_aware(protocol, monkeypatch):
-    """The question part of these protocols is not in the prompt selections: refused, not recorded wrong."""
+# ---------------------------------------------------------------------------------------------
+# every protocol, each against an independent reconstruction
+
+
+def protocol_rows(protocol, pipeline, samples, steps=6):
+    """``(ProtocolResult, {id: KeptPositions})`` of one padded batch of ``samples`` on tiny-qwen2."""
+    loaded = e2e.kvlab_model("tiny-qwen2")
+    batch = loaded.processor.collate(list(samples))
+    name = protocol if isinstance(protocol, str) else protocol["name"]
+    out = build_protocol(protocol).run(loaded, pipeline, batch, steps, record_positions=True)
+    rows = [json.loads(json.dumps(row)) for row in position_rows(out, batch, name)]
+    assert all(row["protocol"] == name for row in rows)
+    return out, {row["id"]: decode_row(row) for row in rows}
+
+
+def aware_kept(pipeline, ids):
+    """``[L, Hkv, len(ids)]``: what a ``query_aware`` prefill of the token ids ``ids`` alone keeps."""
+    loaded = e2e.kvlab_model("tiny-qwen2")
+    batch = collate_ids(loaded, [ids])
+    result = build_protocol("query_aware").run(loaded, pipeline, batch, 1).result
+    return kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)[0]
+
+
+SNAPKV = {"budget": {"tokens": 24, "window": 4}}
+
+
+def test_query_agnostic_records_the_context_and_the_question_apart():
+    """The context's kept set is what a prefill of the context's tokens alone keeps; the question part
+    after it is recorded as held whole, never as evicted."""
+    snapkv = load_pipeline("snapkv", SNAPKV)
+    out, kept = protocol_rows("query_agnostic", snapkv, QUESTIONS)
+    processor = e2e.kvlab_model("tiny-qwen2").processor
+    for b, s in enumerate(QUESTIONS):
+        row, ids = kept[s.id], processor.prompt_ids(s)
+        q = out.extras[b]["question_tokens"]
+        assert (row.prompt_tokens, row.context_tokens) == (len(ids), len(ids) - q)
+        assert row.context_id is None and row.context_shared_by is None
+        assert np.array_equal(row.context_mask(), aware_kept(snapkv, ids[: row.context_tokens]))
+        assert row.mask()[..., row.context_tokens :].all()  # the question part: held whole
+        assert row.context_mask().sum(-1).tolist() == out.result.kept[:, b].tolist()
+
+
+def test_multi_question_records_one_row_per_question_on_the_shared_context():
+    snapkv = load_pipeline("snapkv", SNAPKV)
+    _, shared = protocol_rows("multi_question", snapkv, QUESTIONS)
+    _, alone = protocol_rows("query_agnostic", snapkv, QUESTIONS)
+    for s in QUESTIONS:
+        row = shared[s.id]
+        assert row.context_id == s.context_id
+        assert row.context_shared_by == (["a", "b", "c"] if s.context_id == "fox" else ["d"])
+        assert (row.prompt_tokens, row.context_tokens) == (
+            alone[s.id].prompt_tokens,
+            alone[s.id].context_tokens,
+        )
+        assert np.array_equal(row.packed, alone[s.id].packed)  # the one compression, as if alone
+    assert np.array_equal(shared["a"].packed, shared["c"].packed)
+    assert mean_jaccard(shared, alone).mean == 1.0
+
+
+def test_decode_time_records_what_a_prefill_of_the_same_tokens_keeps():
+    """After W fed tokens (the prefill keeping everything) decode-time SnapKV keeps what a query-aware
+    prefill of the prompt and those W tokens keeps: the rest is the first eviction; the final set is
+    what the second compression kept plus the tokens fed after it."""
+    W, target, steps = 6, 30, 15
+    prefill_all = load_pipeline("snapkv", {"budget": {"tokens": 10_000, "window": W}})
+    s = QUESTIONS[0]
+    protocol = {"name": "decode_time", "interval": W, "target_size": target}
+    out, kept = protocol_rows(protocol, prefill_all, [s], steps=steps)
+    row, tokens = kept[s.id], out.result.tokens[0]
+    assert len(tokens) == steps and out.extras[0]["decode_compressions"] == 2  # after 6 and 12 fed tokens
+    assert row.context_mask().all()  # the prefill kept everything
+    ids = e2e.kvlab_model("tiny-qwen2").processor.prompt_ids(s)
+    T = len(ids)
+    first, second = row.evictions
+    assert (first.step, first.removed.tokens, second.step, second.removed.tokens) == (
+        W,
+        T + W,
+        2 * W,
+        T + 2 * W,
+    )
+    snapkv = load_pipeline("snapkv", {"budget": {"tokens": target, "window": W}})
+    kept_first = aware_kept(snapkv, ids + tokens[:W])
+    assert np.array_equal(first.removed.mask(), ~kept_first)
+    held = np.concatenate([kept_first, np.ones((*kept_first.shape[:2], W), dtype=bool)], -1)
+    assert not (second.removed.mask() & ~held).any() and second.removed.mask().sum(-1).max() == W
+    assert row.final_step == steps - 1 and row.final.tokens == T + steps - 1
+    final = row.final.mask()
+    after_second = held & ~second.removed.mask()
+    assert np.array_equal(final[..., : T + 2 * W], after_second) and final[..., T + 2 * W :].all()
+    assert after_second.sum(-1).tolist() == out.extras[0]["decode_kept_per_layer_head"]
+
+
+def test_decode_time_positions_equal_the_cache_positions_of_sliding_layers(monkeypatch):
+    """Gemma 3's sliding layers store each entry's position in the cache: after every decode-time
+    compression of a padded batch they hold exactly the recorded kept sets (the log never reads them)."""
+    from test_attention_variants import build, prompts, tokenizer
+
     import kvlab
-    from kvlab.runner.module import KVLabModule
+    from kvlab.cache.layer import CompressedLayer
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the config error")
+    loaded = kvlab.wrap_model(build("gemma3-text"), tokenizer(), name="gemma3-text")
+    rows = prompts()  # 23, 17 and 9 tokens: left padding
+    batch = collate_ids(loaded, rows)
+    T = batch["input_ids"].shape[1]
+    snapshots = []  # per sliding layer's compression: [B][Hkv] stored positions (padded prompt coordinates)
+    keep_slots = CompressedLayer.keep_slots
 
-    monkeypatch.setattr("kvlab.runner.module.load_model", refuse)
-    with pytest.raises(ConfigError, match="model.record_positions .* query_aware only"):
-        KVLabModule(
-            model="tiny-qwen2", compression=kvlab.compression_config("snapkv"), protocol=protocol,
-            record_positions=True,
-        )  # fmt: skip
+    def spy(layer, keep):
+        keep_slots(layer, keep)
+        if layer.prompt_positions is not None:  # a sliding layer
+            slots, valid = layer.slot_rows()
+            stored = layer.prompt_positions[slots]  # [B, Hkv, K]
+            B, Hkv, _ = stored.shape
+            snapshots.append([[stored[b, h][valid[b, h]].tolist() for h in range(Hkv)] for b in range(B)])
+
+    monkeypatch.setattr(CompressedLayer, "keep_slots", spy)
+    pipeline = Pipeline.from_config(
+        {"budget": {"tokens": 10_000, "window": 2}, "importance": {"key_norm": {"name": "key_norm"}}}
+    )
+    protocol = build_protocol({"name": "decode_time", "interval": 3, "target_size": 4})
+    out = protocol.run(loaded, pipeline, batch, 8, record_positions=True)
+    layer_types = loaded.model.config.layer_types
+    sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    assert len(snapshots) == 2 * len(sliding)  # after 3 and 6 fed tokens
+    prefill = kept_masks(out.result.reports, batch["attention_mask"], out.result.prompt_lengths)
+
+    def fed(mask, tokens):  # ``tokens`` more generated tokens in the cache, every head holding them
+        return np.concatenate([mask, np.ones((*mask.shape[:2], tokens), dtype=bool)], -1)
+
+    for b, record in enumerate(out.decode_positions):
+        pad = T - len(rows[b])
+        assert len(out.result.tokens[b]) == 8 and [e.step for e in record.evictions] == [3, 6]
+        held = prefill[b]
+        for e, eviction in enumerate(record.evictions):
+            held = fed(held, 3)
+            removed = eviction.removed.numpy()
+            assert removed.any() and not (removed & ~held).any()  # only what was held is removed
+            held = held & ~removed
+            for k, layer in enumerate(sliding):
+                for h, stored in enumerate(snapshots[e * len(sliding) + k][b]):
+                    assert [p - pad for p in stored] == np.flatnonzero(held[layer, h]).tolist()
+        assert record.final_step == 7 and np.array_equal(record.final.numpy(), fed(held, 1))  # 7th fed token
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: every protocol's side file, and kvlab compare across protocols
+
+
+@pytest.fixture(scope="module")
+def protocols_experiment(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("protocols")
+    context = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. " * 2
+    rows = [
+        {"context": context, "question": "What jumps?", "answer": "fox"},
+        {"context": context, "question": "Who sleeps in the sun?", "answer": "cat"},
+        {"context": "A short note about colors and shapes. " * 2, "question": "Name one.", "answer": "red"},
+    ]
+    data = ["--data.dataset", f"{{name: kvpress, path: {write_jsonl(tmp / 'kvpress.jsonl', rows)}}}"]
+    snap = ["--model.compression.budget", "{tokens: 16, window: 4}", "--model.max_new_tokens", "10"]
+    for method, protocol in [
+        ("aware", "query_aware"),
+        ("agnostic", "query_agnostic"),
+        ("multi", "multi_question"),
+        ("decode", "{name: decode_time, interval: 4, target_size: 12}"),
+    ]:
+        run(tmp, method, "snapkv", *data, *snap, "--model.protocol", protocol)
+    other = [{"id": "x", "prompt": "river stone " * 20, "answers": ["x"]}]
+    other_data = f"{{name: jsonl, path: {write_jsonl(tmp / 'other.jsonl', other)}}}"
+    run(tmp, "other", "snapkv", "--data.dataset", other_data, *snap)
+    return tmp / "runs" / "exp"
+
+
+def test_every_protocol_writes_its_rows(protocols_experiment):
+    kept = {m: read_positions(protocols_experiment / m) for m in ("aware", "agnostic", "multi", "decode")}
+    for rows in kept.values():
+        assert sorted(rows) == ["0", "1", "2"] and {r.protocol for r in rows.values()} != {None}
+    for sample_id in ("0", "1", "2"):
+        aware, agnostic, multi = (kept[m][sample_id] for m in ("aware", "agnostic", "multi"))
+        assert aware.context_tokens == aware.prompt_tokens == agnostic.prompt_tokens
+        assert agnostic.context_tokens < agnostic.prompt_tokens  # the question part, held whole
+        assert np.array_equal(agnostic.packed, multi.packed)
+    assert [kept["multi"][i].context_shared_by for i in "012"] == [["0", "1"], ["0", "1"], ["2"]]
+    decode = kept["decode"]["0"]
+    assert [e.step for e in decode.evictions] == [4, 8] and decode.final_step == 9  # 10 tokens, no stop
+
+
+def test_compare_sets_every_protocol_side_by_side(protocols_experiment, capsys):
+    main(["compare", str(protocols_experiment), "--no-plots"])
+    assert "Kept positions" in capsys.readouterr().out
+    rows = {(r["run_a"], r["run_b"]): r for r in _csv(protocols_experiment / "positions_overlap.csv")}
+    assert len(rows) == 10
+    kept = {m: read_positions(protocols_experiment / m) for m in ("aware", "agnostic", "multi", "decode")}
+    for (a, b), row in rows.items():
+        if "other" in (a, b):
+            assert row["mean_jaccard"] == "n/a" and "no sample id in common" in row["note"]
+            continue
+        assert row["samples"] == "3" and row["note"] == ""
+        for column, end in (("mean_jaccard", False), ("mean_jaccard_end", True)):
+            values = []
+            for sample_id in ("0", "1", "2"):
+                x, y = kept[a][sample_id], kept[b][sample_id]
+                n = min(x.context_tokens, y.context_tokens)
+                sets = [_kept_at(k, n, end) for k in (x, y)]
+                values += [naive_jaccard(sa, sb) for sa, sb in zip(*sets, strict=True)]
+            assert float(row[column]) == pytest.approx(np.mean(values), abs=1e-4)
+    assert float(rows[("agnostic", "multi")]["mean_jaccard"]) == 1.0
+    decode_aware = rows[("aware", "decode")]
+    assert float(decode_aware["mean_jaccard"]) != float(decode_aware["mean_jaccard_end"])  # evictions count
+
+
+def _kept_at(kept, n, end):
+    """Per (layer, head), the kept positions below ``n``, from the row's lists (the prefill's or the
+    final decode-time set)."""
+    mask = kept.final.mask() if end and kept.final is not None else kept.context_mask()
+    return [np.flatnonzero(head[:n]).tolist() for layer in mask for head in layer]

@@ -91,7 +91,10 @@ def _context_run(
         {"question_tokens": len(split.questions[b]), "context_questions": sizes[int(split.rows[b])]}
         for b in range(B)
     ]
-    return ProtocolResult(result, extras)
+    questions = torch.tensor([len(q) for q in split.questions], dtype=torch.long)
+    context = split.lengths.cpu() - questions
+    groups = split.groups if group else None
+    return ProtocolResult(result, extras, context_tokens=context, context_groups=groups)
 
 
 def _sample_result(
@@ -144,7 +147,7 @@ class QueryAgnostic(Protocol):
         _refuse_decode_policy(pipeline, self.registry_name)
 
     def run(self, loaded, pipeline, batch, max_new_tokens=32, *, return_logits=False, record_scores=False,
-            teacher_tokens=None, prefill_chunk=None) -> ProtocolResult:  # fmt: skip
+            teacher_tokens=None, prefill_chunk=None, record_positions=False) -> ProtocolResult:  # fmt: skip
         return _context_run(loaded, pipeline, batch, max_new_tokens, False, return_logits, record_scores,
                             teacher_tokens, prefill_chunk)  # fmt: skip
 
@@ -160,7 +163,7 @@ class MultiQuestion(Protocol):
         _refuse_decode_policy(pipeline, self.registry_name)
 
     def run(self, loaded, pipeline, batch, max_new_tokens=32, *, return_logits=False, record_scores=False,
-            teacher_tokens=None, prefill_chunk=None) -> ProtocolResult:  # fmt: skip
+            teacher_tokens=None, prefill_chunk=None, record_positions=False) -> ProtocolResult:  # fmt: skip
         return _context_run(loaded, pipeline, batch, max_new_tokens, True, return_logits, record_scores,
                             teacher_tokens, prefill_chunk)  # fmt: skip
 

@@ -16,6 +16,7 @@ import torch
 from kvlab.compression.budget import Budget
 from kvlab.compression.context import LayerContext
 from kvlab.config.errors import ConfigError
+from kvlab.engine.decode_positions import EvictionLog
 from kvlab.engine.generation import (
     DecodeResult,
     GenerationResult,
@@ -198,7 +199,7 @@ class DecodeTime(Protocol):
         return torch.floor(logical.double() * self.ratio).long()
 
     def run(self, loaded, pipeline, batch, max_new_tokens=32, *, return_logits=False, record_scores=False,
-            teacher_tokens=None, prefill_chunk=None) -> ProtocolResult:  # fmt: skip
+            teacher_tokens=None, prefill_chunk=None, record_positions=False) -> ProtocolResult:  # fmt: skip
         limits = sample_limits(batch, max_new_tokens)
         steps = int(limits.max())
         state = prefill(
@@ -210,7 +211,8 @@ class DecodeTime(Protocol):
             prefill_chunk=prefill_chunk,
         )
         prefill_kept = torch.stack([report.kept for report in state.session.reports])  # [L, B, Hkv]
-        compressor = DecodeTimeCompressor(self, pipeline, state)
+        log = EvictionLog(state.session.reports, state.session.valid) if record_positions else None
+        compressor = DecodeTimeCompressor(self, pipeline, state, log=log)
         compressor.start()
         decoded = decode(
             state, steps, return_logits, teacher_tokens, limits=limits, on_step=compressor.after_step
@@ -218,10 +220,10 @@ class DecodeTime(Protocol):
         compressor.finish()
         result = _decode_time_result(state, decoded, prefill_kept)
         result.tokens = cut_at_limits(result.tokens, limits, teacher_tokens)
-        extras = []
+        extras, produced = [], []
         for b, row in enumerate(result.tokens):
-            produced = min(len(row) + 1, int(limits[b]))  # its tokens, the stop token included
-            events = [(g, kept) for g, kept in compressor.events if g < produced - 1]  # before its last
+            produced.append(min(len(row) + 1, int(limits[b])))  # its tokens, the stop token included
+            events = [(g, kept) for g, kept in compressor.events if g < produced[b] - 1]  # before its last
             extras.append(
                 {
                     "decode_compressions": len(events),
@@ -229,7 +231,8 @@ class DecodeTime(Protocol):
                     "decode_compression_seconds": compressor.seconds / len(result.tokens),
                 }
             )
-        return ProtocolResult(result, extras)
+        positions = log.samples(produced) if log is not None else None
+        return ProtocolResult(result, extras, decode_positions=positions)
 
 
 def _decode_time_result(
@@ -259,6 +262,8 @@ class DecodeTimeCompressor:
     state: PrefillState
     #: one ``(fed tokens, entries [L, B, Hkv] kept per layer and head)`` per compression
     events: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    #: ``model.record_positions``: follows the positions each compression keeps and removes
+    log: EvictionLog | None = None
     seconds: float = 0.0
     _fed: int = 0  # tokens fed since the last compression
     _generated: int = 0
@@ -302,6 +307,8 @@ class DecodeTimeCompressor:
                 self.compress_layer(layer_idx)
             self.seconds += time.perf_counter() - start
             self.events.append((self._generated, self.session.cache.kept_tokens().cpu()))
+            if self.log is not None:
+                self.log.event(self._generated)
             self._fed = 0
             self._sums.clear()
         self._capture_next()
@@ -368,4 +375,6 @@ class DecodeTimeCompressor:
         kept = selection.kept_mask(S)  # [B, Hkv, S] in the right-aligned layout
         keep = torch.zeros(B, Hkv, S + 1, dtype=torch.bool, device=device)
         keep.scatter_(2, slot[:, None, :].expand(-1, Hkv, -1), kept & valid[:, None, :])
+        if self.log is not None:
+            self.log.compressed(layer_idx, keep[..., :S], self._generated, dl)
         layer.keep_slots(keep[..., :S])

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvlab.config.registry import Registry, to_plain
+from kvlab.engine.decode_positions import DecodePositions
 from kvlab.engine.generation import GenerationResult, decode, generation_result, prefill
 from kvlab.models.base import LoadedModel
 from kvlab.pipeline import Pipeline
@@ -55,10 +56,22 @@ class ProtocolResult:
             kept positions in the padded prompt of ``batch``, ``prompt_lengths`` = whole prompts).
         extras: one dict per sample of protocol-specific fields for the predictions (e.g.
             ``question_tokens``, ``decode_compressions``).
+        context_tokens: ``[B]`` long, each sample's context: the first tokens of its prompt, which
+            the prefill compressed alone (``query_agnostic``, ``multi_question``); the rest of the
+            prompt, its question part, was prefilled on top, uncompressed. None: the prefill
+            compressed the whole prompt.
+        context_groups: ``multi_question``: the samples that shared one compressed context (the
+            indices of each context's samples, in batch order); None otherwise.
+        decode_positions: ``decode_time`` run with ``record_positions``: per sample, the positions
+            each decode-time compression removed and those held at its last token
+            (:class:`~kvlab.engine.decode_positions.DecodePositions`); None otherwise.
     """
 
     result: GenerationResult
     extras: list[dict[str, Any]]
+    context_tokens: torch.Tensor | None = None
+    context_groups: list[list[int]] | None = None
+    decode_positions: list[DecodePositions] | None = None
 
 
 class Protocol:
@@ -86,11 +99,15 @@ class Protocol:
         record_scores: bool = False,
         teacher_tokens: torch.Tensor | None = None,
         prefill_chunk: int | None = None,
+        record_positions: bool = False,
     ) -> ProtocolResult:
         """Generate for ``batch`` (a processor's ``collate`` output).
 
         ``max_new_tokens`` is the limit of samples without their own ``max_new_tokens``;
         ``teacher_tokens [B, S]`` feed these tokens instead of greedy choices (exactly S steps).
+        ``record_positions``: also follow what happens to the kept positions after the prefill
+        (``decode_time``'s :attr:`ProtocolResult.decode_positions`; the prefill's own selections
+        are always in the layer reports).
         """
         raise NotImplementedError
 
@@ -142,7 +159,7 @@ class QueryAware(Protocol):
     """The whole prompt, question included, in one prefill with compression inside (kvlab's default)."""
 
     def run(self, loaded, pipeline, batch, max_new_tokens=32, *, return_logits=False, record_scores=False,
-            teacher_tokens=None, prefill_chunk=None) -> ProtocolResult:  # fmt: skip
+            teacher_tokens=None, prefill_chunk=None, record_positions=False) -> ProtocolResult:  # fmt: skip
         limits = sample_limits(batch, max_new_tokens)
         steps = int(limits.max())
         state = prefill(

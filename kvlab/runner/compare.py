@@ -120,20 +120,33 @@ def plot(runs: list[Run], path: Path) -> Any:
 
 
 def positions_overlap(runs: list[Run]) -> list[list[str]]:
-    """``[run a, run b, mean Jaccard, samples, skipped]`` for every pair of runs that recorded kept
-    positions (:func:`kvlab.runner.positions.mean_jaccard`)."""
+    """``[run a, run b, mean Jaccard, mean Jaccard at the end, samples, skipped, note]`` for every pair
+    of runs that recorded kept positions, whatever their protocols
+    (:func:`kvlab.runner.positions.mean_jaccard`): the kept sets after the prefill, over the prompt
+    positions both runs compressed (the context, when one compressed the context alone), and the
+    same at the end of generation (``decode_time``'s evictions included). A pair with nothing
+    comparable gets ``n/a`` and the reason."""
     recorded = {r.method: read_positions(r.path) for r in runs if r.path is not None}
     recorded = {k: v for k, v in recorded.items() if v}
     names = sorted(recorded)
     rows = []
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
-            mean, samples, skipped = mean_jaccard(recorded[a], recorded[b])
-            rows.append([a, b, "n/a" if mean is None else f"{mean:.4f}", str(samples), str(skipped)])
+            o = mean_jaccard(recorded[a], recorded[b])
+            means = ["n/a" if m is None else f"{m:.4f}" for m in (o.mean, o.mean_end)]
+            rows.append([a, b, *means, str(o.samples), str(o.skipped), o.reason or ""])
     return rows
 
 
-POSITIONS_HEADER = ["run_a", "run_b", "mean_jaccard", "samples", "skipped_samples"]
+POSITIONS_HEADER = [
+    "run_a",
+    "run_b",
+    "mean_jaccard",
+    "mean_jaccard_end",
+    "samples",
+    "skipped_samples",
+    "note",  # why a pair has nothing comparable
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +209,7 @@ def write_comparison(root: Path, plots: bool = True) -> tuple[str, list[str]]:
         outputs["longbench_e.csv"] = csv_text(LONGBENCH_E_HEADER, buckets)
     overlap = positions_overlap(runs)
     if overlap:
-        text += "\n## Kept positions: mean Jaccard over shared samples, layers and KV heads\n\n"
+        text += "\n## Kept positions: mean Jaccard over shared samples, layers, heads and contexts\n\n"
         text += markdown(POSITIONS_HEADER, overlap)
         outputs["positions_overlap.csv"] = csv_text(POSITIONS_HEADER, overlap)
     outputs["compare.md"] = text

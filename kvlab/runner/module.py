@@ -34,7 +34,7 @@ from kvlab.models.placement import validate_device_map
 from kvlab.runner.fidelity_run import FidelityEvaluator
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.positions import RECORD_FIELD as POSITIONS_FIELD
-from kvlab.runner.positions import encode_row, kept_masks
+from kvlab.runner.positions import position_rows
 from kvlab.runner.views import Inspector, run_label
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,8 +61,10 @@ class KVLabModule(L.LightningModule):
             batches always keep them for the TensorBoard histograms).
         record_positions: write each sample's kept prompt positions per layer and KV head to
             ``positions.jsonl`` beside the predictions (:mod:`kvlab.runner.positions`; compared
-            across runs by ``kvlab compare``). Not part of the run's fingerprint: it changes no
-            result, and samples finished before it was turned on have no row.
+            across runs by ``kvlab compare``), under every protocol: the context's and the question
+            part's apart under ``query_agnostic`` / ``multi_question``, and ``decode_time``'s
+            evictions during generation. Not part of the run's fingerprint: it changes no result,
+            and samples finished before it was turned on have no row.
         fidelity: compare every sample with the full-cache model (greedy agreement,
             teacher-forced KL and top-1; ``docs/evaluation.md``). The full-cache reference is
             cached per sample in :attr:`reference_dir` (set by the CLI to
@@ -137,13 +139,6 @@ class KVLabModule(L.LightningModule):
         self.max_new_tokens = max_new_tokens
         self.dtype_name = dtype
         self.record_scores = record_scores
-        if record_positions and self.protocol.registry_name != "query_aware":
-            raise ConfigError(
-                f"model.record_positions is implemented for model.protocol: query_aware only (got "
-                f"{self.protocol.registry_name}: its question tokens or decode-time evictions are not in the "
-                "recorded prompt selections yet, so the positions would be wrong). Set "
-                "model.record_positions: false, or model.protocol: query_aware."
-            )
         self.record_positions = record_positions
         self.fidelity = fidelity
         self.inspect_samples = inspect_samples
@@ -254,13 +249,15 @@ class KVLabModule(L.LightningModule):
             return_logits=self.fidelity,
             record_scores=self.record_scores or detailed,
             prefill_chunk=self.prefill_chunk,
+            record_positions=self.record_positions,
         )
         result = run.result
         if cuda_devices:  # summed over the devices a device_map spreads the model over
             peak, kind = sum(torch.cuda.max_memory_allocated(d) for d in cuda_devices), "cuda_allocated"
         else:  # a high-water mark over the process's life: rss_before says where the batch started
             peak, kind = process_peak_rss_bytes(), "process_rss_high_water"
-        records = self.records(result, batch)
+        rows = position_rows(run, batch, self.protocol.registry_name) if self.record_positions else None
+        records = self.records(result, batch, rows)
         for record, extra in zip(records, run.extras, strict=True):
             record["protocol"] = self.protocol.registry_name
             record.update(extra)
@@ -312,15 +309,15 @@ class KVLabModule(L.LightningModule):
             f"greedy tokens match; {self.verify_seconds:.2f} s)"
         )
 
-    def records(self, result: GenerationResult, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """Per-sample JSON-ready records of a batch's :class:`GenerationResult`."""
+    def records(
+        self, result: GenerationResult, batch: dict[str, Any], positions: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """Per-sample JSON-ready records of a batch's :class:`GenerationResult`; ``positions``: each
+        sample's ``positions.jsonl`` row (``model.record_positions``), handed to the writer."""
         records = []
         B = len(batch["ids"])
         switch = switch_layers(result.reports)  # routed pipelines (DAVID): first layer switched
         overshoot = budget_overshoot(result.reports)  # [B] or None (full cache)
-        masks = None
-        if self.record_positions:
-            masks = kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)
         for b, sample in enumerate(batch["samples"]):
             text = self.loaded.processor.decode(result.tokens[b])
             record = {
@@ -346,7 +343,7 @@ class KVLabModule(L.LightningModule):
                 record["route_switch_layer"] = switch[b]
                 record["route_metric"] = [route_metric(r, b) for r in result.reports]
             record.update(retrieval_record(result.reports, b, int(result.kv_bytes_kept[b])))
-            if masks is not None:  # the writer moves it to positions.jsonl
-                record[POSITIONS_FIELD] = encode_row(sample.id, masks[b])
+            if positions is not None:  # the writer moves it to positions.jsonl
+                record[POSITIONS_FIELD] = positions[b]
             records.append(record)
         return records

@@ -1,26 +1,3 @@
-"""Kept prompt positions per sample, layer and KV head: the side file of ``model.record_positions``.
-
-With ``model.record_positions: true`` a run writes, next to ``predictions.jsonl``, one JSON line
-per sample in ``positions.jsonl`` (``positions.rank<k>.jsonl`` per data-parallel rank, merged by
-rank 0 at the end, exactly as the predictions): which positions of the sample's own prompt
-(0-based, padding removed) each layer and KV head kept after prefill compression. Format
-(version 1, ``docs/evaluation.md``)::
-
-    {"id": "s0", "prompt_tokens": T, "layers": L, "kv_heads": H, "encoding": "packbits-zlib-base64",
-     "bits": "<base64 of zlib of numpy.packbits(mask, axis=-1, bitorder='little')>"}
-
-``mask`` is ``[L, H, T]`` bool (True = kept), packed row by row along T (each row padded to a
-whole byte with zero bits). :func:`read_positions` also reads rows written by another framework
-in the plain form ``{"id": ..., "prompt_tokens": T, "positions": [[[p, ...] per head] per layer]}``.
-
-Each line is written (flushed and fsynced) before the sample's predictions line, so a crash
-never leaves a prediction without its positions; a sample re-run after a crash writes its row
-again and readers keep the first row of an id (as :func:`~kvlab.runner.writer.read_predictions`).
-Layers are in layer order; a layer without a selection (not compressed) counts as keeping
-every valid token. Positions are those kept by prefill compression (a decode policy's later
-evictions are not recorded); LOOK-M's merged entries count as the kept positions they replace.
-"""
-
 from __future__ import annotations
 
 import base64
@@ -29,25 +6,30 @@ import os
 import re
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvlab.engine.protocols import ProtocolResult
 from kvlab.runner.files import atomic_write_text, read_jsonl
 
 __all__ = [
     "POSITIONS",
     "RECORD_FIELD",
+    "DecodeEviction",
     "KeptPositions",
+    "Overlap",
+    "PackedMask",
     "append_rows",
     "encode_row",
     "jaccard",
     "kept_masks",
     "mean_jaccard",
     "merge_positions",
+    "position_rows",
     "read_positions",
 ]
 
@@ -71,31 +53,112 @@ def shard_paths(run_dir: str | Path) -> list[Path]:
 
 
 @dataclass
-class KeptPositions:
-    """One sample's kept positions, stored packed.
+class PackedMask:
+    """A ``[L, H, n]`` bool mask over positions ``0 .. n - 1``, stored packed.
 
     Attributes:
-        packed: ``[L, H, ceil(T / 8)]`` uint8, :func:`numpy.packbits` of the ``[L, H, T]`` kept mask
-            along T (little bit order).
+        packed: ``[L, H, ceil(n / 8)]`` uint8, :func:`numpy.packbits` of the mask along its last
+            axis (little bit order).
+        tokens: n.
+    """
+
+    packed: np.ndarray
+    tokens: int
+
+    @classmethod
+    def of(cls, mask: np.ndarray) -> PackedMask:
+        """The packed form of a ``[L, H, n]`` bool mask."""
+        return cls(np.packbits(mask.astype(bool), axis=-1, bitorder="little"), mask.shape[-1])
+
+    def mask(self) -> np.ndarray:
+        """``[L, H, n]`` bool."""
+        return np.unpackbits(self.packed, axis=-1, count=self.tokens, bitorder="little").astype(bool)
+
+    def prefix(self, n: int) -> np.ndarray:
+        """``[L, H, ceil(n / 8)]`` uint8: the packed mask of positions ``0 .. n - 1`` (``n <= tokens``)."""
+        packed = self.packed[..., : (n + 7) // 8].copy()
+        if n % 8:
+            packed[..., -1] &= (1 << (n % 8)) - 1
+        return packed
+
+
+@dataclass
+class DecodeEviction:
+    """What one ``decode_time`` compression removed: ``removed`` ``[L, H, T + step]`` after ``step``
+    generated tokens."""
+
+    step: int
+    removed: PackedMask
+
+
+@dataclass
+class KeptPositions:
+    """One sample's kept positions, stored packed (the row format is in the module docstring).
+
+    Attributes:
+        packed: ``[L, H, ceil(Tc / 8)]`` uint8, :func:`numpy.packbits` of the ``[L, H, Tc]`` kept
+            mask of the prompt's first ``Tc`` positions along Tc (little bit order).
         prompt_tokens: T, the sample's prompt length (padding excluded).
+        context_tokens: Tc, the positions the prefill compressed: the whole prompt (None is read
+            as T) or, under ``query_agnostic`` / ``multi_question``, the context; the question part
+            ``[Tc, T)`` was held whole.
+        protocol: the run's ``model.protocol`` (None in the first version's rows).
+        context_id: ``multi_question``: the sample's context.
+        context_shared_by: ``multi_question``: the ids of every sample answered from the same
+            compressed context (their rows hold the same mask).
+        evictions: ``decode_time``: what each compression before the sample's last token removed.
+        final: ``decode_time``: ``[L, H, T + final_step]``, the positions held at the last token.
+        final_step: generated tokens in the cache when the last token was chosen.
     """
 
     packed: np.ndarray
     prompt_tokens: int
+    context_tokens: int | None = None
+    protocol: str | None = None
+    context_id: str | None = None
+    context_shared_by: list[str] | None = None
+    evictions: list[DecodeEviction] = field(default_factory=list)
+    final: PackedMask | None = None
+    final_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.context_tokens is None:
+            self.context_tokens = self.prompt_tokens
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """``(L, H, T)``."""
         return (*self.packed.shape[:2], self.prompt_tokens)
 
+    @property
+    def context(self) -> PackedMask:
+        """The kept mask of the compressed part, ``[L, H, Tc]``."""
+        return PackedMask(self.packed, int(self.context_tokens))
+
+    def context_mask(self) -> np.ndarray:
+        """``[L, H, Tc]`` bool, True where the (layer, head) kept the position of the compressed part."""
+        return self.context.mask()
+
     def mask(self) -> np.ndarray:
-        """``[L, H, T]`` bool, True where the (layer, head) kept the position."""
-        return np.unpackbits(self.packed, axis=-1, count=self.prompt_tokens, bitorder="little").astype(bool)
+        """``[L, H, T]`` bool, what each (layer, head) held of the prompt when decoding started: the
+        kept positions of the compressed part and the whole question part after it."""
+        L, H, T = self.shape
+        mask = np.ones((L, H, T), dtype=bool)
+        mask[..., : self.context_tokens] = self.context_mask()
+        return mask
 
     def positions(self, layer: int, head: int) -> list[int]:
-        """The kept positions of one layer and KV head, ascending."""
-        row = np.unpackbits(self.packed[layer, head], count=self.prompt_tokens, bitorder="little")
-        return np.flatnonzero(row).tolist()
+        """The prompt positions one layer and KV head held when decoding started, ascending."""
+        return np.flatnonzero(self.mask()[layer, head]).tolist()
+
+    def at_end(self) -> PackedMask:
+        """The prompt's kept mask at the end of generation, ``[L, H, Tc]``: the positions
+        ``decode_time`` held at the sample's last token, else the prefill's (decode policies'
+        evictions are not recorded)."""
+        if self.final is None:
+            return self.context
+        n = int(self.context_tokens)
+        return PackedMask(self.final.prefix(n), n)
 
 
 def kept_masks(
@@ -107,17 +170,17 @@ def kept_masks(
         reports: the batch's layer reports (:class:`~kvlab.pipeline.report.LayerReport`),
             each with a ``selection`` in padded batch coordinates.
         attention_mask: ``[B, T]`` (0 on padding) of the batch the compression ran on.
-        prompt_lengths: ``[B]`` valid tokens the engine compressed (``GenerationResult``); they
-            must equal the mask's, or the positions would be mapped wrongly (refused).
+        prompt_lengths: ``[B]`` valid tokens of the prompts (``GenerationResult``); they must equal
+            the mask's, or the positions would be mapped wrongly (refused).
     """
     valid = attention_mask.bool().cpu()
     B, T = valid.shape
     lengths = valid.sum(-1)
     if not torch.equal(lengths, prompt_lengths.cpu().to(lengths.dtype)):
         raise RuntimeError(
-            f"model.record_positions: the engine compressed prompts of {prompt_lengths.tolist()} tokens "
+            f"model.record_positions: the run holds prompts of {prompt_lengths.tolist()} tokens "
             f"but the batch's attention mask holds {lengths.tolist()}; the kept positions cannot be "
-            "mapped back to the prompts. Turn record_positions off for this protocol."
+            "mapped back to the prompts. Turn model.record_positions off for this run."
         )
     layers = []
     for report in sorted(reports, key=lambda r: r.layer_idx):
@@ -130,19 +193,58 @@ def kept_masks(
     return [stacked[b][..., valid[b]].numpy() for b in range(B)]
 
 
-def encode_row(sample_id: str, mask: np.ndarray) -> dict[str, Any]:
-    """One ``positions.jsonl`` row of a ``[L, H, T]`` bool mask (format in the module docstring)."""
-    L, H, T = mask.shape
+def _bits(mask: np.ndarray) -> str:
+    """``base64(zlib(packbits(mask)))`` of a ``[L, H, n]`` bool mask."""
     packed = np.packbits(mask.astype(bool), axis=-1, bitorder="little")
-    bits = base64.b64encode(zlib.compress(packed.tobytes(), 6)).decode("ascii")
-    return {
-        "id": str(sample_id),
-        "prompt_tokens": T,
-        "layers": L,
-        "kv_heads": H,
-        "encoding": ENCODING,
-        "bits": bits,
-    }
+    return base64.b64encode(zlib.compress(packed.tobytes(), 6)).decode("ascii")
+
+
+def _unbits(bits: str, layers: int, heads: int, tokens: int) -> PackedMask:
+    raw = np.frombuffer(zlib.decompress(base64.b64decode(bits)), dtype=np.uint8)
+    return PackedMask(raw.reshape(layers, heads, (tokens + 7) // 8).copy(), tokens)
+
+
+def encode_row(
+    sample_id: str,
+    mask: np.ndarray,
+    *,
+    prompt_tokens: int | None = None,
+    protocol: str | None = None,
+    context_id: str | None = None,
+    context_shared_by: Sequence[str] | None = None,
+    evictions: Sequence[tuple[int, np.ndarray]] = (),
+    final: tuple[int, np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """One ``positions.jsonl`` row (format in the module docstring).
+
+    Args:
+        mask: ``[L, H, Tc]`` bool, the kept positions of the part the prefill compressed.
+        prompt_tokens: T (default Tc: the whole prompt was compressed); positions ``[Tc, T)`` are
+            the question part, prefilled uncompressed.
+        context_id, context_shared_by: ``multi_question``'s shared context.
+        evictions: ``decode_time``: ``(step, removed [L, H, T + step])`` per compression.
+        final: ``decode_time``: ``(step, held [L, H, T + step])`` at the sample's last token.
+    """
+    L, H, Tc = mask.shape
+    T = Tc if prompt_tokens is None else int(prompt_tokens)
+    row: dict[str, Any] = {"id": str(sample_id)}
+    if protocol is not None:
+        row["protocol"] = protocol
+    row.update(prompt_tokens=T, context_tokens=Tc, layers=L, kv_heads=H, encoding=ENCODING, bits=_bits(mask))
+    if Tc < T:
+        row["question_positions"] = [Tc, T]
+    if context_shared_by is not None:
+        row["context_id"] = None if context_id is None else str(context_id)
+        row["context_shared_by"] = [str(i) for i in context_shared_by]
+    if evictions or final is not None:
+        row["decode_evictions"] = [
+            {"step": int(step), "tokens": removed.shape[-1], "bits": _bits(removed)}
+            for step, removed in evictions
+        ]
+    if final is not None:
+        step, held = final
+        row["decode_final"] = {"step": int(step), "tokens": held.shape[-1], "bits": _bits(held)}
+    return row
 
 
 def decode_row(row: dict[str, Any]) -> KeptPositions:
@@ -157,8 +259,62 @@ def decode_row(row: dict[str, Any]) -> KeptPositions:
         return KeptPositions(np.packbits(mask, axis=-1, bitorder="little"), T)
     if row.get("encoding") != ENCODING:
         raise ValueError(f"positions row '{row.get('id')}': unknown encoding {row.get('encoding')!r}")
-    raw = np.frombuffer(zlib.decompress(base64.b64decode(row["bits"])), dtype=np.uint8)
-    return KeptPositions(raw.reshape(int(row["layers"]), int(row["kv_heads"]), (T + 7) // 8).copy(), T)
+    L, H = int(row["layers"]), int(row["kv_heads"])
+    Tc = int(row.get("context_tokens", T))
+    evictions = [
+        DecodeEviction(int(e["step"]), _unbits(e["bits"], L, H, int(e["tokens"])))
+        for e in row.get("decode_evictions", [])
+    ]
+    final = row.get("decode_final")
+    return KeptPositions(
+        _unbits(row["bits"], L, H, Tc).packed,
+        T,
+        Tc,
+        protocol=row.get("protocol"),
+        context_id=row.get("context_id"),
+        context_shared_by=row.get("context_shared_by"),
+        evictions=evictions,
+        final=None if final is None else _unbits(final["bits"], L, H, int(final["tokens"])),
+        final_step=None if final is None else int(final["step"]),
+    )
+
+
+def position_rows(run: ProtocolResult, batch: dict[str, Any], protocol: str) -> list[dict[str, Any]]:
+    """The ``positions.jsonl`` rows of a batch's samples under any protocol.
+
+    ``run``: the protocol's result (its layer reports in ``batch``'s padded prompt coordinates,
+    ``context_tokens`` / ``context_groups`` / ``decode_positions`` as the protocol sets them);
+    ``protocol``: its name, written into every row.
+    """
+    result = run.result
+    masks = kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)
+    samples = batch["samples"]
+    shared: dict[int, list[str]] = {}
+    for members in run.context_groups or []:
+        for m in members:
+            shared[m] = [samples[i].id for i in members]
+    rows = []
+    for b, sample in enumerate(samples):
+        T = masks[b].shape[-1]
+        Tc = T if run.context_tokens is None else int(run.context_tokens[b])
+        evictions, final = (), None
+        if run.decode_positions is not None:
+            record = run.decode_positions[b]
+            evictions = [(e.step, e.removed.numpy()) for e in record.evictions]
+            final = (record.final_step, record.final.numpy())
+        rows.append(
+            encode_row(
+                sample.id,
+                masks[b][..., :Tc],
+                prompt_tokens=T,
+                protocol=protocol,
+                context_id=sample.context_id,
+                context_shared_by=shared.get(b),
+                evictions=evictions,
+                final=final,
+            )
+        )
+    return rows
 
 
 def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> None:
@@ -204,26 +360,66 @@ def merge_positions(run_dir: str | Path, order: Sequence[str] = ()) -> None:
         shard.unlink()
 
 
-def jaccard(a: KeptPositions, b: KeptPositions) -> np.ndarray:
-    """``[L, H]`` Jaccard index ``|A ∩ B| / |A ∪ B|`` of the kept sets (1 where both are empty)."""
-    both = _POPCOUNT[a.packed & b.packed].sum(-1)
-    either = _POPCOUNT[a.packed | b.packed].sum(-1)
+def jaccard(a: KeptPositions, b: KeptPositions, end: bool = False) -> np.ndarray:
+    """``[L, H]`` Jaccard index ``|A ∩ B| / |A ∪ B|`` of the kept sets (1 where both are empty), over
+    the prompt positions both samples compressed: the first ``min(Tc_a, Tc_b)`` (the context, when
+    one run compressed the context alone). ``end``: the kept sets at the end of generation
+    (:meth:`KeptPositions.at_end`; they differ from the prefill's under ``decode_time``)."""
+    n = min(int(a.context_tokens), int(b.context_tokens))
+    pa = (a.at_end() if end else a.context).prefix(n)
+    pb = (b.at_end() if end else b.context).prefix(n)
+    both = _POPCOUNT[pa & pb].sum(-1)
+    either = _POPCOUNT[pa | pb].sum(-1)
     return np.where(either > 0, both / np.maximum(either, 1), 1.0)
 
 
-def mean_jaccard(a: dict[str, KeptPositions], b: dict[str, KeptPositions]) -> tuple[float | None, int, int]:
-    """Mean Jaccard over every (sample, layer, head) the two runs share: ``(mean, samples, skipped)``.
+@dataclass
+class Overlap:
+    """Two runs' kept positions side by side (:func:`mean_jaccard`).
 
-    Samples are matched by id; a shared sample whose ``(L, H, T)`` differ between the runs (another
-    model or prompt format) is skipped and counted. ``mean`` is None when nothing is shared.
+    Attributes:
+        mean: mean Jaccard index over every (sample, layer, head) compared, after the prefill;
+            None when nothing was comparable.
+        mean_end: the same at the end of generation (differs where a run is ``decode_time``).
+        samples: samples compared.
+        skipped: shared samples whose prompt length, layers or KV heads differ between the runs.
+        reason: why nothing was comparable (None when something was).
     """
-    total, rows, samples, skipped = 0.0, 0, 0, 0
-    for sample_id in a.keys() & b.keys():
+
+    mean: float | None
+    mean_end: float | None
+    samples: int
+    skipped: int
+    reason: str | None = None
+
+
+def mean_jaccard(a: dict[str, KeptPositions], b: dict[str, KeptPositions]) -> Overlap:
+    """Mean Jaccard over every (sample, layer, head) the two runs share, whatever their protocols.
+
+    Samples are matched by id and compared over the prompt positions both compressed
+    (:func:`jaccard`); a shared sample whose ``(L, H, T)`` differ between the runs (another model
+    or prompt format) is skipped and counted.
+    """
+    total, total_end, rows, samples, skipped = 0.0, 0.0, 0, 0, 0
+    shared = a.keys() & b.keys()
+    for sample_id in shared:
         if a[sample_id].shape != b[sample_id].shape:
             skipped += 1
             continue
         values = jaccard(a[sample_id], b[sample_id])
         total += float(values.sum())
+        total_end += float(jaccard(a[sample_id], b[sample_id], end=True).sum())
         rows += values.size
         samples += 1
-    return (total / rows if rows else None), samples, skipped
+    if rows:
+        return Overlap(total / rows, total_end / rows, samples, skipped)
+    if not shared:
+        reason = "nothing comparable: no sample id in common"
+    elif samples:
+        reason = "nothing comparable: the shared samples have no layer or head"
+    else:
+        reason = (
+            f"nothing comparable: the {skipped} shared samples differ in prompt tokens, layers or KV heads "
+            "(another model or prompt format)"
+        )
+    return Overlap(None, None, samples, skipped, reason)
