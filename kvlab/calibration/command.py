@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from kvlab.calibration import prefixkv as _prefixkv  # noqa: F401  (registers prefixkv_layer_ratios)
+from kvlab.calibration import reading as _reading  # noqa: F401  (hybridkv_head_classes, image_attention)
 from kvlab.calibration.artefact import Artefact, cache_path
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, Recorder, region_targets
 from kvlab.config.errors import ConfigError, did_you_mean
