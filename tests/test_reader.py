@@ -153,7 +153,7 @@ def test_full_cache_reads_every_task_and_no_image_cache_fails():
     import kvlab
 
     model = kvlab.load_model("smollm2-reader")
-    samples = build_dataset({"name": "reader", "samples_per_task": 2, "seed": 0}).samples()
+    samples = build_dataset({"name": "reader", "samples_per_task": 1, "seed": 0}).samples()
 
     def correct(pipeline):
         outputs = kvlab.compress_and_generate(model, pipeline, samples, max_new_tokens=16, batch_size=8)
