@@ -18,6 +18,7 @@ import argparse
 from typing import Any
 
 from kvlab.config.errors import ConfigError
+from kvlab.data.reader_tasks import READER_TASKS
 
 MODEL = "smollm2-reader"
 #: the VLM presets first, then the text baselines (cells run in this order: a cut-short run has
@@ -52,8 +53,6 @@ GROUPS = (("task", "task"),)
 def dataset(ns: argparse.Namespace) -> tuple[dict[str, Any], int, str]:
     """``(the reader dataset node, samples per cell, the caption's description)`` from ``--tasks``
     (default: every reader task) and ``--samples`` (per task, default :data:`SAMPLES_PER_TASK`)."""
-    from kvlab.data.reader_tasks import READER_TASKS
-
     tasks = tuple(t for t in (ns.tasks or ",".join(READER_TASKS)).split(",") if t)
     if not tasks or any(t not in READER_TASKS for t in tasks):
         raise ConfigError(
