@@ -219,6 +219,32 @@ def test_suite_cli_errors(tmp_path: Path) -> None:
             main(["reference-table", "--suite", "ruler", "--dir", str(tmp_path), *bad])
         assert info.value.code == 2
     for suite_only in (["--protocols", "query_aware"], ["--lengths", "1024"], ["--no-plots"]):
-        with pytest.raises(ConfigError, match="apply to --suite ruler only"):
+        with pytest.raises(ConfigError, match="apply to --suite ruler or vlm only"):
             reference_command.main(["--dir", str(tmp_path), *suite_only])
     assert not any(tmp_path.iterdir())
+
+
+def test_vlm_suite_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--suite vlm`` on the tiny LLaVA (plumbing only: it cannot read the reader's images); a
+    preset that refuses the model is left empty and named."""
+    from kvlab.runner import reference_vlm
+
+    doc = tmp_path / "evaluation.md"
+    doc.write_text(f"x\n{reference.VLM_MARKS[0]}\n{reference.VLM_MARKS[1]}\n")
+    main(["reference-table", "--suite", "vlm", "--model", "tiny-llava", "--methods", "full,snapkv,sparsemm",
+          "--budgets", "0.5", "--tasks", "reader_table,reader_doc", "--samples", "1", "--batch-size", "2",
+          "--dir", str(tmp_path / "runs"), "--docs", str(doc), "--no-plots"])  # fmt: skip
+    for protocol in ("query_aware", "query_agnostic"):
+        root = tmp_path / "runs" / f"vlm-{protocol}"
+        records = [json.loads(line) for line in (root / "snapkv@budget=0.5" / "predictions.jsonl").open()]
+        assert [r["meta"]["task"] for r in records] == ["reader_table", "reader_doc"]
+        assert all(r["protocol"] == protocol for r in records)
+        assert not (root / "sparsemm@budget=0.5" / "predictions.jsonl").is_file()
+    text = (tmp_path / "runs" / "reference_vlm.md").read_text()
+    assert "reader tasks reader_table, reader_doc, 1 sample(s) per task: **2 samples per cell**" in text
+    assert "| method | query_aware: reader_doc | query_aware: reader_table |" in text.replace(
+        " | query_agnostic: reader_doc | query_agnostic: reader_table |", " |"
+    )
+    assert "Refused, no run: `sparsemm@budget=0.5` under query_aware" in text
+    assert text in doc.read_text() and "By length" not in text
+    assert reference_vlm.MODEL == "smollm2-reader" and reference_vlm.METHODS[0] == "full"

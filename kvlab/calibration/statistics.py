@@ -150,7 +150,14 @@ def region_targets(modality: torch.Tensor, meta: dict[str, Any], tokens_per_imag
     ``meta`` names the ``image_index`` and the ``region`` (``top left`` ... ``bottom right``);
     image tokens are laid out row-major on a square grid of ``tokens_per_image`` cells
     (LLaVA patches, Qwen2-VL merged patches), so the region is one quadrant of that grid.
+    A ``smollm2-reader`` task's ``meta["answer_cells"]`` (``[image, cell]`` pairs) names the
+    image tokens that show the answer instead.
     """
+    if "answer_cells" in meta:
+        image_positions = torch.nonzero(modality == 1).flatten()
+        targets = torch.zeros_like(modality, dtype=torch.bool)
+        targets[image_positions[[i * tokens_per_image + c for i, c in meta["answer_cells"]]]] = True
+        return targets
     side = math.isqrt(tokens_per_image)
     if side * side != tokens_per_image:
         raise ValueError(f"region targets need a square token grid, got {tokens_per_image} tokens per image")

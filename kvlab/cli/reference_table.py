@@ -18,6 +18,12 @@ replaces the block between the ``<!-- reference-suite -->`` markers::
 
     kvlab reference-table --suite ruler --docs docs/evaluation.md --figure docs/figures/reference_ruler.png
 
+``--suite vlm`` runs the VLM presets on the ``smollm2-reader`` tasks the same way, one experiment per
+protocol under ``<dir>/vlm-<protocol>/`` (:mod:`kvlab.runner.reference_vlm`), grouped by task, into the
+block between the ``<!-- reference-vlm -->`` markers::
+
+    kvlab reference-table --suite vlm --docs docs/evaluation.md --figure docs/figures/reference_vlm.png
+
 Each task directory is an ordinary experiment (``kvlab compare <dir>/<task>`` works on it).
 Runs are fresh unless ``--resume`` (stale predictions of other task parameters would mix in). The
 configs, run names and tables are :mod:`kvlab.runner.reference_table`'s.
@@ -35,6 +41,7 @@ from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names
 from kvlab.data.benchmarks.ruler_tasks import RULER_TASKS
 from kvlab.engine.protocols import PROTOCOLS
+from kvlab.runner import reference_vlm
 from kvlab.runner.reference_table import (
     BUDGETS,
     DEFAULT_TASKS,
@@ -49,6 +56,7 @@ from kvlab.runner.reference_table import (
     SUITE_START,
     SUITE_TASKS,
     TASKS,
+    VLM_MARKS,
     cells,
     plot_suite,
     replace_section,
@@ -63,66 +71,99 @@ from kvlab.runner.reference_table import (
 
 
 def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[float, ...]) -> None:
-    """``kvlab reference-table --suite ruler``: the runs, the tables, the figure, the docs block."""
+    """``kvlab reference-table --suite ruler|vlm``: the runs, the tables, the figure, the docs block.
+
+    ``--suite vlm`` (:mod:`kvlab.runner.reference_vlm`) runs the reader tasks instead of RULER's,
+    tabulates them by task only, and leaves empty a cell whose preset refuses the model or the
+    protocol (a ``ConfigError`` before it runs), naming it under the table."""
+    vlm = ns.suite == "vlm"
     protocols = tuple(p for p in ns.protocols.split(",") if p)
-    tasks = tuple(t for t in (ns.tasks or ",".join(SUITE_TASKS)).split(",") if t)
-    lengths = _ints(ns.lengths)
-    samples = 1 if ns.samples is None else ns.samples
     bad_protocols = [p for p in protocols if p not in PROTOCOLS]
-    bad_tasks = [t for t in tasks if t not in RULER_TASKS]
     if bad_protocols or not protocols:
         raise ConfigError(
             f"--protocols must name protocols from {', '.join(PROTOCOLS.names())} (comma-separated), got "
             f"{ns.protocols!r}."
         )
-    if bad_tasks or not tasks:
-        raise ConfigError(
-            f"--tasks with --suite ruler takes RULER tasks ({', '.join(RULER_TASKS)}), "
-            f"got {bad_tasks or ns.tasks!r}."
-        )
+    if vlm:
+        dataset, per_cell, about = reference_vlm.dataset(ns)
+        groups, metric, stem, markers = reference_vlm.GROUPS, reference_vlm.METRIC, "reference_vlm", VLM_MARKS
+    else:
+        dataset, per_cell, about = _ruler_dataset(ns)
+        groups = (("task", "task"), ("length", "length (tokens)"))
+        metric, stem, markers = SUITE_METRIC, "reference_suite", (SUITE_START, SUITE_END)
     root = Path(ns.dir)
-    dataset = {
-        "name": "ruler",
-        "tasks": list(tasks),
-        "lengths": list(lengths),
-        "samples_per_task": samples,
-        "seed": 0,
-    }
     wall, cpu = time.perf_counter(), time.process_time()
-    count = 0
+    count, refused = 0, []
     for method, ratio in cells(methods, budgets):  # both protocols of a cell one after the other
         for protocol in protocols:
-            experiment = suite_experiment(protocol)
+            experiment = suite_experiment(protocol, ns.suite)
             name = run_name(method, ratio)
             if not ns.resume:
                 shutil.rmtree(root / experiment / name, ignore_errors=True)
             run = {"dir": str(root), "experiment": experiment, "method": name}
             cfg = suite_config(method, ratio, protocol, dataset, run, ns.model)
             cfg["data"]["batch_size"] = ns.batch_size
-            run_predict(cfg, ["--trainer.enable_progress_bar", "false"])
+            if vlm:  # the detailed TensorBoard views (8 images x 2 layers of patches) of the first batch only
+                cfg["model"]["inspect_samples"] = 1
+            try:
+                run_predict(cfg, ["--trainer.enable_progress_bar", "false"])
+            except ConfigError as exc:
+                if not vlm:
+                    raise
+                refused.append(f"`{name}` under {protocol}: {str(exc).splitlines()[0][:200]}")
+                continue
             count += 1
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    boards = suite_boards(root, protocols, plots=not ns.no_plots)
-    per_cell = len(tasks) * len(lengths) * samples
+    boards = suite_boards(root, protocols, plots=not ns.no_plots, suite=ns.suite)
     caption = (
-        f"`{ns.model}`, RULER-style tasks {', '.join(tasks)} at {', '.join(map(str, lengths))} tokens, "
-        f"{samples} sample(s) per task and length: **{per_cell} samples per cell** (one sample moves a "
-        f"cell by {100 / per_cell:.1f} points); greedy, each task's RULER output length; {count} runs in "
-        f"{wall:.0f} s wall, {cpu:.0f} s CPU of this process.\n\n"
+        f"`{ns.model}`, {about}: **{per_cell} samples per cell** (one sample moves a cell by "
+        f"{100 / per_cell:.1f} points); greedy, each task's {'' if vlm else 'RULER '}output length; {count} "
+        f"runs in {wall:.0f} s wall, {cpu:.0f} s CPU of this process.\n\n"
     )
-    text = caption + suite_table(root, protocols, methods, budgets, ns.metric or SUITE_METRIC, boards)
-    (root / "reference_suite.md").write_text(text)
+    text = caption + suite_table(
+        root, protocols, methods, budgets, ns.metric or metric, boards, ns.suite, groups
+    )
+    if refused:
+        text += "\nRefused, no run: " + "; ".join(refused) + "\n"
+    (root / f"{stem}.md").write_text(text)
     print(text, end="")
     if not ns.no_plots:
-        figure = root / "reference_suite.png"
-        title = f"{ns.model}: RULER-style suite, {ns.metric or SUITE_METRIC} (%) vs KV budget"
+        figure = root / f"{stem}.png"
+        what = "reader tasks" if vlm else "RULER-style suite"
+        title = f"{ns.model}: {what}, {ns.metric or metric} (%) vs KV budget"
         if plot_suite(boards, methods, figure, title) is not None and ns.figure is not None:
             ns.figure.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(figure, ns.figure)
             print(f"kvlab: wrote the figure {ns.figure}")
     if ns.docs is not None:
-        replace_section(ns.docs, text, SUITE_START, SUITE_END)
+        replace_section(ns.docs, text, *markers)
         print(f"kvlab: updated the reference suite in {ns.docs}")
+
+
+def _ruler_dataset(ns: argparse.Namespace) -> tuple[dict, int, str]:
+    """``(the ruler dataset node, samples per cell, the caption's description)`` from ``--tasks``,
+    ``--lengths`` and ``--samples`` (per task and length, default 1)."""
+    tasks = tuple(t for t in (ns.tasks or ",".join(SUITE_TASKS)).split(",") if t)
+    lengths = _ints(ns.lengths)
+    samples = 1 if ns.samples is None else ns.samples
+    bad_tasks = [t for t in tasks if t not in RULER_TASKS]
+    if bad_tasks or not tasks:
+        raise ConfigError(
+            f"--tasks with --suite ruler takes RULER tasks ({', '.join(RULER_TASKS)}), "
+            f"got {bad_tasks or ns.tasks!r}."
+        )
+    node = {
+        "name": "ruler",
+        "tasks": list(tasks),
+        "lengths": list(lengths),
+        "samples_per_task": samples,
+        "seed": 0,
+    }
+    about = (
+        f"RULER-style tasks {', '.join(tasks)} at {', '.join(map(str, lengths))} tokens, {samples} "
+        "sample(s) per task and length"
+    )
+    return node, len(tasks) * len(lengths) * samples, about
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -155,13 +196,15 @@ def main(args: list[str]) -> None:
     parser.add_argument("--dir", default="runs/reference", help="where the runs go (default: runs/reference)")
     parser.add_argument(
         "--suite",
-        choices=("ruler",),
-        help="run the RULER-style suite under several protocols instead of the synthetic tasks",
+        choices=("ruler", "vlm"),
+        help="run the RULER-style suite (ruler) or the VLM presets on smollm2-reader's tasks (vlm, "
+        "kvlab.runner.reference_vlm) under several protocols instead of the synthetic tasks",
     )
     parser.add_argument(
         "--methods",
         help=f"comma-separated presets (default: {','.join(METHODS)}; "
-        f"with --suite: {','.join(SUITE_METHODS)})",
+        f"with --suite ruler: {','.join(SUITE_METHODS)}; with --suite vlm: "
+        f"{','.join(reference_vlm.METHODS)})",
     )
     parser.add_argument(
         "--budgets",
@@ -171,12 +214,14 @@ def main(args: list[str]) -> None:
     parser.add_argument(
         "--tasks",
         help=f"comma-separated, from: {', '.join(TASKS)} (default {','.join(DEFAULT_TASKS)}); "
-        f"with --suite ruler: RULER tasks (default {','.join(SUITE_TASKS)})",
+        f"with --suite ruler: RULER tasks (default {','.join(SUITE_TASKS)}); with --suite vlm: reader tasks "
+        "(default all)",
     )
     parser.add_argument(
         "--samples",
         type=int,
-        help="samples per task (default 8); with --suite: per task and length (default 1)",
+        help="samples per task (default 8); with --suite ruler: per task and length (default 1); with "
+        f"--suite vlm: per task (default {reference_vlm.SAMPLES_PER_TASK})",
     )
     parser.add_argument(
         "--protocols",
@@ -190,14 +235,16 @@ def main(args: list[str]) -> None:
     parser.add_argument(
         "--metric", help=f"the task metric tabulated (default contains_answer; with --suite {SUITE_METRIC})"
     )
-    parser.add_argument("--model", default=MODEL, help=f"model (default {MODEL}; tests use a tiny one)")
+    parser.add_argument("--model", help=f"model (default {MODEL}; --suite vlm: {reference_vlm.MODEL})")
     parser.add_argument("--resume", action="store_true", help="keep existing runs (skip finished samples)")
     parser.add_argument("--docs", type=Path, help="replace the table between the markers in this file")
     parser.add_argument("--figure", type=Path, help="--suite: also copy the score-vs-budget PNG here")
     parser.add_argument("--no-plots", action="store_true", help="--suite: tables only (no PNG, TensorBoard)")
     ns = parser.parse_args(args)
     suite = ns.suite is not None
-    methods = tuple(m for m in (ns.methods or ",".join(SUITE_METHODS if suite else METHODS)).split(",") if m)
+    ns.model = ns.model or (reference_vlm.MODEL if ns.suite == "vlm" else MODEL)
+    default_methods = reference_vlm.METHODS if ns.suite == "vlm" else SUITE_METHODS if suite else METHODS
+    methods = tuple(m for m in (ns.methods or ",".join(default_methods)).split(",") if m)
     budgets = _floats(ns.budgets or ",".join(f"{b:g}" for b in (SUITE_BUDGETS if suite else BUDGETS)))
     suite_only = {
         "--protocols": ns.protocols,
@@ -209,8 +256,8 @@ def main(args: list[str]) -> None:
     if not suite and any(v is not None for v in suite_only.values()):
         given = [k for k, v in suite_only.items() if v is not None]
         raise ConfigError(
-            f"kvlab reference-table: {', '.join(given)} apply to --suite ruler only; add --suite ruler "
-            "or drop them."
+            f"kvlab reference-table: {', '.join(given)} apply to --suite ruler or vlm only; add --suite "
+            "ruler (or vlm) or drop them."
         )
     ns.protocols = ns.protocols or ",".join(SUITE_PROTOCOLS)
     ns.lengths = ns.lengths or ",".join(map(str, SUITE_LENGTHS))

@@ -10,13 +10,16 @@ tiny-llava          Llava...Generation      2      4       2        16       4 (
 smollm2-135m        LlamaForCausalLM        30     9       3        64       -
 smollm2-qwen2-vl    Qwen2VL...Generation    30     9       3        64       36 (168x168)
 smollm2-llava       Llava...Generation      30     9       3        64       36 (84x84)
+smollm2-reader      Llava...Generation      30     9       3        64       16 (160x160)
 gemma3-270m         Gemma3ForCausalLM       18     4       1        256      -
 =================== ======================= ====== ======= ======== ======== ===================
 
 Tiny models have seeded random weights and share a BPE tokenizer trained at runtime; the smollm2
 ones carry SmolLM2-135M-Instruct's trained weights (the grafted VLMs with seeded random vision
-parts); gemma3-270m carries Google's Gemma 3 270M base weights (Gemma Terms of Use; sliding
-windows of 512 tokens on five layers of six). Every built-in is bit-identical across loads and
+parts; ``smollm2-reader`` with a vision path built in closed form so that its image tokens carry
+the glyphs the image shows, :mod:`kvlab.models.scaffolding.reader`); gemma3-270m carries Google's
+Gemma 3 270M base weights (Gemma Terms of Use; sliding windows of 512 tokens on five layers of
+six). Every built-in is bit-identical across loads and
 processes: every random draw made while building one runs under
 :func:`~kvlab.models.common.seeded` (``tests/test_determinism.py``).
 """
@@ -37,7 +40,7 @@ from kvlab.models.common import build_from_config, seeded
 from kvlab.models.images import ImageAdapter
 from kvlab.models.info import model_info
 from kvlab.models.processors import ChatProcessor
-from kvlab.models.scaffolding import gemma3, graft, smollm2, tiny
+from kvlab.models.scaffolding import gemma3, graft, reader, smollm2, tiny
 from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
 from kvlab.models.vlm import llava_config, llava_images, qwen2_vl_config, qwen2_vl_images
 
@@ -233,3 +236,23 @@ class SmolLM2Llava(GraftedSmolLM2):
     def config(self) -> Any:
         tokenizer = self.tokenizer()
         return llava_config(graft.text_dims(tokenizer), graft.token_ids(tokenizer), self.image_size)
+
+
+@MODELS.register("smollm2-reader")
+@dataclass
+class SmolLM2Reader(GraftedSmolLM2):
+    """LLaVA with SmolLM2 that reads: 160x160 images of 4x4 glyph cells -> 16 tokens, each near the
+    embedding of the glyph's token (a synthetic testbed, not a general VLM; built once, cached)."""
+
+    model_class: ClassVar[str] = "LlavaForConditionalGeneration"
+    family: ClassVar[str] = "llava"
+    image_size: ClassVar[int | None] = reader.glyphs.IMAGE_SIZE
+
+    def config(self) -> Any:
+        return reader.reader_config(self.tokenizer())
+
+    def build(self, dtype: torch.dtype) -> torch.nn.Module:
+        return reader.load_reader(dtype)
+
+    def extras(self) -> dict[str, Any]:
+        return {**super().extras(), "path": str(reader.cache_dir())}

@@ -3,7 +3,8 @@
 What ``kvlab reference-table`` (:mod:`kvlab.cli.reference_table`) runs and prints: the resolved
 ``kvlab predict`` config of each table cell (:func:`run_config`, :func:`suite_config`), the run
 directories (``<dir>/<task>/<method>@budget=<ratio>/``, ``full`` once as ``full/``; with
-``--suite ruler`` one experiment per protocol, ``<dir>/ruler-<protocol>/...``), and the Markdown
+``--suite ruler`` one experiment per protocol, ``<dir>/ruler-<protocol>/...``; ``--suite vlm``
+``<dir>/vlm-<protocol>/...``, :mod:`kvlab.runner.reference_vlm`), and the Markdown
 tables read back from the runs (:func:`table`: one row per method, one column per ``task @
 budget``; :func:`suite_table`: the score by protocol and budget, by task and by length, from the
 leaderboard of ``kvlab compare``) and the suite's score-vs-budget figure (:func:`plot_suite`).
@@ -72,6 +73,7 @@ SUITE_TASKS = ("niah_single_2", "niah_multikey_1")
 SUITE_LENGTHS = (1024, 2048, 4096)
 SUITE_METRIC = "string_match_all"
 SUITE_START, SUITE_END = "<!-- reference-suite:start -->", "<!-- reference-suite:end -->"
+VLM_MARKS = ("<!-- reference-vlm:start -->", "<!-- reference-vlm:end -->")
 
 
 def run_config(
@@ -161,9 +163,9 @@ def suite_config(
     return cfg
 
 
-def suite_experiment(protocol: str) -> str:
-    """The experiment directory of one protocol's runs: ``ruler-query_aware``."""
-    return f"ruler-{protocol}"
+def suite_experiment(protocol: str, suite: str = "ruler") -> str:
+    """The experiment directory of one protocol's runs: ``ruler-query_aware``, ``vlm-query_aware``."""
+    return f"{suite}-{protocol}"
 
 
 def _percent(value: float | None) -> str:
@@ -193,13 +195,15 @@ def grouped_mean(records: list[dict[str, Any]], metric: str, key: str) -> dict[s
     return {group: sum(v) / len(v) for group, v in groups.items()}
 
 
-def suite_boards(root: Path, protocols: tuple[str, ...], plots: bool = True) -> dict[str, Leaderboard | None]:
+def suite_boards(
+    root: Path, protocols: tuple[str, ...], plots: bool = True, suite: str = "ruler"
+) -> dict[str, Leaderboard | None]:
     """Per protocol, the leaderboard of its experiment (:func:`kvlab.runner.leaderboard.leaderboard`
     over every run there); with ``plots``, ``kvlab compare`` is run on it too (its tables, per-task
     ``score_vs_ratio.png`` and TensorBoard views land in the experiment directory)."""
     boards: dict[str, Leaderboard | None] = {}
     for protocol in protocols:
-        experiment = root / suite_experiment(protocol)
+        experiment = root / suite_experiment(protocol, suite)
         if not experiment.is_dir():
             boards[protocol] = None
             continue
@@ -216,11 +220,14 @@ def suite_table(
     budgets: tuple[float, ...],
     metric: str = SUITE_METRIC,
     boards: dict[str, Leaderboard | None] | None = None,
+    suite: str = "ruler",
+    groups: tuple[tuple[str, str], ...] = (("task", "task"), ("length", "length (tokens)")),
 ) -> str:
     """The suite's Markdown: the score (%) of each method (rows) by protocol and budget (the mean
-    over the tasks, from the leaderboard of ``kvlab compare``), then by task and by length, each
-    averaged over the budgets (every budget's run scores the same samples)."""
-    boards = suite_boards(root, protocols, plots=False) if boards is None else boards
+    over the tasks, from the leaderboard of ``kvlab compare``), then one table per ``(meta key,
+    title)`` of ``groups`` (RULER: by task and by length), each averaged over the budgets (every
+    budget's run scores the same samples)."""
+    boards = suite_boards(root, protocols, plots=False, suite=suite) if boards is None else boards
     header = ["method"] + [f"{p} @ {r:.0%}" for p in protocols for r in budgets]
     rows = [
         [method]
@@ -230,23 +237,23 @@ def suite_table(
     ]  # fmt: skip
     parts = [f"**Score (%) by protocol and budget** (`{metric}` x 100, mean over the tasks)\n\n"]
     parts.append(markdown(header, rows))
-    for key, title in (("task", "task"), ("length", "length (tokens)")):
+    for key, title in groups:
         means: dict[tuple[str, str], dict[str, float]] = {}
-        groups: list[str] = []
+        names: list[str] = []
         for protocol in protocols:
             for method in methods:
                 runs = [None] if method == "full" else list(budgets)
                 records = [
                     r
                     for ratio in runs
-                    for r in _records(root / suite_experiment(protocol) / run_name(method, ratio))
+                    for r in _records(root / suite_experiment(protocol, suite) / run_name(method, ratio))
                 ]
                 means[protocol, method] = grouped_mean(records, metric, key)
-                groups += [g for g in means[protocol, method] if g not in groups]
-        groups.sort(key=lambda g: (0, int(g), "") if g.isdigit() else (1, 0, g))
-        header = ["method"] + [f"{p}: {g}" for p in protocols for g in groups]
+                names += [g for g in means[protocol, method] if g not in names]
+        names.sort(key=lambda g: (0, int(g), "") if g.isdigit() else (1, 0, g))
+        header = ["method"] + [f"{p}: {g}" for p in protocols for g in names]
         rows = [
-            [method] + [_percent(means[p, method].get(g)) for p in protocols for g in groups]
+            [method] + [_percent(means[p, method].get(g)) for p in protocols for g in names]
             for method in methods
         ]
         parts.append(f"\n**By {title}** (mean over the budgets)\n\n")

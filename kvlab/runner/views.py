@@ -20,7 +20,9 @@ The first ``samples`` batches (detailed views of the batch's first sample, cheap
 - ``scores/layer_<l>``: histogram of the layer's mixed scores (finite entries, whole batch),
   and ``scores/<scorer>/layer_<l>`` per scorer when the layer report carries ``scorer_scores``;
 - ``patches/layer_<l>/image_<i>``: for each chosen layer, the sample's image beside the same
-  image overlaid with each patch's share of KV heads that kept its token (colour bar 0..1).
+  image overlaid with each patch's share of KV heads that kept its token (colour bar 0..1);
+  for the ``smollm2-reader`` tasks (``meta["image_cells"]``) each patch's glyph is written over
+  it, black on kept patches and white on dropped ones.
 
 At the end of the run (``step`` = layer index, so TensorBoard draws a curve over layers):
 
@@ -63,6 +65,11 @@ def run_label(method: str | None, pipeline: Any) -> str:
         size = f"{budget.tokens} tokens/head" if budget.tokens is not None else f"ratio {budget.ratio:g}"
         text = f"{size}, window {budget.window:g}" + (f", {budget.sinks} sinks" if budget.sinks else "")
     return f"{method} · {text}" if method else text
+
+
+def cell_label(cell: str) -> str:
+    """How a glyph cell of a reader image is written over its patch (a mark as ``[red]``)."""
+    return f"[{cell.split(':', 1)[1]}]" if cell.startswith("mark:") else cell
 
 
 def budget_heatmap(kept: torch.Tensor, prompt_length: int) -> torch.Tensor:
@@ -208,9 +215,13 @@ def layer_curves_figure(
     return fig
 
 
-def patch_figure(image: Image.Image, kept_share: torch.Tensor, title: str) -> Any:
+def patch_figure(
+    image: Image.Image, kept_share: torch.Tensor, title: str, labels: Sequence[str] | None = None
+) -> Any:
     """The image beside itself overlaid with each patch's kept share ``[rows, cols]`` in [0, 1]
-    (share of KV heads that kept the patch's token), with a colour bar."""
+    (share of KV heads that kept the patch's token), with a colour bar. ``labels`` (``rows *
+    cols`` strings in reading order, e.g. the glyphs of a ``smollm2-reader`` image) are written
+    on the overlay instead of the grey image, in a colour that reads on the patch's shade."""
     rows, cols = kept_share.shape
     pixels = np.asarray(image.convert("RGB"))
     height, width = pixels.shape[:2]
@@ -219,13 +230,21 @@ def patch_figure(image: Image.Image, kept_share: torch.Tensor, title: str) -> An
     left, right = fig.subplots(1, 2)
     left.imshow(pixels)
     left.set_title("image", fontsize=9)
-    right.imshow(pixels.mean(-1), cmap="gray", vmin=0, vmax=255)  # grey underneath: the colours are the share
-    right.imshow(kept_share.float().numpy(), cmap="magma", vmin=0.0, vmax=1.0, alpha=0.7,
+    labelled = labels is not None and len(labels) == rows * cols
+    if not labelled:  # grey underneath: the colours are the share (labels replace the glyphs)
+        right.imshow(pixels.mean(-1), cmap="gray", vmin=0, vmax=255)
+    right.imshow(kept_share.float().numpy(), cmap="magma", vmin=0.0, vmax=1.0, alpha=1.0 if labelled else 0.7,
                  extent=(0, width, height, 0), interpolation="nearest")  # fmt: skip
     right.set_title(f"kept share of each patch ({rows} x {cols} tokens)", fontsize=9)
     if rows * cols <= 400:  # patch boundaries
         right.vlines(np.linspace(0, width, cols + 1), 0, height, colors="white", linewidth=0.3, alpha=0.5)
         right.hlines(np.linspace(0, height, rows + 1), 0, width, colors="white", linewidth=0.3, alpha=0.5)
+    if labelled:
+        for i, text in enumerate(labels):  # type: ignore[arg-type]
+            value = float(kept_share[i // cols, i % cols])
+            x, y = (i % cols + 0.5) * width / cols, (i // cols + 0.5) * height / rows
+            right.text(x, y, text, ha="center", va="center", fontsize=9, weight="bold",
+                       color="black" if value > 0.5 else "white")  # fmt: skip
     for ax in (left, right):
         ax.set_xticks([])
         ax.set_yticks([])
@@ -391,10 +410,14 @@ class Inspector:
                 continue
             report = reports[layer]
             share = report.selection.kept_mask(T)[0].float().cpu().mean(0)  # [T] share of heads keeping it
+            cells = sample.meta.get("image_cells") or []  # smollm2-reader tasks: each image's glyphs
             for i, (first, rows, cols) in enumerate(grids):
                 patch = share[first : first + rows * cols].view(rows, cols)
                 title = self._title(f"layer {report.layer_idx}: sample {sample.id}, image {i}")
-                figure = patch_figure(sample.images[i], patch, title)
+                labels = None
+                if i < len(cells):
+                    labels = [cell_label(c) for c in cells[i]] + [""] * (rows * cols - len(cells[i]))
+                figure = patch_figure(sample.images[i], patch, title, labels)
                 self._figure(f"patches/layer_{report.layer_idx}/image_{i}", figure, step)
 
     def finish(self) -> None:
