@@ -13,7 +13,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from kvlab.cli.main import main
 from kvlab.runner.leaderboard import budget_point, leaderboard
 from kvlab.runner.runs import load_runs
-from kvlab.runner.views import heatmap_figure, layer_curves_figure, patch_figure, render, run_label
+from kvlab.runner.views import run_label
+from kvlab.runner.views.figures import heatmap_figure, layer_curves_figure, render
+from kvlab.runner.views.patches import patch_figure
 
 ATTENTION = {"attention": {"name": "window_attention"}}
 
@@ -153,7 +155,8 @@ def test_run_label_names_the_budget_window_and_sinks():
     from kvlab.pipeline import Pipeline
 
     snap = Pipeline.from_config({"budget": {"tokens": 128, "window": 32}, "importance": ATTENTION})
-    assert run_label("snapkv", snap) == "snapkv · 128 tokens/head, window 32"
+    assert run_label("snapkv", snap) == "snapkv · 128 tok/head, window 32"
+    assert run_label("snapkv@budget.tokens=128,model=tiny-llama", snap) == "snapkv · 128 tok/head, window 32"
     assert run_label("full", Pipeline.from_config({})) == "full · full cache"
     ratio = Pipeline.from_config({"budget": {"ratio": 0.2, "window": 8, "sinks": 4}, "importance": ATTENTION})
     assert run_label(None, ratio) == "ratio 0.2, window 8, 4 sinks"
