@@ -125,15 +125,16 @@ def test_compare_writes_leaderboard_csv_markdown_plot_and_tensorboard(bench):
     assert float(overall["snapkv"]["ratio=0.1"]) == pytest.approx(37.5)
     with Image.open(bench / "score_vs_ratio.png") as image:
         assert image.width >= 600 and image.height >= 300
-    figures = EventAccumulator(
-        str(bench / "compare" / "tensorboard" / "_figure"), size_guidance={"images": 0}
+    board = EventAccumulator(
+        str(bench / "compare" / "tensorboard"), size_guidance={"images": 0, "tensors": 0}
     )
-    figures.Reload()
-    assert "leaderboard/score_vs_ratio" in figures.Tags()["images"]
-    scalars = EventAccumulator(str(bench / "compare" / "tensorboard" / "leaderboard" / "snapkv"))
-    scalars.Reload()
-    points = [(e.step, e.value) for e in scalars.Scalars("leaderboard/overall_vs_ratio")]
-    assert points == [(100, pytest.approx(37.5)), (500, pytest.approx(62.5))]
+    board.Reload()
+    tags = board.Tags()
+    assert "leaderboard/score_vs_ratio" in tags["images"]  # curves as figures: nothing smooths them
+    assert not tags["scalars"]
+    assert [p.name for p in (bench / "compare" / "tensorboard").iterdir() if p.is_dir()] == []  # one run
+    text = board.Tensors("compare/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert text == (bench / "compare.md").read_text()  # the leaderboard table as TEXT
 
 
 def test_figures_are_readable_sizes():
