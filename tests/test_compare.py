@@ -103,7 +103,8 @@ def test_runs_compare_in_tensorboards_hparams_tab(swept):
     metrics, with no placeholder hp_metric."""
     exp = swept[0]
     columns, metrics, sessions = hparams_table(exp)
-    assert set(sessions) == {"exp/full", "exp/snapkv@budget.tokens=12", "exp/snapkv@budget.tokens=24"}
+    # short trial names: TensorBoard cuts them at about 15 characters
+    assert set(sessions) == {"full (exp)", "snapkv@12 (exp)", "snapkv@24 (exp)"}
     assert {"run", "preset", "model", "protocol", "dataset", "budget.tokens", "budget.window"} <= set(columns)
     assert "importance.attention" in columns and "importance.attention.kernel" in columns  # defaults too
     assert columns["budget.tokens"].differs and columns["run"].differs and not columns["model"].differs
@@ -117,8 +118,12 @@ def test_runs_compare_in_tensorboards_hparams_tab(swept):
     assert not [c for c in columns if c.startswith(("_", "batch_size", "chat_template"))]
     assert {"task/contains_answer", "cost/kv_kept_over_full", "fidelity/top1_share",
             "time/prefill_s_per_sample"} <= metrics  # fmt: skip
+    # TensorBoard shows the first five metrics by name: the KV kept, fidelity and the task
+    first = ["cost/kv_kept_over_full", "fidelity/kl_nats_per_token", "fidelity/token_match_share",
+             "fidelity/top1_share", "task/contains_answer"]  # fmt: skip
+    assert sorted(metrics)[:5] == first
     assert "hp_metric" not in metrics
-    snap = EventAccumulator(str(exp / sessions["exp/snapkv@budget.tokens=12"]))
+    snap = EventAccumulator(str(exp / sessions["snapkv@12 (exp)"]))
     snap.Reload()
     kv_ratio = json.loads((exp / "snapkv@budget.tokens=12" / "metrics.json").read_text())["kv_ratio"]
     assert snap.Scalars("cost/kv_kept_over_full")[0].value == pytest.approx(kv_ratio)

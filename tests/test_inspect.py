@@ -49,7 +49,7 @@ def test_event_files_hold_every_view(vlm_run):
     assert figures <= set(tags["images"])
     for tag in figures:  # rendered figures a screen shows, not a layers x heads pixel strip
         image = acc.Images(tag)[0]
-        assert image.width >= 600 and image.height >= 200
+        assert image.width >= 500 and image.height >= 200
     for layer in (0, layers - 1):
         assert f"patches/layer_{layer}/image_0" in tags["images"]
         assert f"scores/attention/layer_{layer}" in tags["histograms"]  # one card per layer and role
@@ -62,15 +62,15 @@ def test_event_files_hold_every_view(vlm_run):
     assert all(e.value >= 0 for e in acc.Scalars("time/compression_s_per_batch"))
     assert 0 < acc.Scalars("cost/kv_kept_over_full")[0].value < 1
     image = acc.Images("patches/layer_0/image_0")[0]
-    assert image.width >= 600 and image.height >= 250
+    assert image.width >= 500 and image.height >= 250
 
 
 def test_the_run_summary_is_text_and_an_hparams_trial(vlm_run):
     acc = events(vlm_run / "tensorboard" / "summary")
     tags = acc.Tags()
     text = {tag.removesuffix("/text_summary") for tag in tags["tensors"]}
-    assert {"run/summary", "run/config", "run/prompt"} <= text
-    table = acc.Tensors("run/summary/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert {"results/metrics", "run/config", "run/prompt"} <= text
+    table = acc.Tensors("results/metrics/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| fidelity to the full cache | `fidelity_top1` |" in table and "| memory | `kv_ratio` |" in table
     assert "snapkv" in acc.Tensors("run/config/text_summary")[0].tensor_proto.string_val[0].decode()
     metrics = json.loads((vlm_run / "metrics.json").read_text())

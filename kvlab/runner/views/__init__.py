@@ -28,7 +28,7 @@ each modality per layer, every sample), ``budget/kept_layer_head_mean`` (the hea
 over every sample) and, for routed pipelines, ``route/metric_per_layer``.
 
 Then, from the finished run's files, ``<run>/tensorboard/summary/`` (:mod:`~.summary`): TEXT
-``run/summary`` (the results as a table), ``run/config``, ``run/prompt``, and the run as an
+``results/metrics`` (the results as a table), ``run/config``, ``run/prompt``, and the run as an
 HPARAMS trial (:mod:`~.hparams`).
 """
 

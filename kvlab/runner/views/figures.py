@@ -1,8 +1,9 @@
 """The figures of the TensorBoard views, drawn to be read at TensorBoard's default card size.
 
 matplotlib's object API on an Agg canvas (no pyplot state, no global backend change), rendered
-to RGB arrays 640 px wide with 12-13 pt text, so a card that shrinks the image to ~400 px still
-shows legible titles and ticks. Titles are one short line (method, budget, sample:
+to RGB arrays 560 px wide with 13-14 pt text, so TensorBoard's default card, which shrinks the
+image to about 360 px, still shows legible titles and ticks. Titles are two short lines (method
+and budget, then sample:
 :func:`kvlab.runner.views.labels.run_label`); scales are fitted to the data and stated in the
 colour bar's label or the axis, never a fixed 0..1 that leaves the data in one end. A heatmap
 whose cells all hold one value says so in words (``uniform: 0.24``) instead of a solid block.
@@ -19,15 +20,15 @@ import numpy as np
 import torch
 
 DPI = 100
-WIDTH = 6.4  # inches: 640 px at DPI
+WIDTH = 5.6  # inches: 560 px at DPI
 #: matplotlib settings of every view (fonts sized for a card that shrinks the image ~1.6x)
 STYLE = {
-    "font.size": 12,
+    "font.size": 13,
     "axes.titlesize": 13,
-    "axes.labelsize": 12,
-    "xtick.labelsize": 11,
-    "ytick.labelsize": 11,
-    "legend.fontsize": 10,
+    "axes.labelsize": 13,
+    "xtick.labelsize": 12,
+    "ytick.labelsize": 12,
+    "legend.fontsize": 11,
     "figure.titlesize": 13,
 }
 MODALITY_COLORS = {"text": "tab:green", "image": "tab:red", "video": "tab:purple"}  # the same in every figure
@@ -93,13 +94,13 @@ def heatmap_figure(share: torch.Tensor, title: str, label: str = "kept / prompt 
     """
     L, H = share.shape
     low, high, uniform = fitted_range(share)
-    fig = new_figure(height=min(2.4 + 0.22 * H, 4.6))
+    fig = new_figure(height=min(2.9 + 0.22 * H, 5.0))
     ax = fig.add_subplot()
     im = ax.imshow(share.T.float().numpy(), aspect="auto", cmap="viridis", vmin=low, vmax=high,
                    interpolation="nearest", origin="lower")  # fmt: skip
     ax.set_xlabel("layer")
     ax.set_ylabel("KV head")
-    ax.set_xticks(ticks(L, 16))
+    ax.set_xticks(ticks(L, 10))
     ax.set_yticks(ticks(H, 8))
     if uniform:
         ax.text(0.5, 0.5, f"uniform: {float(share.flatten()[0]):.2f}", transform=ax.transAxes, ha="center",
@@ -143,7 +144,7 @@ def layer_curves_figure(
     """
     L = share.shape[0]
     layers = np.arange(L)
-    fig = new_figure(height=3.6)
+    fig = new_figure(height=4.0)
     ax = fig.add_subplot()
     low, high, mean = share.min(1).values.numpy(), share.max(1).values.numpy(), share.mean(1).numpy()
     ax.fill_between(layers, low, high, alpha=0.25, label="min..max over heads")
@@ -158,13 +159,14 @@ def layer_curves_figure(
         drawn.append(values.float().numpy())
     ax.set_xlabel("layer")
     ax.set_ylabel("kept / prompt tokens")
-    ax.set_xticks(ticks(L, 16))
+    ax.set_xticks(ticks(L, 10))
     ax.set_ylim(0, upper_limit(*drawn))
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     if note:
-        ax.text(0.01, 0.02, note, transform=ax.transAxes, ha="left", va="bottom", color="darkred",
-                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "darkred"})  # fmt: skip
+        box = {"facecolor": "white", "alpha": 0.85, "edgecolor": "darkred"}
+        ax.text(0.02, 0.04, note, transform=ax.transAxes, ha="left", va="bottom", color="darkred",
+                fontsize=11, bbox=box)  # fmt: skip
     ax.set_title(title)
     return fig
 
@@ -172,13 +174,13 @@ def layer_curves_figure(
 @styled
 def modality_figure(fractions: dict[str, list[float]], title: str) -> Any:
     """Kept fraction of each modality's tokens per layer (one line per modality)."""
-    fig = new_figure(height=3.4)
+    fig = new_figure(height=3.8)
     ax = fig.add_subplot()
     for name, values in fractions.items():
         ax.plot(range(len(values)), values, marker="o", markersize=3, color=MODALITY_COLORS.get(name),
                 label=f"{name} tokens")  # fmt: skip
     count = max((len(v) for v in fractions.values()), default=1)
-    ax.set_xticks(ticks(count, 16))
+    ax.set_xticks(ticks(count, 10))
     ax.set_xlabel("layer")
     ax.set_ylabel("kept / present tokens")
     ax.set_ylim(0, upper_limit(*(np.asarray(v, dtype=float) for v in fractions.values())))
@@ -192,7 +194,7 @@ def modality_figure(fractions: dict[str, list[float]], title: str) -> Any:
 def route_figure(metric: dict[int, float], title: str) -> Any:
     """A routed pipeline's route metric per layer (mean over the samples where the layer evaluated
     it) and its drop from the layer before (DAVID's NCAR theta_m and Delta_m)."""
-    fig = new_figure(height=3.4)
+    fig = new_figure(height=3.8)
     ax = fig.add_subplot()
     layers = sorted(metric)
     ax.plot(layers, [metric[layer] for layer in layers], marker="o", markersize=3, label="route metric")

@@ -3,10 +3,10 @@
 Each run writes a session start (its hyperparameters, no experiment summary) and one scalar per
 result into ``tensorboard/summary/``. With no experiment summary anywhere, TensorBoard builds the
 table from every session it finds under ``--logdir``: the columns are the union of the runs'
-fields (a field a run lacks is blank; the fields that differ come first) and the metrics are the
-scalar tags of the sessions' directories, so an experiment's runs compare side by side. The
-trial's name is ``<experiment>/<run>`` (the session's group name: two runs of one name in two
-experiments stay apart).
+fields (a field a run lacks is blank; the fields that differ come first, and the first five of
+them are shown) and the metrics are the scalar tags of the sessions' directories, so an
+experiment's runs compare side by side. The trial's name is :func:`trial_name` (the session's
+group name: two runs of one name in two experiments stay apart).
 """
 
 from __future__ import annotations
@@ -26,28 +26,22 @@ from kvlab.pipeline import Pipeline
 from kvlab.pipeline.validation import WHERE
 from kvlab.runner.run_names import parse_method
 
-#: metrics.json key -> the scalar tag the HPARAMS tab shows, its unit in the name
+#: metrics.json key -> the scalar tag the HPARAMS tab shows, its unit in the name. TensorBoard
+#: sorts metrics by tag and shows the first five: the KV kept, the three fidelity measures and the
+#: first task metric (``task/<name>``); the times and ``usage/`` follow. Every other number of
+#: ``metrics.json`` is in the TEXT summary.
 METRIC_TAGS = {
     "kv_ratio": "cost/kv_kept_over_full",
-    "kv_bytes_kept": "cost/kv_bytes_kept_total",
-    "kv_bytes_full": "cost/kv_bytes_full_total",
-    "kv_bytes_allocated_peak": "cost/kv_bytes_allocated_peak",
-    "peak_memory_bytes": "cost/peak_memory_bytes",
-    "fidelity_exact": "fidelity/exact_share",
-    "fidelity_token_match": "fidelity/token_match_share",
-    "fidelity_rouge_l": "fidelity/rouge_l",
     "fidelity_kl": "fidelity/kl_nats_per_token",
+    "fidelity_token_match": "fidelity/token_match_share",
     "fidelity_top1": "fidelity/top1_share",
     "prefill_seconds": "time/prefill_s_per_sample",
     "compression_seconds": "time/compression_s_per_sample",
     "decode_seconds": "time/decode_s_per_sample",
-    "compression_over_prefill": "time/compression_over_prefill",
     "decode_tokens_per_second": "time/decode_tokens_per_s",
-    "prompt_tokens": "size/prompt_tokens_per_sample",
-    "output_tokens": "size/output_tokens_per_sample",
-    "samples": "size/samples",
-    "budget_overshoot_samples": "budget/overshoot_samples",
-    "budget_overshoot_max": "budget/overshoot_max_tokens_per_head",
+    "peak_memory_bytes": "usage/peak_memory_bytes",
+    "kv_bytes_kept": "usage/kv_bytes_kept_total",
+    "budget_overshoot_samples": "usage/over_budget_samples",
 }
 
 
@@ -106,6 +100,16 @@ def _leaves(prefix: str, value: Any) -> dict[str, Any]:
             out.update(_leaves(f"{prefix}.{key}" if prefix else str(key), item))
         return out
     return {prefix: value}
+
+
+def trial_name(method: str, experiment: str) -> str:
+    """The trial's name in HPARAMS: the run's family and swept values, then its experiment
+    (``snapkv@budget.tokens=64`` in ``sweep`` -> ``snapkv@64 (sweep)``). TensorBoard cuts a trial
+    name at about 15 characters, so what tells runs apart comes first; the columns say what the
+    values are (the run's full name is the ``run`` column)."""
+    family, point = parse_method(method)
+    values = ",".join(point.values())
+    return f"{family}@{values} ({experiment})" if values else f"{family} ({experiment})"
 
 
 def hparam_values(method: str, experiment: str, fields: dict[str, Any]) -> dict[str, bool | float | str]:

@@ -143,7 +143,7 @@ class Inspector:
         modalities = self._modality_share(reports, batch) if len(reports) == share.shape[0] else {}
         overshoot = budget_overshoot(result.reports)
         excess = int(overshoot[0]) if overshoot is not None else 0
-        note = f"budget_overshoot: {excess} tok/head beyond the asked budget" if excess else None
+        note = f"budget_overshoot: {excess} tok/head over budget" if excess else None
         curves = layer_curves_figure(share, titled(self.label, about), budget, modalities, note)
         self._figure("budget/kept_per_layer", curves, step)
 

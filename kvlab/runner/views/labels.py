@@ -24,5 +24,7 @@ def run_label(method: str | None, pipeline: Any) -> str:
 
 
 def titled(label: str, *parts: str) -> str:
-    """``label · part · part`` without empty pieces (a figure title)."""
-    return " · ".join(p for p in (label, *parts) if p)
+    """A figure title of two short lines: ``label`` (method and budget), then the parts joined by
+    `` · `` (sample, layer, image); one line when either is empty."""
+    rest = " · ".join(p for p in parts if p)
+    return "\n".join(line for line in (label, rest) if line)

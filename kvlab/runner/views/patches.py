@@ -83,7 +83,7 @@ def patch_figure(image: Image.Image, kept_share: torch.Tensor, title: str, heads
     pixels = np.asarray(image.convert("RGB"))
     height, width = pixels.shape[:2]
     aspect = height / max(width, 1)
-    fig = new_figure(height=min(max(2.6, 3.0 * aspect) + 0.9, 6.5), width=WIDTH)
+    fig = new_figure(height=min(2.2 * aspect + 1.3, 6.0), width=WIDTH)
     left, right = fig.subplots(1, 2)
     left.imshow(pixels)
     left.set_title("image")

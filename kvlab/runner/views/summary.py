@@ -15,7 +15,7 @@ from typing import Any
 from torch.utils.tensorboard import SummaryWriter
 
 from kvlab.runner.progress import SECTIONS, format_value
-from kvlab.runner.views.hparams import hparam_values, metric_values, write_session
+from kvlab.runner.views.hparams import hparam_values, metric_values, trial_name, write_session
 
 SUMMARY_DIR = Path("tensorboard") / "summary"
 
@@ -52,8 +52,9 @@ def metrics_table(metrics: dict[str, Any]) -> str:
 def write_run_summary(run_dir: str | Path, experiment: str) -> Path:
     """Write the run's TEXT summary and HPARAMS trial into ``<run_dir>/tensorboard/summary/``.
 
-    TEXT (step 0): ``run/summary`` (the results table, :func:`metrics_table`), ``run/config`` (the
-    resolved ``config.yaml``), ``run/prompt`` (the first sample's prompt as the model saw it).
+    TEXT (step 0): ``results/metrics`` (the results table, :func:`metrics_table`; its group sorts
+    first), ``run/config`` (the resolved ``config.yaml``), ``run/prompt`` (the first sample's
+    prompt as the model saw it).
     HPARAMS: :func:`kvlab.runner.views.hparams.hparam_values` as columns and
     :func:`~kvlab.runner.views.hparams.metric_values` as metrics. Returns the directory.
     """
@@ -67,7 +68,7 @@ def write_run_summary(run_dir: str | Path, experiment: str) -> Path:
         fields = {}
     writer = SummaryWriter(str(out))
     try:
-        writer.add_text("run/summary", metrics_table(metrics), 0)
+        writer.add_text("results/metrics", metrics_table(metrics), 0)
         config = _read(run_dir / "config.yaml")
         if config is not None:
             writer.add_text("run/config", code_block(config), 0)
@@ -75,7 +76,7 @@ def write_run_summary(run_dir: str | Path, experiment: str) -> Path:
         if prompt is not None:
             writer.add_text("run/prompt", code_block(prompt), 0)
         hparams = hparam_values(run_dir.name, experiment, fields)
-        write_session(writer, f"{experiment}/{run_dir.name}", hparams, metric_values(metrics))
+        write_session(writer, trial_name(run_dir.name, experiment), hparams, metric_values(metrics))
     finally:
         writer.close()
     return out
