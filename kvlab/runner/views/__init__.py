@@ -25,7 +25,8 @@ The first ``model.inspect_samples`` batches, their first sample (step = batch in
 
 At the end of the run (step 0): ``modality/kept_fraction_per_layer`` (kept / present tokens of
 each modality per layer, every sample), ``budget/kept_layer_head_mean`` (the heatmap averaged
-over every sample) and, for routed pipelines, ``route/metric_per_layer``.
+over every sample) and, for routed pipelines, ``route/metric_per_layer`` (a figure, and the
+same numbers as a TEXT table).
 
 Then, from the finished run's files, ``<run>/tensorboard/summary/`` (:mod:`~.summary`): TEXT
 ``results/metrics`` (the results as a table), ``run/config``, ``run/prompt``, and the run as an

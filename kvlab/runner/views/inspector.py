@@ -73,6 +73,16 @@ def score_histograms(report: Any, valid: torch.Tensor) -> dict[str, torch.Tensor
     return {role: values for role, values in out.items() if values.numel()}
 
 
+def route_table(means: dict[int, float]) -> str:
+    """The route metric per layer and its drop from the layer before, as a Markdown table (the
+    numbers behind ``route/metric_per_layer``'s figure)."""
+    lines = ["| layer | route metric | drop from the layer before |", "|---|---|---|"]
+    for layer, value in means.items():
+        drop = f"{means[layer - 1] - value:.6g}" if layer - 1 in means else ""
+        lines.append(f"| {layer} | {value:.6g} | {drop} |")
+    return "\n".join(lines) + "\n"
+
+
 class Inspector:
     """Writes the views of :mod:`kvlab.runner.views` to a TensorBoard ``SummaryWriter``.
 
@@ -222,4 +232,5 @@ class Inspector:
         if self.route_sums:
             means = {layer: total / count for layer, (total, count) in sorted(self.route_sums.items())}
             self._figure("route/metric_per_layer", route_figure(means, titled(self.label, "all samples")), 0)
+            self.writer.add_text("route/metric_per_layer", route_table(means), 0)
         self.writer.flush()
