@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import re
+
 from mkdocs.structure.files import File, Files
 
 PAGE = "reference/components.md"
@@ -16,3 +18,12 @@ def on_files(files: Files, config) -> Files:
 
     files.append(File.generated(config, PAGE, content=reference_markdown()))
     return files
+
+
+ROLE = re.compile(r":(?:mod|func|class|meth|data|attr|exc|obj):(?=<code)")
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """Docstrings use Sphinx roles (``:func:`name```); mkdocstrings renders the name as code and
+    leaves the role's prefix as text, which is dropped here."""
+    return ROLE.sub("", html)
