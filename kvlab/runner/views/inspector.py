@@ -68,7 +68,12 @@ def score_histograms(report: Any, valid: torch.Tensor) -> dict[str, torch.Tensor
     mixed = report.scores[0].float().cpu() if report.scores is not None else None
     if mixed is not None and len(by_role) != 1:
         first = next(iter(by_role.values()), None)
-        candidates = torch.isfinite(first) if first is not None else valid.cpu()[None].expand_as(mixed)
+        if first is not None:
+            candidates = torch.isfinite(first)
+        elif valid.shape[-1] == mixed.shape[-1]:
+            candidates = valid.cpu()[None].expand_as(mixed)
+        else:  # a protocol that compressed only part of the prompt (its context)
+            candidates = torch.ones_like(mixed, dtype=torch.bool)
         out["mixed"] = mixed[candidates & torch.isfinite(mixed)]
     return {role: values for role, values in out.items() if values.numel()}
 
