@@ -211,6 +211,28 @@ def test_list_prints_every_component_with_parameters(capsys):
     assert "snapkv" in out.split("presets")[-1]
 
 
+def test_list_markdown_is_the_component_reference(capsys):
+    """`kvlab list --format markdown`: every pipeline component and protocol with its parameters,
+    defaults, capabilities, paper and the presets that use it."""
+    from kvlab.cli.listing import ORDER
+    from kvlab.config.registry import REGISTRIES
+
+    main(["list", "--format", "markdown"])
+    out = capsys.readouterr().out
+    sections = out.split("\n### ")
+    for registry in REGISTRIES:
+        if registry.field in ORDER[:11]:  # the pipeline's slots and the protocols
+            assert f"YAML field: `{registry.field}`" in out
+            for name in registry.names():
+                assert any(s.startswith(f"`{name}`") for s in sections), name
+    snap = next(s for s in sections if s.startswith("`window_attention`"))
+    assert "| `kernel` | `int` | `5` |" in snap
+    assert '**paper**: Li et al. 2024, "SnapKV' in snap and "**capabilities**: chunked_prefill" in snap
+    assert "`snapkv`" in snap.split("**presets**")[1].splitlines()[0]
+    adakv = next(s for s in sections if s.startswith("`adakv`"))
+    assert "`adakv`" in adakv.split("**presets**")[1] and "Feng et al. 2025" in adakv
+
+
 # One fresh interpreter: what `import kvlab.compression` registers against what every compression
 # module registers; then `kvlab list` with only the imports the command makes; then every Registry
 # defined anywhere in kvlab (all modules imported), each with whether it is enrolled.

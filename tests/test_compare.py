@@ -1,5 +1,6 @@
 """Sweeps and `kvlab compare`: one run per value, the reference reused, table = metrics.json, plots."""
 
+import contextlib
 import csv
 import json
 
@@ -71,16 +72,70 @@ def test_compare_table_equals_each_runs_metrics_json(swept, capsys):
     assert (exp / "compare.md").read_text().startswith("| method |")
 
 
-def test_sweep_plot_png_and_tensorboard_curves(swept):
+def hparams_table(logdir):
+    """What TensorBoard's HPARAMS tab shows for ``logdir``, computed by its own plugin code from the
+    event files: ``({column: HParamInfo}, {metric tag}, {trial name: session run})``."""
+    from tensorboard.plugins.hparams import metadata
+    from tensorboard.plugins.hparams.backend_context import Context
+
+    plugin_data, scalars = {}, {}
+    for events in logdir.rglob("events.out.tfevents.*"):
+        run = str(events.parent.relative_to(logdir))
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        with contextlib.suppress(KeyError):  # a directory without hparams data
+            plugin_data.setdefault(run, {}).update(acc.PluginTagToContent(metadata.PLUGIN_NAME))
+        scalars.setdefault(run, set()).update(acc.Tags()["scalars"])
+    assert not any(metadata.EXPERIMENT_TAG in tags for tags in plugin_data.values())  # no run's columns win
+    columns = {info.name: info for info in Context(None)._compute_hparam_infos(plugin_data)}
+    sessions = {
+        metadata.parse_session_start_info_plugin_data(tags[metadata.SESSION_START_INFO_TAG]).group_name: run
+        for run, tags in plugin_data.items()
+        if metadata.SESSION_START_INFO_TAG in tags
+    }
+    metrics = set().union(*(scalars[run] for run in sessions.values()))
+    return columns, metrics, sessions
+
+
+def test_runs_compare_in_tensorboards_hparams_tab(swept):
+    """Opened on the experiment, HPARAMS has one readable trial per run, the union of the runs'
+    fields as columns (the full run has no budget, the sweep's budget.tokens differs) and the real
+    metrics, with no placeholder hp_metric."""
+    exp = swept[0]
+    columns, metrics, sessions = hparams_table(exp)
+    # short trial names: TensorBoard cuts them at about 15 characters
+    assert set(sessions) == {"full (exp)", "snapkv@12 (exp)", "snapkv@24 (exp)"}
+    assert {"run", "preset", "model", "protocol", "dataset", "budget.tokens", "budget.window"} <= set(columns)
+    assert "importance.attention" in columns and "importance.attention.kernel" in columns  # defaults too
+    assert columns["budget.tokens"].differs and columns["run"].differs and not columns["model"].differs
+    assert (
+        columns["budget.tokens"].domain_interval.min_value,
+        columns["budget.tokens"].domain_interval.max_value,
+    ) == (
+        12,
+        24,
+    )
+    assert not [c for c in columns if c.startswith(("_", "batch_size", "chat_template"))]
+    assert {"task/contains_answer", "cost/kv_kept_over_full", "fidelity/top1_share",
+            "time/prefill_s_per_sample"} <= metrics  # fmt: skip
+    # TensorBoard shows the first five metrics by name: the KV kept, fidelity and the task
+    first = ["cost/kv_kept_over_full", "fidelity/kl_nats_per_token", "fidelity/token_match_share",
+             "fidelity/top1_share", "task/contains_answer"]  # fmt: skip
+    assert sorted(metrics)[:5] == first
+    assert "hp_metric" not in metrics
+    snap = EventAccumulator(str(exp / sessions["snapkv@12 (exp)"]))
+    snap.Reload()
+    kv_ratio = json.loads((exp / "snapkv@budget.tokens=12" / "metrics.json").read_text())["kv_ratio"]
+    assert snap.Scalars("cost/kv_kept_over_full")[0].value == pytest.approx(kv_ratio)
+
+
+def test_sweep_plot_png_and_tensorboard_figure(swept):
     exp = swept[0]
     assert (exp / "quality_vs_memory.png").read_bytes()[:4] == b"\x89PNG"
-    acc = EventAccumulator(str(exp / "compare" / "tensorboard" / "snapkv"))
-    acc.Reload()
-    steps = [e.step for e in acc.Scalars("sweep/fidelity_top1")]
-    assert len(steps) == 2 and steps == sorted(steps) and all(0 < s < 1000 for s in steps)
-    figure = EventAccumulator(str(exp / "compare" / "tensorboard" / "_figure"))
-    figure.Reload()
-    assert "sweep/quality_vs_memory" in figure.Tags()["images"]
+    board = EventAccumulator(str(exp / "compare" / "tensorboard"))
+    board.Reload()
+    assert "sweep/quality_vs_memory" in board.Tags()["images"]
+    assert not board.Tags()["scalars"]  # curves as figures: TensorBoard's smoothing cannot bend them
 
 
 def test_yaml_sweep_block_and_names(tmp_path):

@@ -13,7 +13,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from kvlab.cli.main import main
 from kvlab.runner.leaderboard import budget_point, leaderboard
 from kvlab.runner.runs import load_runs
-from kvlab.runner.views import heatmap_figure, layer_curves_figure, patch_figure, render, run_label
+from kvlab.runner.views import run_label
+from kvlab.runner.views.figures import heatmap_figure, layer_curves_figure, render
+from kvlab.runner.views.patches import patch_figure
 
 ATTENTION = {"attention": {"name": "window_attention"}}
 
@@ -123,37 +125,39 @@ def test_compare_writes_leaderboard_csv_markdown_plot_and_tensorboard(bench):
     assert float(overall["snapkv"]["ratio=0.1"]) == pytest.approx(37.5)
     with Image.open(bench / "score_vs_ratio.png") as image:
         assert image.width >= 600 and image.height >= 300
-    figures = EventAccumulator(
-        str(bench / "compare" / "tensorboard" / "_figure"), size_guidance={"images": 0}
+    board = EventAccumulator(
+        str(bench / "compare" / "tensorboard"), size_guidance={"images": 0, "tensors": 0}
     )
-    figures.Reload()
-    assert "leaderboard/score_vs_ratio" in figures.Tags()["images"]
-    scalars = EventAccumulator(str(bench / "compare" / "tensorboard" / "leaderboard" / "snapkv"))
-    scalars.Reload()
-    points = [(e.step, e.value) for e in scalars.Scalars("leaderboard/overall_vs_ratio")]
-    assert points == [(100, pytest.approx(37.5)), (500, pytest.approx(62.5))]
+    board.Reload()
+    tags = board.Tags()
+    assert "leaderboard/score_vs_ratio" in tags["images"]  # curves as figures: nothing smooths them
+    assert not tags["scalars"]
+    assert [p.name for p in (bench / "compare" / "tensorboard").iterdir() if p.is_dir()] == []  # one run
+    text = board.Tensors("compare/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert text == (bench / "compare.md").read_text()  # the leaderboard table as TEXT
 
 
 def test_figures_are_readable_sizes():
     share = torch.rand(30, 3)
     heat = render(heatmap_figure(share, "snapkv · 128 tokens/head, window 32\nsample s0"))
-    assert heat.shape[1] >= 600 and heat.shape[0] >= 200 and heat.dtype == np.uint8
+    assert heat.shape[1] >= 500 and heat.shape[0] >= 200 and heat.dtype == np.uint8
     assert heat.std() > 10  # drawn, not blank
     curves = render(
         layer_curves_figure(share, "t", budget=torch.full((30,), 0.4), modalities={"image": torch.rand(30)})
     )
-    assert curves.shape[1] >= 600
+    assert curves.shape[1] >= 500
     patches = render(
         patch_figure(Image.new("RGB", (64, 48), "white"), torch.tensor([[1.0, 0.0], [0.5, 0.25]]), "t")
     )
-    assert patches.shape[1] >= 600 and patches.shape[0] >= 250
+    assert patches.shape[1] >= 500 and patches.shape[0] >= 250
 
 
 def test_run_label_names_the_budget_window_and_sinks():
     from kvlab.pipeline import Pipeline
 
     snap = Pipeline.from_config({"budget": {"tokens": 128, "window": 32}, "importance": ATTENTION})
-    assert run_label("snapkv", snap) == "snapkv · 128 tokens/head, window 32"
+    assert run_label("snapkv", snap) == "snapkv · 128 tok/head, window 32"
+    assert run_label("snapkv@budget.tokens=128,model=tiny-llama", snap) == "snapkv · 128 tok/head, window 32"
     assert run_label("full", Pipeline.from_config({})) == "full · full cache"
     ratio = Pipeline.from_config({"budget": {"ratio": 0.2, "window": 8, "sinks": 4}, "importance": ATTENTION})
     assert run_label(None, ratio) == "ratio 0.2, window 8, 4 sinks"
@@ -192,3 +196,32 @@ def test_a_run_without_its_datasets_metric_has_no_score():
     fields = {"data": {"dataset": {"name": "bench", "metrics": ["rouge_l"]}}}
     run = Run("snapkv", "snapkv", {}, {}, records=[{"id": "s0", "contains_answer": 1.0}], fields=fields)
     assert primary_metric(run) is None  # never scored by another metric
+
+
+def test_heatmaps_fit_their_scale_and_name_a_uniform_budget():
+    ada = torch.tensor([[0.13, 0.40], [0.25, 0.31]])
+    fig = heatmap_figure(ada, "adakv")
+    bar = fig.axes[1]
+    assert "scale: 0.13 to 0.40" in bar.get_ylabel()  # fitted to the data, and stated
+    assert fig.axes[0].images[0].get_clim() == pytest.approx((0.13, 0.40))
+    assert {t.get_text() for t in fig.axes[0].texts} == {"0.13", "0.40", "0.25", "0.31"}  # values printed
+    uniform = heatmap_figure(torch.full((30, 3), 0.24), "snapkv")  # too many cells to print each
+    assert [t.get_text() for t in uniform.axes[0].texts] == ["uniform: 0.24"]
+    assert "0.24 everywhere" in uniform.axes[1].get_ylabel()
+
+
+def test_kept_patches_are_drawn_in_the_colour_bars_colours_with_the_count():
+    share = torch.tensor([[1.0, 0.0, 0.5, 1.0]])  # 2 KV heads: shares 0, 1/2, 1
+    fig = patch_figure(Image.new("RGB", (40, 10), "white"), share, "lookm", heads=2)
+    panel = fig.axes[1]
+    assert panel.get_title() == "kept 3/4 patches"
+    image = render(fig)
+    shown = panel.images[0]
+    top = np.round(np.asarray(shown.cmap(shown.norm(1.0))[:3]) * 255)
+    bottom = np.round(np.asarray(shown.cmap(shown.norm(0.0))[:3]) * 255)
+    box = panel.get_window_extent()  # the panel in pixels (origin bottom left)
+    y = int(image.shape[0] - (box.y0 + box.y1) / 2)
+    first = image[y, int(box.x0 + box.width / 8)]  # the first patch: kept by both heads
+    second = image[y, int(box.x0 + 3 * box.width / 8)]  # dropped by both
+    assert np.abs(first.astype(int) - top).max() <= 2  # the bar's top colour, not a muted blend
+    assert np.abs(second.astype(int) - bottom).max() <= 2

@@ -103,7 +103,7 @@ def test_unknown_pipeline_field():
 
 
 def test_every_component_describes_its_parameters():
-    rows = dict((name, params) for name, _, params, _ in IMPORTANCE.describe())
+    rows = {row.name: row.params for row in IMPORTANCE.describe()}
     window = dict((p, (t, d)) for p, t, d in rows["window_attention"])
     assert window["window"] == ("int | None", "None") and window["kernel"] == ("int", "5")
 

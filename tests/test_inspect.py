@@ -1,4 +1,5 @@
-"""TensorBoard views: the event files of a VLM run hold every tag with sane values; helpers vs naive loops."""
+"""TensorBoard views: the event files of a VLM run hold every tag with sane values (figures, one histogram
+card per layer and role, TEXT summary, an HPARAMS trial); helpers vs naive loops."""
 
 import json
 
@@ -9,7 +10,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_cli import predict, write_jsonl
 
 from kvlab.cache.selection import Selection
-from kvlab.runner.views import image_grids, modality_counts, patch_figure, render
+from kvlab.runner.views.figures import render
+from kvlab.runner.views.inspector import modality_counts
+from kvlab.runner.views.patches import image_grids, patch_figure
 
 
 def events(directory):
@@ -46,21 +49,37 @@ def test_event_files_hold_every_view(vlm_run):
     assert figures <= set(tags["images"])
     for tag in figures:  # rendered figures a screen shows, not a layers x heads pixel strip
         image = acc.Images(tag)[0]
-        assert image.width >= 600 and image.height >= 200
+        assert image.width >= 500 and image.height >= 200
     for layer in (0, layers - 1):
         assert f"patches/layer_{layer}/image_0" in tags["images"]
-        assert f"scores/layer_{layer}" in tags["histograms"]
-        assert f"scores/attention/layer_{layer}" in tags["histograms"]  # per-scorer histograms, by role
-    for name in ("text", "image"):
-        fractions = acc.Scalars(f"modality/kept_fraction_{name}")
-        assert [e.step for e in fractions] == list(range(layers))
-        assert all(0 <= e.value <= 1 for e in fractions)
-    assert any(e.value < 1 for e in acc.Scalars("modality/kept_fraction_image"))  # 12 of ~30 tokens kept
-    assert all(e.value >= 0 for e in acc.Scalars("time/compression_s"))
-    assert 0 < acc.Scalars("summary/kv_ratio")[0].value < 1
-    assert 0 <= acc.Scalars("summary/fidelity_top1")[0].value <= 1
+        assert f"scores/attention/layer_{layer}" in tags["histograms"]  # one card per layer and role
+    assert not [t for t in tags["histograms"] if not t.startswith("scores/attention/")]  # one scorer: no mix
+    first = json.loads((vlm_run / "predictions.jsonl").read_text().splitlines()[0])
+    candidates = first["prompt_tokens"] - 4  # the first sample's tokens outside the window of 4
+    histogram = acc.Histograms("scores/attention/layer_0")[0].histogram_value
+    assert histogram.num == candidates * 2  # x 2 KV heads: no padding, no protected entries
+    assert not [t for t in tags["scalars"] if t.startswith(("modality/", "summary/"))]  # no layer-as-step
+    assert all(e.value >= 0 for e in acc.Scalars("time/compression_s_per_batch"))
+    assert 0 < acc.Scalars("cost/kv_kept_over_full")[0].value < 1
     image = acc.Images("patches/layer_0/image_0")[0]
-    assert image.width >= 600 and image.height >= 250
+    assert image.width >= 500 and image.height >= 250
+
+
+def test_the_run_summary_is_text_and_an_hparams_trial(vlm_run):
+    acc = events(vlm_run / "tensorboard" / "summary")
+    tags = acc.Tags()
+    text = {tag.removesuffix("/text_summary") for tag in tags["tensors"]}
+    assert {"results/metrics", "run/config", "run/prompt"} <= text
+    table = acc.Tensors("results/metrics/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| fidelity to the full cache | `fidelity_top1` |" in table and "| memory | `kv_ratio` |" in table
+    assert "snapkv" in acc.Tensors("run/config/text_summary")[0].tensor_proto.string_val[0].decode()
+    metrics = json.loads((vlm_run / "metrics.json").read_text())
+    assert acc.Scalars("cost/kv_kept_over_full")[0].value == pytest.approx(metrics["kv_ratio"])
+    assert acc.Scalars("fidelity/top1_share")[0].value == pytest.approx(metrics["fidelity_top1"])
+    assert acc.Scalars("task/contains_answer")[0].value == pytest.approx(metrics["contains_answer"])
+    plugin = acc.PluginTagToContent("hparams")
+    assert "_hparams_/experiment" not in plugin  # TensorBoard then takes every run's columns
+    assert "hp_metric" not in events(vlm_run / "tensorboard").Tags()["scalars"]
 
 
 def naive_kept(selection, length):
@@ -105,3 +124,39 @@ def test_image_grids_and_overlay():
     dropped = render(patch_figure(Image.new("RGB", (10, 10), "white"), torch.tensor([[0.0, 0.0]]), "t"))
     assert kept.shape == dropped.shape and kept.shape[2] == 3
     assert kept.mean() > dropped.mean()  # a kept patch is drawn bright, a dropped one dark
+
+
+@pytest.mark.parametrize(
+    "budget, modality",
+    [
+        ({"ratio": 0.2, "window": 0.1, "sinks": 0}, {"name": "text_prior", "overflow": "keep_all_text"}),
+        ({"ratio": 0.2, "window": 48}, {"name": "none"}),  # 48 does not fit in 20% of ~185 tokens
+    ],
+)
+def test_the_per_layer_plot_and_the_overshoot_counter_agree(budget, modality):
+    """LOOK-M's text prior keeps every text token past its budget: the per-layer plot's mean kept
+    share stands above its dashed layer budget, and the counter records exactly that excess."""
+    import e2e
+
+    from kvlab.data.synthetic import SyntheticRetrieval
+    from kvlab.pipeline import Pipeline
+    from kvlab.pipeline.report import budget_overshoot
+    from kvlab.runner.views.inspector import layer_budget_share
+
+    loaded = e2e.kvlab_model("tiny-llama")
+    items = SyntheticRetrieval(num_samples=2, context_words=25, seed=3).samples()
+    node = {"budget": budget, "importance": {"attention": {"name": "cumulative_attention"}},
+            "allocate": {"modality": modality}}  # fmt: skip
+    result = e2e.run(loaded, Pipeline.from_config(node), items, 2)
+    counter = budget_overshoot(result.reports)
+    assert int(counter.max()) > 0
+    for b in range(len(items)):
+        share, layer_budget = layer_budget_share(result, b)  # what the plot draws
+        length = int(result.prompt_lengths[b])
+        heads = share.shape[1]
+        kept = (share * length).round().sum(1)  # [L] tokens over heads
+        drawn = torch.div(kept - (layer_budget * length).round() * heads, heads, rounding_mode="floor")
+        window = result.reports[0].overshoot[b]  # the window's part is the same at every layer
+        assert int(counter[b]) == max(int(drawn.clamp(min=0).max()), int(window.clamp(min=0)))
+        if modality["name"] == "text_prior":
+            assert bool((share.mean(1) > layer_budget).all()) == (int(counter[b]) > 0)

@@ -58,8 +58,8 @@ def forward(loaded, batch) -> torch.Tensor:
 
 # ---- names and info ----------------------------------------------------------------------------
 def test_builtin_names_registered():
-    assert set(MODELS.names()) == set(TINY + GRAFTED + ["smollm2-135m", "gemma3-270m"])
-    rows = {name: doc for name, doc, _, _ in MODELS.describe()}
+    assert set(MODELS.names()) == set(TINY + GRAFTED + ["smollm2-135m", "smollm2-reader", "gemma3-270m"])
+    rows = {row.name: row.doc for row in MODELS.describe()}
     assert all(rows.values()), "every built-in needs a one-line description"
 
 

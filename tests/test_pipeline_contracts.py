@@ -259,11 +259,11 @@ def test_overshoot_reaches_predictions_metrics_and_the_summary(tmp_path, capsys)
 def test_capabilities_are_declared_once_and_read_in_one_walk():
     """Each component declares its capabilities on its class (the base of its kind sets the
     default); ``kvlab list`` shows them and the pipeline reads them in one walk over its parts."""
-    rows = {name: caps for name, _, _, caps in IMPORTANCE.describe()}
+    rows = {row.name: row.capabilities for row in IMPORTANCE.describe()}
     assert rows["window_attention"] == "chunked_prefill" and rows["cumulative_attention"] == "none"
-    policies = {name: caps for name, _, _, caps in DECODE_POLICIES.describe()}
+    policies = {row.name: row.capabilities for row in DECODE_POLICIES.describe()}
     assert policies["h2o"] == "decode_attention" and policies["none"] == "chunked_prefill"
-    allocators = {name: caps for name, _, _, caps in LAYER_ALLOCATORS.describe()}
+    allocators = {row.name: row.capabilities for row in LAYER_ALLOCATORS.describe()}
     assert allocators["prefix_threshold"] == "chunked_prefill, needs_all_layers, observes_layers"
     snap = Pipeline.from_config(resolve(["snapkv"], [])["model"]["compression"])
     assert [part.field for part in snap.walk()][:2] == [

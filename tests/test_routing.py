@@ -163,16 +163,12 @@ def windows(window=WINDOW):
     ]
 
 
-def tensorboard_scalars(run, tag):
+def tensorboard_events(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    values = []
-    for path in (run / "tensorboard").rglob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(path))
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            values += [e.value for e in acc.Scalars(tag)]
-    return values
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
 
 
 def test_switch_layer_is_recorded_in_predictions_and_tensorboard(tmp_path):
@@ -181,15 +177,20 @@ def test_switch_layer_is_recorded_in_predictions_and_tensorboard(tmp_path):
     for r in records:
         assert r["route_switch_layer"] in (0, 1, None)  # 2 layers; None: never switched
         assert len(r["route_metric"]) == 2 and r["route_metric"][0] is not None
-    assert len(tensorboard_scalars(run, "route/switch_layer")) == 2  # one per batch
-    # per-layer NCAR curve: the mean over the samples that evaluated each layer
-    curve = tensorboard_scalars(run, "route/metric")
-    assert curve  # layer 0 always evaluates the metric
-    for layer, value in enumerate(curve):
+    acc = tensorboard_events(run)
+    assert len(acc.Scalars("route/switch_layer_mean")) == 2  # one per batch
+    assert "route/metric_per_layer" in acc.Tags()["images"]  # the curve over layers is a figure
+    # the numbers behind it: the mean over the samples that evaluated each layer, and its drop
+    table = acc.Tensors("route/metric_per_layer/text_summary")[0].tensor_proto.string_val[0].decode()
+    rows = [line.strip("|").split("|") for line in table.splitlines()[2:]]
+    curve = {int(layer): float(value) for layer, value, _ in rows}
+    assert 0 in curve  # layer 0 always evaluates the metric
+    for layer, value in curve.items():
         seen = [r["route_metric"][layer] for r in records if r["route_metric"][layer] is not None]
         assert value == pytest.approx(sum(seen) / len(seen), rel=1e-5)
-    drops = tensorboard_scalars(run, "route/metric_drop")
-    assert drops == [pytest.approx(curve[i - 1] - curve[i], rel=1e-5) for i in range(1, len(curve))]
+    for layer, _, drop in rows[1:]:
+        layer = int(layer)
+        assert float(drop) == pytest.approx(curve[layer - 1] - curve[layer], rel=1e-4, abs=1e-6)
 
 
 def test_hybrid_preset_runs_end_to_end(tmp_path):

@@ -44,6 +44,7 @@ from kvlab.runner.guards import RunGuard, make_run_dir
 from kvlab.runner.module import KVLabModule
 from kvlab.runner.progress import RunProgress, format_summary
 from kvlab.runner.run_names import override_suffix
+from kvlab.runner.views import write_run_summary
 from kvlab.runner.writer import METRICS, PredictionWriter, local_summary, merge_predictions
 
 
@@ -121,7 +122,10 @@ class KVLabCLI(LightningCLI):
         self.model.run_dir = str(run_dir)
         writer = PredictionWriter(run_dir, order=[s.id for s in self.datamodule.selected_samples])
         self.trainer.callbacks.extend([writer, RunProgress(), RunGuard(run_dir)])
-        self.trainer.logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="")
+        # no placeholder hp_metric: the HPARAMS trial is written from the finished run (after_predict)
+        self.trainer.logger = TensorBoardLogger(
+            save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False
+        )
         if launch_rank() == 0 and self.datamodule.selected_samples:  # what the model sees, shown once
             self.datamodule.setup("predict")
             sample = self.datamodule.selected_samples[0]
@@ -142,6 +146,7 @@ class KVLabCLI(LightningCLI):
             records = merge_predictions(self.run_dir(), [s.id for s in self.datamodule.selected_samples])
             atomic_write_text(self.run_dir() / METRICS, json.dumps(local_summary(records), indent=2) + "\n")
         metrics = json.loads((self.run_dir() / METRICS).read_text())
+        write_run_summary(self.run_dir(), self.config["predict"]["run"]["experiment"])
         print(format_summary(metrics, self.run_dir()))
 
 

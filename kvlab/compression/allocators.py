@@ -10,11 +10,12 @@ All budgets count tokens per KV head; protected tokens are inside the layer budg
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
 from kvlab.compression.context import LayerContext
+from kvlab.config import papers
 from kvlab.config.artefacts import UsesArtefact
 from kvlab.config.capabilities import Component
 from kvlab.config.errors import ConfigError
@@ -114,6 +115,8 @@ class PyramidLayerAllocator(LayerAllocator):
     real-valued steps and ``round``, and returns the uniform budget whenever
     ``not T >= max >= min >= w``.
     """
+
+    paper: ClassVar[str | None] = papers.PYRAMIDKV
 
     beta: int = 20
     arithmetic: Literal["int", "float"] = "int"
@@ -219,6 +222,8 @@ class AdaKVHeadAllocator(HeadAllocator):
     Returns ``[B, Hkv]`` ragged counts.
     """
 
+    paper: ClassVar[str | None] = papers.ADAKV
+
     alpha: float = 0.2
     variant: Literal["linear_mix", "guarantee_topk"] = "linear_mix"
     normalize: bool = False
@@ -290,6 +295,8 @@ class SparseMMHeadAllocator(HeadAllocator, UsesArtefact):
 
     Returns ``[B, Hkv]`` ragged counts.
     """
+
+    paper: ClassVar[str | None] = papers.SPARSEMM
 
     artefact: str = "auto"
     ratio: float = 0.1

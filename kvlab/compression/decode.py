@@ -37,6 +37,7 @@ from kvlab.cache.layer import CompressedLayer
 from kvlab.cache.state import RunState
 from kvlab.compression.context import LayerContext
 from kvlab.compression.ops import reduce_groups
+from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities, Component
 from kvlab.config.registry import Registry
 
@@ -159,6 +160,8 @@ class H2ODecodePolicy(DecodePolicy):
     :meth:`entries`), not in the cache; the attention function hands each step's probabilities
     over through the run state (``decode_attention``, declared).
     """
+
+    paper: ClassVar[str | None] = papers.H2O
 
     recent: int = 32
     gqa: Literal["mean", "sum"] = "mean"

@@ -27,12 +27,14 @@ does not matter, only which entries are stored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from kvlab.cache.state import RunState
 from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
+from kvlab.config import papers
 
 
 @dataclass
@@ -78,6 +80,8 @@ class FixedIndexEvict(DecodePolicy):
     the fixed index would drop entries still inside the window. Bookkeeping lives in the run
     state; see the module docstring.
     """
+
+    paper: ClassVar[str | None] = papers.PREFIXKV
 
     distance: int = 25
 

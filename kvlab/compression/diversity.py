@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.compression.context import LayerContext
+from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities, Component
 from kvlab.config.registry import Registry
 
@@ -51,6 +52,8 @@ class KeyDiffScorer(DiversityScorer):
     the ``||a||`` factor). Shapes: keys ``[B, Hkv, T, D]`` -> scores ``[B, Hkv, T]`` fp32.
     """
 
+    paper: ClassVar[str | None] = papers.KEYDIFF
+
     anchor: Literal["unit_mean", "raw_mean"] = "unit_mean"
     capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # keys only
 
@@ -76,6 +79,8 @@ class MeanKeyDiversityScorer(DiversityScorer):
 
     Shapes: keys ``[B, Hkv, T, D]`` -> scores ``[B, Hkv, T]`` fp32.
     """
+
+    paper: ClassVar[str | None] = papers.MIXKV
 
     capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # keys only
 

@@ -38,6 +38,7 @@ from kvlab.compression.context import LayerContext, attention_probs
 from kvlab.compression.decision import RouteDecision
 from kvlab.compression.prefixkv import fit_to_total
 from kvlab.compression.routing import ROUTE_RULES, RouteRule
+from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
 
@@ -149,6 +150,8 @@ class TextSparsityRule(RouteRule):
     allocator; the decision's ``metric`` is the mean S over the sample's heads. ``text``, ``min_text`` and
     ``gqa``: see :func:`text_queries` and :func:`text_centric_sparsity`.
     """
+
+    paper: ClassVar[str | None] = papers.HYBRIDKV
 
     theta: float = 0.9
     topk: float = 0.05
@@ -301,6 +304,8 @@ class HybridKVHeadAllocator(HeadAllocator):
     classes before the first layer is compressed, i.e. ``model.compression.schedule: global``).
     Returns ``[B, Hkv]`` free-token counts (budgets minus the protected tokens): ragged.
     """
+
+    paper: ClassVar[str | None] = papers.HYBRIDKV
 
     r: float = 0.75
     alpha: float = 0.1

@@ -22,6 +22,7 @@ import torch
 
 from kvlab.compression.context import LayerContext
 from kvlab.compression.ops import GqaReduce, Pool, pool_tokens, reduce_groups
+from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities, Component
 from kvlab.config.registry import Registry
 
@@ -73,6 +74,8 @@ class WindowAttentionScorer(ImportanceScorer):
     :meth:`LayerContext.window_attention_scores`: the Triton kernel on CUDA never materialises the
     ``[B, H, W, T]`` probabilities) -> GQA / pooling -> ``[B, Hkv, T]``.
     """
+
+    paper: ClassVar[str | None] = papers.SNAPKV
 
     window: int | None = None
     kernel: int = 5
@@ -143,6 +146,8 @@ class CumulativeAttentionScorer(ImportanceScorer):
     Needs every prompt query, so a chunked prefill (``model.prefill_chunk``) refuses it.
     """
 
+    paper: ClassVar[str | None] = papers.H2O
+
     capabilities: ClassVar[Capabilities] = Capabilities(
         chunked_prefill=False
     )  # every query's attention row, gone after its chunk
@@ -165,6 +170,8 @@ class KeyNormScorer(ImportanceScorer):
     ``sign: 1`` flips it (keep high-norm keys) for ablations.
     """
 
+    paper: ClassVar[str | None] = papers.KNORM
+
     capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # keys only
     sign: Literal[-1, 1] = -1
 
@@ -176,6 +183,8 @@ class KeyNormScorer(ImportanceScorer):
 @dataclass
 class ValueNormScorer(ImportanceScorer):
     """Value norm: ``s_t = ||v_t||_2`` (MixKV's intrinsic importance term, VNorm)."""
+
+    paper: ClassVar[str | None] = papers.VNORM
 
     capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # values only
 
@@ -191,6 +200,8 @@ class RecencyScorer(ImportanceScorer):
     Combined with ``budget.sinks`` (the attention sinks, 4 in Xiao et al. 2023) this keeps the
     first ``sinks`` tokens plus the most recent ``budget - sinks`` tokens.
     """
+
+    paper: ClassVar[str | None] = papers.STREAMINGLLM
 
     capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)  # positions only
 

@@ -28,7 +28,7 @@ filtered ones).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
 from kvlab.compression.selectors import SELECTORS, Selector, topk_indices
+from kvlab.config import papers
 from kvlab.kernels.merge import merge_scatter
 
 EPS = 1e-6
@@ -74,6 +75,8 @@ class MergeSelector(Selector):
     similarity is at least the mean best similarity of their (sample, head); the others are
     dropped). Shapes: scores ``[B, Hkv, T]`` -> Selection with ``keys/values [B, Hkv, K, D]``.
     """
+
+    paper: ClassVar[str | None] = papers.LOOKM
 
     rule: Literal["averaged", "pivotal", "weighted"] = "pivotal"
     filter: Literal["none", "mean_max_sim"] = "none"

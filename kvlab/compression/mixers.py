@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
 from kvlab.compression.context import LayerContext
+from kvlab.config import papers
 from kvlab.config.artefacts import UsesArtefact
 from kvlab.config.capabilities import Component
 from kvlab.config.errors import ConfigError, did_you_mean
@@ -193,6 +194,8 @@ class MixKVMixer(Mixer, UsesArtefact):
 
     Shapes: every score ``[B, Hkv, T]`` -> ``[B, Hkv, T]`` fp32.
     """
+
+    paper: ClassVar[str | None] = papers.MIXKV
 
     extrinsic: str
     diversity: tuple[str, ...]

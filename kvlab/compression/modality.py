@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
 from kvlab.compression.allocators import MODALITY_ALLOCATORS, ModalityAllocator
 from kvlab.compression.context import LayerContext
+from kvlab.config import papers
 
 TEXT_GROUP, VISION_GROUP = 0, 1
 
@@ -90,6 +91,8 @@ class TextPriorAllocator(ModalityAllocator):
     importance scorer (LOOK-M uses ``cumulative_attention``).
     """
 
+    paper: ClassVar[str | None] = papers.LOOKM
+
     overflow: Literal["keep_all_text", "strict"] = "keep_all_text"
 
     def allocate(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> ModalityQuota:
@@ -120,6 +123,8 @@ class DecoupledAllocator(ModalityAllocator):
     scorer does happens before the split (Alg. 1 order). Without vision tokens this is the
     unified top-B_s.
     """
+
+    paper: ClassVar[str | None] = papers.DAVID
 
     rho: float = 2.0
     rho_semantics: Literal["text", "algorithm1"] = "text"

@@ -39,6 +39,7 @@ import torch
 from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, round_to_total
 from kvlab.compression.context import LayerContext
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
+from kvlab.config import papers
 from kvlab.config.artefacts import UsesArtefact
 from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
@@ -221,6 +222,8 @@ class LayerCumulativeAttentionScorer(ImportanceScorer):
     ``I_l``, so the PrefixKV allocators see the same curves.
     """
 
+    paper: ClassVar[str | None] = papers.PREFIXKV
+
     capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=False)  # every query's attention row
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
@@ -263,6 +266,8 @@ class PrefixThresholdAllocator(LayerAllocator):
     ``sliding_layers: compress`` is refused (a sliding layer's candidates are its window, not
     the prompt the threshold ranks).
     """
+
+    paper: ClassVar[str | None] = papers.PREFIXKV
 
     solver: Literal["exact", "bisect"] = "exact"
     tol_tokens: int = 1
@@ -353,6 +358,8 @@ class PrefixCalibratedAllocator(LayerAllocator, UsesArtefact):
     ``L / 2``). Layer sizes are known before prefill: the layerwise schedule works. Refused on
     models with sliding-window layers (the online ``prefix_threshold`` handles them).
     """
+
+    paper: ClassVar[str | None] = papers.PREFIXKV
 
     artefact: str = "auto"
     interpolate: Literal["none", "linear"] = "none"

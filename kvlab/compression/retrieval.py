@@ -25,13 +25,14 @@ to its local entries only). Budget semantics, accounting and choices: ``docs/met
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
 from kvlab.compression.selectors import SELECTORS, Selector, topk_indices
+from kvlab.config import papers
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention, reads_in_place
 from kvlab.kernels.retrieval import chunk_topk, gather_chunks
@@ -60,6 +61,8 @@ class RetrieveSelector(Selector):
     Under a per-head route only the heads routed to this branch are offloaded
     (``ctx.routed_heads``); the other rows of this selection are discarded by the route.
     """
+
+    paper: ClassVar[str | None] = papers.HYBRIDKV
 
     chunk: int = 8
     local: Literal["none", "protected"] = "none"

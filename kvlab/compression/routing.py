@@ -30,6 +30,7 @@ from kvlab.compression.context import LayerContext
 from kvlab.compression.decision import RouteDecision
 from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
+from kvlab.config import papers
 from kvlab.config.capabilities import Component
 from kvlab.config.registry import Registry
 
@@ -68,6 +69,8 @@ class NCARMetric(LayerMetric):
     scorers of the same window share. The window is the budget's
     recent window (``budget.window``); ``window`` may restate it but not differ from it.
     """
+
+    paper: ClassVar[str | None] = papers.DAVID
 
     window: int | None = None
 
@@ -167,6 +170,8 @@ class MetricLatchRule(RouteRule):
     prompt runs the ``after`` branch everywhere. Once switched, a sample never switches back
     and its metric is not computed again (NaN in the report).
     """
+
+    paper: ClassVar[str | None] = papers.DAVID
 
     metric: dict[str, Any] = field(default_factory=lambda: {"name": "ncar"})
     test: Literal["delta_lt", "theta_lt", "delta_gt"] = "delta_lt"

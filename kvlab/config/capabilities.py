@@ -53,9 +53,12 @@ class Component:
     ``{"window": "window"}``): the pipeline fills it from the budget when it is unset and refuses
     a config where the two differ. ``capabilities``: see :class:`Capabilities`; a component whose
     capabilities depend on its parameters sets them on the instance in ``__post_init__``.
+    ``paper``: the paper the component follows (a constant of :mod:`kvlab.config.papers`), None
+    for kvlab's own plumbing (``topk``, ``uniform``).
     """
 
     registry_name: str = ""
+    paper: ClassVar[str | None] = None
     budget_settings: ClassVar[dict[str, str]] = {}
     capabilities: ClassVar[Capabilities] = Capabilities()
 

@@ -18,7 +18,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -109,6 +109,17 @@ def _coerce(value: Any, tp: Any) -> Any:
     return value
 
 
+class Description(NamedTuple):
+    """One row of :meth:`Registry.describe`: the registered name, the first line of the class's
+    docstring, its ``(parameter, type, default)`` triples, its capabilities and its paper."""
+
+    name: str
+    doc: str
+    params: list[tuple[str, str, str]]
+    capabilities: str | None
+    paper: str | None
+
+
 class Registry(Generic[T]):
     """Maps short names to component classes of one kind (e.g. importance scorers).
 
@@ -189,12 +200,13 @@ class Registry(Generic[T]):
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{self.kind} '{name}' ({where}): {exc}") from None
 
-    def describe(self) -> list[tuple[str, str, list[tuple[str, str, str]], str | None]]:
-        """``[(name, first docstring line, [(param, type, default)], capabilities)]`` for ``kvlab list``.
+    def describe(self) -> list[Description]:
+        """A :class:`Description` of every component, by name, for ``kvlab list``.
 
         ``capabilities``: what a pipeline component declares (:meth:`Capabilities.describe
         <kvlab.config.capabilities.Capabilities.describe>`, e.g. ``chunked_prefill``); None for
-        registries of other things (datasets, models, protocols).
+        registries of other things (datasets, models, protocols). ``paper``: the class's ``paper``
+        attribute (:mod:`kvlab.config.papers`), None when it follows none.
         """
         rows = []
         for name in self.names():
@@ -213,7 +225,8 @@ class Registry(Generic[T]):
                     params.append((f.name, _type_name(hints.get(f.name, Any)), default))
             declared = getattr(cls, "capabilities", None)  # registries hold more than components
             capabilities = declared.describe() if isinstance(declared, Capabilities) else None
-            rows.append((name, doc[0] if doc else "", params, capabilities))
+            paper = getattr(cls, "paper", None)
+            rows.append(Description(name, doc[0] if doc else "", params, capabilities, paper))
         return rows
 
 

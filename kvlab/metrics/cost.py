@@ -8,10 +8,11 @@ From the per-sample records (batch timings are split evenly over the batch's sam
   ``decode_seconds``: means over samples (prefill excludes the compression inside it);
 - ``compression_over_prefill``: total compression seconds / total prefill seconds;
 - ``decode_tokens_per_second``: total generated tokens / total decode seconds;
-- ``budget_overshoot_samples`` / ``budget_overshoot_max``: samples whose protected window did
-  not fit their asked budget (a short prompt under a ratio budget) and so kept more than asked,
-  and the largest excess in tokens per head (``budget.max_window_share`` shrinks the window
-  instead; see ``docs/architecture.md``);
+- ``budget_overshoot_samples`` / ``budget_overshoot_max``: samples that kept more than asked at
+  some layer, and the largest excess in tokens per head: a protected window that does not fit
+  the asked budget (a short prompt under a ratio budget; ``budget.max_window_share`` shrinks the
+  window instead), or a component keeping beyond its layer budget (``text_prior`` with
+  ``overflow: keep_all_text``); see ``docs/architecture.md``;
 - ``kv_bytes_device`` / ``kv_bytes_offloaded`` / ``kv_ratio_device`` / ``retrieval_bytes_per_step``
   (only for pipelines that retrieve, e.g. ``hybridkv``, ``retrieval``): totals over samples of the
   accelerator-resident prompt KV (kept entries + chunk index + one step's fetch buffer) and of

@@ -34,6 +34,17 @@ class Observations:
     decisions: dict[int, RouteDecision] = field(default_factory=dict)
 
 
+def overshoot(window: torch.Tensor, counts: torch.Tensor, layer_budget: torch.Tensor) -> torch.Tensor:
+    """Tokens per head a sample keeps beyond its asked budget at one layer, ``[B]``: the larger of
+    ``window`` (``[B]``, :meth:`Budget.overshoot <kvlab.compression.budget.Budget.overshoot>`: its
+    protected tokens do not fit) and the mean over KV heads of ``counts [B, Hkv]`` beyond the
+    layer budget ``[B]`` (a component keeping more than it was given: e.g. ``text_prior`` with
+    ``overflow: keep_all_text``), rounded down to whole tokens."""
+    heads = counts.shape[1]
+    excess = torch.div(counts.sum(-1) - layer_budget.to(counts.dtype) * heads, heads, rounding_mode="floor")
+    return torch.maximum(window.to(excess.dtype), excess.clamp(min=0))
+
+
 def within_window(ctx: LayerContext) -> LayerContext:
     """``ctx`` with only the prompt tokens the layer's next query sees left valid: the last
     ``sliding_window - 1`` of the padded row (left padding: each sample's own last tokens)."""
@@ -151,7 +162,7 @@ class LayerExecution:
             layer_budget,
             selection,
             scores=mixed if record_scores else None,
-            overshoot=self.budget.overshoot(lengths),
+            overshoot=overshoot(self.budget.overshoot(lengths), selection.counts, layer_budget),
         )
         if record_scores:  # each scorer's own score by role, candidates only
             report.scorer_scores = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,9 @@ class LayerReport:
     when the pipeline is asked to record scores). ``scorer_scores`` then also holds each
     scorer's own ``[B, Hkv, T]`` output by role (non-candidate positions -inf) for the per-scorer
     TensorBoard histograms. ``route`` says which branch each sample took when the pipeline routes.
-    ``overshoot`` ``[B]`` counts the tokens per head a sample keeps beyond its asked budget
-    because its protected window does not fit (``Budget.overshoot``; None without a budget).
+    ``overshoot`` ``[B]`` counts the tokens per head a sample keeps beyond its asked budget:
+    because its protected window does not fit (``Budget.overshoot``), or because a component kept
+    more than the layer budget (:func:`kvlab.pipeline.execution.overshoot`); None without a budget.
     """
 
     layer_idx: int
@@ -32,3 +34,10 @@ class LayerReport:
     route: RouteDecision | None = None
     scorer_scores: dict[str, torch.Tensor] | None = None
     overshoot: torch.Tensor | None = None
+
+
+def budget_overshoot(reports: Sequence[LayerReport]) -> torch.Tensor | None:
+    """Tokens per head each sample kept beyond its asked budget, ``[B]`` (the most over layers),
+    or None when no layer reported one (nothing compressed)."""
+    values = [r.overshoot for r in reports if getattr(r, "overshoot", None) is not None]
+    return torch.stack(values).amax(0).cpu() if values else None

@@ -20,14 +20,15 @@ Writes into the experiment directory (``docs/evaluation.md``, "Comparing runs"):
   bucket (``0-4k``, ``4-8k``, ``8k+``; LongBench's ``scorer_e``, NaN for an empty bucket);
 - ``positions_overlap.csv``: for runs that recorded kept positions (``model.record_positions``),
   the mean Jaccard index of every pair over their shared samples, layers and KV heads;
-- ``compare/tensorboard/``: ``<family>/`` scalars ``sweep/<metric>`` whose step is the kept KV
-  in per mille (``round(1000 * kv_ratio)``), ``leaderboard/<method>/`` scalars
-  ``leaderboard/<family>_vs_<ratio|tokens>`` whose step is the budget (per mille of a ratio, or
-  tokens), and the figures under ``_figure/``.
+- ``compare/tensorboard/``: the figures as images (``sweep/quality_vs_memory``,
+  ``leaderboard/score_vs_<ratio|tokens>``: curves drawn once, never smoothed) and ``compare.md``
+  as TEXT ``compare``; each run's own HPARAMS trial compares the runs' settings and metrics
+  (:mod:`kvlab.runner.views.hparams`).
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,6 @@ from kvlab.data.benchmarks.report import LONGBENCH_E_BUCKETS, longbench_e_scores
 from kvlab.metrics.tasks import TASK_METRICS
 from kvlab.runner.leaderboard import (
     FULL,
-    BudgetPoint,
-    Leaderboard,
     csv_text,
     leaderboard,
     leaderboard_text,
@@ -96,22 +95,28 @@ def families(runs: list[Run]) -> dict[str, list[Run]]:
 
 
 def plot(runs: list[Run], path: Path) -> Any:
-    """Figure of every quality metric against ``kv_ratio`` (one panel per metric), saved as PNG."""
+    """Figure of every quality metric against ``kv_ratio`` (a panel per metric, at most three per
+    row, one line per family, the legend beside them), saved as PNG."""
     plt = pyplot()
     metrics = quality_metrics(runs)
-    fig, axes = plt.subplots(1, max(len(metrics), 1), figsize=(4 * max(len(metrics), 1), 3.4), squeeze=False)
-    for ax, metric in zip(axes[0], metrics, strict=False):
+    cols = min(3, max(len(metrics), 1))
+    rows = math.ceil(max(len(metrics), 1) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols + 1.6, 3.4 * rows), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics, strict=False):
         for family, members in families(runs).items():
             xs = [r.metrics["kv_ratio"] for r in members if metric in r.metrics]
             ys = [r.metrics[metric] for r in members if metric in r.metrics]
             if xs:
                 ax.plot(xs, ys, marker="o", label=family)
-        ax.set_xlabel("KV kept / full")
+        ax.set_xlabel("KV kept / full (bytes)")
         ax.set_title(metric)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    for ax in list(axes.flat)[len(metrics) :]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     return fig
 
 
@@ -152,38 +157,17 @@ POSITIONS_HEADER = [
 # ---------------------------------------------------------------------------------------------
 
 
-def write_tensorboard(runs: list[Run], root: Path, figure: Any, board: Leaderboard | None = None,
-                      board_figures: dict[str, Any] | None = None) -> None:  # fmt: skip
-    """Quality-vs-memory scalars per family (step = kept KV per mille), the leaderboard's scores per
-    method (step = budget: per mille of a ratio, or tokens), and the figures."""
+def write_tensorboard(root: Path, text: str, figures: dict[str, Any]) -> None:
+    """The comparison in TensorBoard, rewritten whole: each figure as an image (a curve drawn once,
+    so no smoothing or outlier setting can bend it) and the Markdown tables as TEXT ``compare``."""
     shutil.rmtree(root, ignore_errors=True)  # our own output: rewritten whole on every compare
-    for family, members in families(runs).items():
-        writer = SummaryWriter(str(root / family))
-        for run in members:
-            step = round(1000 * run.metrics.get("kv_ratio", 0.0))
-            for metric in quality_metrics(runs):
-                if metric in run.metrics:
-                    writer.add_scalar(f"sweep/{metric}", run.metrics[metric], step)
+    writer = SummaryWriter(str(root))
+    try:
+        writer.add_text("compare", text, 0)
+        for tag, fig in figures.items():
+            writer.add_figure(tag, fig, 0)
+    finally:
         writer.close()
-    if board is not None:
-        by_method: dict[str, list[tuple[str, BudgetPoint, float]]] = {}
-        for family, rows in board.scores.items():
-            for method, values in rows.items():
-                for budget in board.budgets:
-                    if budget.label in values and budget.kind != FULL:
-                        by_method.setdefault(method, []).append((family, budget, values[budget.label]))
-        for method, entries in by_method.items():
-            writer = SummaryWriter(str(root / "leaderboard" / method))
-            for family, budget, value in entries:
-                step = round(1000 * budget.value) if budget.kind == "ratio" else int(budget.value)
-                writer.add_scalar(f"leaderboard/{family}_vs_{budget.kind}", value, step)
-            writer.close()
-    writer = SummaryWriter(str(root / "_figure"))
-    if figure is not None:
-        writer.add_figure("sweep/quality_vs_memory", figure, 0)
-    for kind, fig in (board_figures or {}).items():
-        writer.add_figure(f"leaderboard/score_vs_{kind}", fig, 0)
-    writer.close()
 
 
 def write_comparison(root: Path, plots: bool = True) -> tuple[str, list[str]]:
@@ -217,18 +201,17 @@ def write_comparison(root: Path, plots: bool = True) -> tuple[str, list[str]]:
         (root / name).write_text(content)
     written = list(outputs)
     if plots:
-        figure = None
+        figures = {}
         if quality_metrics(runs):
-            figure = plot(runs, root / "quality_vs_memory.png")
+            figures["sweep/quality_vs_memory"] = plot(runs, root / "quality_vs_memory.png")
             written.append("quality_vs_memory.png")
-        board_figures = {}
         for kind in sorted({b.kind for b in board.budgets} - {FULL}) if board is not None else []:
             title = f"{root.name}: task score vs KV budget"
-            board_figures[kind] = plot_leaderboard(board, kind, root / f"score_vs_{kind}.png", title)
+            path = root / f"score_vs_{kind}.png"
+            figures[f"leaderboard/score_vs_{kind}"] = plot_leaderboard(board, kind, path, title)
             written.append(f"score_vs_{kind}.png")
-        if figure is not None or board_figures:
-            write_tensorboard(runs, root / TB_DIR, figure, board, board_figures)
-            written.append(str(TB_DIR))
+        write_tensorboard(root / TB_DIR, text, figures)
+        written.append(str(TB_DIR))
     return text, written
 
 

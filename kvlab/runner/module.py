@@ -31,6 +31,7 @@ from kvlab.models import MODELS, validate_model_name
 from kvlab.models.base import LoadedModel
 from kvlab.models.fingerprint import model_fingerprint, reproduce_record
 from kvlab.models.placement import validate_device_map
+from kvlab.pipeline.report import budget_overshoot
 from kvlab.runner.fidelity_run import FidelityEvaluator
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.positions import RECORD_FIELD as POSITIONS_FIELD
@@ -40,13 +41,6 @@ from kvlab.runner.views import Inspector, run_label
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: what a re-run needs to reproduce a run, written into the run directory (``docs/evaluation.md``)
 REPRODUCE = "reproduce.json"
-
-
-def budget_overshoot(reports: list[Any]) -> torch.Tensor | None:
-    """Tokens per head each sample kept beyond its asked budget, ``[B]`` (the most over layers),
-    or None when no layer reported one (nothing compressed)."""
-    values = [r.overshoot for r in reports if getattr(r, "overshoot", None) is not None]
-    return torch.stack(values).amax(0).cpu() if values else None
 
 
 class KVLabModule(L.LightningModule):

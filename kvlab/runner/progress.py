@@ -85,7 +85,8 @@ PEAK_KIND_LABELS = {
 }
 
 
-def _format(key: str, value: Any) -> str:
+def format_value(key: str, value: Any) -> str:
+    """A metric's value for people: bytes in KiB/MiB/GiB, floats to 4 significant digits."""
     if value is None:
         return "n/a"
     if "bytes" in key and isinstance(value, int | float):
@@ -123,7 +124,7 @@ def format_summary(metrics: dict[str, Any], run_dir: str | Path) -> str:
         if present:
             lines.append(f"  {title}:")
             for k in present:
-                line = f"    {k:<28} {_format(k, metrics[k])}"
+                line = f"    {k:<28} {format_value(k, metrics[k])}"
                 if k == "peak_memory_bytes" and metrics.get("peak_memory_kind"):
                     kind = metrics["peak_memory_kind"]
                     line += f" ({PEAK_KIND_LABELS.get(kind, kind)})"
@@ -134,9 +135,10 @@ def format_summary(metrics: dict[str, Any], run_dir: str | Path) -> str:
     if metrics.get("budget_overshoot_samples"):
         lines.append(
             f"  warning: {metrics['budget_overshoot_samples']} samples kept more than their budget (up to "
-            f"{metrics['budget_overshoot_max']} tokens per head): their prompts are too short for the "
-            "protected window under this ratio; see `budget_overshoot` in predictions.jsonl, or set "
-            "model.compression.budget.max_window_share (e.g. 0.5) to shrink the window instead"
+            f"{metrics['budget_overshoot_max']} tokens per head): a prompt too short for the protected "
+            "window under this ratio (set model.compression.budget.max_window_share, e.g. 0.5, to shrink "
+            "the window instead), or a component that keeps beyond the budget (text_prior's "
+            "overflow: keep_all_text); see `budget_overshoot` in predictions.jsonl"
         )
     lines.append(
         f"  files: config.yaml predictions.jsonl metrics.json reproduce.json tensorboard/ "

@@ -179,10 +179,5 @@ class PredictionWriter(BasePredictionWriter):
             positions.merge_positions(self.run_dir, self.order)  # a no-op without shards
         if trainer.global_rank == 0:
             atomic_write_text(self.run_dir / METRICS, json.dumps(self.summary, indent=2) + "\n")
-            if pl_module.logger is not None:
-                for key, value in self.summary.items():
-                    if isinstance(value, int | float):
-                        pl_module.logger.experiment.add_scalar(f"summary/{key}", value, 0)
-                pl_module.logger.experiment.flush()
         if trainer.world_size > 1:
             trainer.strategy.barrier("kvlab-metrics-written")

@@ -1,0 +1,49 @@
+"""The papers kvlab's components follow, cited once (a component's ``paper`` class attribute).
+
+``kvlab list --format markdown`` and the documentation site's component reference print them
+beside each component; ``docs/methods/`` says where kvlab's reading differs from a paper.
+"""
+
+SNAPKV = 'Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"'
+H2O = (
+    'Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of '
+    'Large Language Models"'
+)
+STREAMINGLLM = 'Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"'
+KNORM = 'Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"'
+VNORM = (
+    'Guo et al. 2024, "Attention Score is not All You Need for Token Importance Indicator in KV Cache '
+    'Reduction: Value Also Matters"'
+)
+KEYDIFF = (
+    'Park et al. 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference '
+    'in Resource-Constrained Environments"'
+)
+PYRAMIDKV = (
+    'Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"'
+)
+ADAKV = (
+    'Feng et al. 2025, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget '
+    'Allocation for Efficient LLM Inference"'
+)
+SPARSEMM = 'Wang et al. 2025, "SparseMM: Head Sparsity Emerges from Visual Concept Responses in MLLMs"'
+MIXKV = (
+    'Liu et al. 2025, "Mixing Importance with Diversity: Joint Optimization for KV Cache Compression in '
+    'Large Vision-Language Models"'
+)
+LOOKM = (
+    'Wan et al. 2024, "LOOK-M: Look-Once Optimization in KV Cache for Efficient '
+    'Multimodal Long-Context Inference"'
+)
+DAVID = (
+    'Gu et al. 2026, "DAVID: Dual-Stage Adaptive Vision-Text Integrated Decoupling for Multimodal KV Cache '
+    'Eviction"'
+)
+HYBRIDKV = (
+    'Zeng et al. 2026, "HybridKV: Hybrid KV Cache Compression for Efficient Multimodal '
+    'Large Language Model Inference"'
+)
+PREFIXKV = (
+    'Wang et al. 2024, "PrefixKV: Adaptive Prefix KV Cache is What Vision Instruction-Following Models '
+    'Need for Efficient Generation"'
+)

@@ -1,0 +1,243 @@
+"""The views written while a run predicts (:class:`Inspector`); the tags are listed in
+:mod:`kvlab.runner.views`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvlab.compression.routing import route_metric, switch_layers
+from kvlab.engine.generation import GenerationResult
+from kvlab.models.base import IMAGE, TEXT, VIDEO
+from kvlab.pipeline.report import budget_overshoot
+from kvlab.runner.views.figures import (
+    heatmap_figure,
+    layer_curves_figure,
+    modality_figure,
+    render,
+    route_figure,
+)
+from kvlab.runner.views.labels import titled
+from kvlab.runner.views.patches import cell_labels, image_grids, patch_figure, patch_share
+
+MODALITY_NAMES = {TEXT: "text", IMAGE: "image", VIDEO: "video"}
+
+
+def budget_heatmap(kept: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """``[L, Hkv]`` kept counts -> ``[L, Hkv]`` share of the prompt kept, in [0, 1]."""
+    return (kept.float() / max(prompt_length, 1)).clamp(0, 1)
+
+
+def layer_budget_share(result: GenerationResult, b: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the per-layer plot of sample ``b`` draws: ``[L, Hkv]`` kept / prompt tokens and the
+    ``[L]`` layer budget / prompt tokens (None when some layer reported no budget)."""
+    length = int(result.prompt_lengths[b])
+    share = budget_heatmap(result.kept[:, b], length)
+    reports = sorted(result.reports, key=lambda r: r.layer_idx)
+    if len(reports) != share.shape[0] or any(r.budget is None for r in reports):
+        return share, None
+    budget = torch.stack([r.budget[b].float().cpu() for r in reports]).clamp(max=length)
+    return share, budget / max(length, 1)
+
+
+def modality_counts(selection: Any, modality: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept and present token counts per modality id (0 text, 1 image, 2 video), each ``[3]``.
+
+    Present counts are multiplied by the number of KV heads, so kept / present is the fraction.
+    """
+    modality = modality.cpu()
+    kept = selection.kept_mask(modality.shape[1]).cpu()  # [B, Hkv, T]
+    Hkv = kept.shape[1]
+    kept_counts = torch.stack([(kept & (modality == m)[:, None]).sum() for m in MODALITY_NAMES])
+    present = torch.stack([(modality == m).sum() * Hkv for m in MODALITY_NAMES])
+    return kept_counts, present
+
+
+def score_histograms(report: Any, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{role: scores}`` of sample 0 at one layer, each a flat tensor over its KV heads and candidate
+    positions (padding and the protected window and sinks left out).
+
+    Each scorer's own score by role; ``mixed`` (the mixer's output over the same candidates) only
+    when there are two roles or more (with one, it repeats that scorer). A report without
+    per-scorer scores gives ``mixed`` over the sample's valid positions (``valid`` ``[T]``).
+    """
+    by_role = {role: s[0].float().cpu() for role, s in (getattr(report, "scorer_scores", None) or {}).items()}
+    out = {role: s[torch.isfinite(s)] for role, s in by_role.items()}
+    mixed = report.scores[0].float().cpu() if report.scores is not None else None
+    if mixed is not None and len(by_role) != 1:
+        first = next(iter(by_role.values()), None)
+        if first is not None:
+            candidates = torch.isfinite(first)
+        elif valid.shape[-1] == mixed.shape[-1]:
+            candidates = valid.cpu()[None].expand_as(mixed)
+        else:  # a protocol that compressed only part of the prompt (its context)
+            candidates = torch.ones_like(mixed, dtype=torch.bool)
+        out["mixed"] = mixed[candidates & torch.isfinite(mixed)]
+    return {role: values for role, values in out.items() if values.numel()}
+
+
+def route_table(means: dict[int, float]) -> str:
+    """The route metric per layer and its drop from the layer before, as a Markdown table (the
+    numbers behind ``route/metric_per_layer``'s figure)."""
+    lines = ["| layer | route metric | drop from the layer before |", "|---|---|---|"]
+    for layer, value in means.items():
+        drop = f"{means[layer - 1] - value:.6g}" if layer - 1 in means else ""
+        lines.append(f"| {layer} | {value:.6g} | {drop} |")
+    return "\n".join(lines) + "\n"
+
+
+class Inspector:
+    """Writes the views of :mod:`kvlab.runner.views` to a TensorBoard ``SummaryWriter``.
+
+    Args:
+        writer: the ``SummaryWriter`` (``TensorBoardLogger.experiment``).
+        samples: number of batches (from the first) that get the detailed views.
+        layers: layers whose kept image patches are drawn (negative counts from the end).
+        label: the method and budget, for figure titles (:func:`kvlab.runner.views.labels.run_label`).
+    """
+
+    def __init__(self, writer: Any, samples: int = 4, layers: Sequence[int] = (0, -1), label: str = ""):
+        self.writer = writer
+        self.samples = samples
+        self.layers = tuple(layers)
+        self.label = label
+        self.kept = torch.zeros(0, len(MODALITY_NAMES))
+        self.present = torch.zeros(0, len(MODALITY_NAMES))
+        self.heatmap_sum: torch.Tensor | None = None
+        self.heatmap_count = 0
+        self.route_sums: dict[int, list[float]] = {}  # layer -> [sum of the metric, samples]
+
+    def detailed(self, step: int) -> bool:
+        """Whether batch ``step`` gets the detailed views (and its scores should be recorded)."""
+        return step < self.samples
+
+    def _figure(self, tag: str, fig: Any, step: int) -> None:
+        self.writer.add_image(tag, render(fig), step, dataformats="HWC")
+
+    def log_batch(
+        self, result: GenerationResult, batch: dict[str, Any], step: int, processor: Any = None
+    ) -> None:
+        """Per-batch scalars, run-level accumulators and (for the first batches) detailed views."""
+        w = self.writer
+        ratio = (result.kv_bytes_kept.float() / result.kv_bytes_full.clamp(min=1).float()).mean()
+        w.add_scalar("cost/kv_kept_over_full", float(ratio), step)
+        w.add_scalar("time/prefill_s_per_batch", result.prefill_seconds, step)
+        w.add_scalar("time/compression_s_per_batch", result.compression_seconds, step)
+        w.add_scalar("time/decode_s_per_batch", result.decode_seconds, step)
+        w.add_scalar(
+            "time/compression_over_prefill",
+            result.compression_seconds / max(result.prefill_seconds, 1e-9),
+            step,
+        )
+        switch = switch_layers(result.reports)
+        if switch is not None:  # routed pipelines: mean switch layer (never switched = number of layers)
+            layers = [len(result.reports) if s is None else s for s in switch]
+            w.add_scalar("route/switch_layer_mean", sum(layers) / len(layers), step)
+        self._accumulate(result, batch)
+        if not self.detailed(step):
+            return
+        if result.kept.numel():
+            self._budget_views(result, batch, step)
+        valid = batch["attention_mask"][0].bool() if "attention_mask" in batch else None
+        for report in result.reports:
+            if valid is None or (report.scores is None and not getattr(report, "scorer_scores", None)):
+                continue
+            for role, values in score_histograms(report, valid).items():
+                self.writer.add_histogram(f"scores/{role}/layer_{report.layer_idx}", values, step)
+        self._patches(result, batch, step, processor)
+
+    def _budget_views(self, result: GenerationResult, batch: dict[str, Any], step: int) -> None:
+        """The first sample's heatmap and per-layer curves."""
+        length = int(result.prompt_lengths[0])
+        share, budget = layer_budget_share(result, 0)  # [L, Hkv], [L]
+        about = f"sample {batch['samples'][0].id} ({length} tok)"
+        self._figure("budget/kept_layer_head", heatmap_figure(share, titled(self.label, about)), step)
+        reports = sorted(result.reports, key=lambda r: r.layer_idx)
+        modalities = self._modality_share(reports, batch) if len(reports) == share.shape[0] else {}
+        overshoot = budget_overshoot(result.reports)
+        excess = int(overshoot[0]) if overshoot is not None else 0
+        note = f"budget_overshoot: {excess} tok/head over budget" if excess else None
+        curves = layer_curves_figure(share, titled(self.label, about), budget, modalities, note)
+        self._figure("budget/kept_per_layer", curves, step)
+
+    @staticmethod
+    def _modality_share(reports: list[Any], batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """``{name: [L]}`` kept share of each modality of the first sample (only with image or video)."""
+        modality = batch["modality"][0].cpu()
+        present = {m: int((modality == m).sum()) for m in MODALITY_NAMES}
+        if not (present[IMAGE] or present[VIDEO]) or any(r.selection is None for r in reports):
+            return {}
+        out = {}
+        for m, name in MODALITY_NAMES.items():
+            if present[m]:
+                values = []
+                for report in reports:
+                    kept = report.selection.kept_mask(modality.shape[0])[0].cpu()  # [Hkv, T]
+                    values.append(float((kept & (modality == m)).sum()) / (present[m] * kept.shape[0]))
+                out[name] = torch.tensor(values)
+        return out
+
+    def _accumulate(self, result: GenerationResult, batch: dict[str, Any]) -> None:
+        rows = [
+            modality_counts(r.selection, batch["modality"]) for r in result.reports if r.selection is not None
+        ]
+        if rows:
+            kept, present = (torch.stack(x).float() for x in zip(*rows, strict=True))
+            if self.kept.shape[0] != kept.shape[0]:
+                self.kept, self.present = torch.zeros_like(kept), torch.zeros_like(present)
+            self.kept += kept
+            self.present += present
+        if result.kept.numel():
+            lengths = result.prompt_lengths.clamp(min=1)[None, :, None]
+            share = (result.kept.float() / lengths).sum(1)  # [L, Hkv]
+            self.heatmap_sum = share if self.heatmap_sum is None else self.heatmap_sum + share
+            self.heatmap_count += result.kept.shape[1]
+        for report in result.reports:
+            for b in range(len(batch["samples"])):
+                value = route_metric(report, b)
+                if value is not None:
+                    total = self.route_sums.setdefault(report.layer_idx, [0.0, 0])
+                    total[0] += value
+                    total[1] += 1
+
+    def _patches(self, result: GenerationResult, batch: dict[str, Any], step: int, processor: Any) -> None:
+        grids = image_grids(batch, 0, processor)
+        reports = [r for r in result.reports if r.selection is not None]
+        if not grids or not reports:
+            return
+        T = batch["modality"].shape[1]
+        sample = batch["samples"][0]
+        cells = sample.meta.get("image_cells") or []  # smollm2-reader tasks: each image's glyphs
+        for layer in dict.fromkeys(self.layers):
+            if not -len(reports) <= layer < len(reports):
+                continue
+            report = reports[layer]
+            heads = int(report.selection.counts.shape[1])
+            for i, (first, rows, cols) in enumerate(grids):
+                share = patch_share(report.selection, T, first, rows, cols)
+                title = titled(self.label, f"sample {sample.id}", f"layer {report.layer_idx}, image {i}")
+                labels = cell_labels(cells[i], rows * cols) if i < len(cells) else None
+                figure = patch_figure(sample.images[i], share, title, heads=heads, labels=labels)
+                self._figure(f"patches/layer_{report.layer_idx}/image_{i}", figure, step)
+
+    def finish(self) -> None:
+        """Write the run-level figures (kept share of each modality per layer, mean heatmap, route
+        metric per layer) and flush."""
+        fractions = {}
+        for m, name in MODALITY_NAMES.items():
+            if self.present.numel() and bool((self.present[:, m] > 0).all()):
+                fractions[name] = (self.kept[:, m] / self.present[:, m]).tolist()
+        if fractions:
+            title = titled(self.label, "all samples")
+            self._figure("modality/kept_fraction_per_layer", modality_figure(fractions, title), 0)
+        if self.heatmap_sum is not None and self.heatmap_count:
+            mean = (self.heatmap_sum / self.heatmap_count).clamp(0, 1)
+            title = titled(self.label, f"mean of {self.heatmap_count} samples")
+            self._figure("budget/kept_layer_head_mean", heatmap_figure(mean, title), 0)
+        if self.route_sums:
+            means = {layer: total / count for layer, (total, count) in sorted(self.route_sums.items())}
+            self._figure("route/metric_per_layer", route_figure(means, titled(self.label, "all samples")), 0)
+            self.writer.add_text("route/metric_per_layer", route_table(means), 0)
+        self.writer.flush()
