@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from naive import dot, make_ctx, softmax
+from naive.attention import dot, softmax
+from naive.context import make_ctx
 
 import kvlab.models
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, region_targets

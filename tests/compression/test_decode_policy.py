@@ -5,7 +5,7 @@ prefill and decode steps run separately give what `generate` gives."""
 import e2e
 import torch
 from e2e import kvlab_model
-from naive import dot, softmax
+from naive.attention import dot, softmax
 from test_methods import samples
 
 from kvlab.cache.cache import CompressedCache

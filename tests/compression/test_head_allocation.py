@@ -4,7 +4,9 @@ import math
 
 import pytest
 import torch
-from naive import INF, LENGTHS, make_ctx, naive_rank, naive_window_scores, sample_lists
+from naive.attention import INF, naive_window_scores
+from naive.budgets import naive_rank
+from naive.context import LENGTHS, make_ctx, sample_lists
 
 from kvlab.compression.allocators import round_to_total
 from kvlab.config.artefacts import Artefact

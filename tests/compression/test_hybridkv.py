@@ -7,14 +7,9 @@ import e2e
 import pytest
 import torch
 from e2e import kvlab_model
-from naive import (
-    make_ctx,
-    naive_hybridkv_floor_budgets,
-    naive_text_prior_keep,
-    naive_text_sparsity,
-    naive_window_scores,
-    sample_lists,
-)
+from naive.attention import naive_window_scores
+from naive.context import make_ctx, sample_lists
+from naive.hybridkv import naive_hybridkv_floor_budgets, naive_text_prior_keep, naive_text_sparsity
 
 from kvlab.cache.state import RunState
 from kvlab.compression.hybridkv import (

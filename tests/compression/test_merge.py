@@ -4,7 +4,9 @@ import math
 
 import pytest
 import torch
-from naive import dot, make_ctx, naive_rank, norm
+from naive.attention import dot, norm
+from naive.budgets import naive_rank
+from naive.context import make_ctx
 
 from kvlab.compression.context import LayerContext
 from kvlab.compression.merge import MergeSelector

@@ -4,17 +4,9 @@ import math
 
 import pytest
 import torch
-from naive import (
-    INF,
-    LENGTHS,
-    build,
-    dot,
-    make_ctx,
-    naive_snapkv_keep,
-    naive_window_scores,
-    norm,
-    sample_lists,
-)
+from naive.attention import INF, dot, naive_window_scores, norm
+from naive.budgets import naive_snapkv_keep
+from naive.context import LENGTHS, build, make_ctx, sample_lists
 
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.mixers import MIXERS, head_redundancy
@@ -218,7 +210,7 @@ def test_mixer_inputs_and_ranges_are_checked_when_the_config_is_read():
 
 
 def test_mixkv_batch_equals_each_sample_alone():
-    from naive import sample_ctx
+    from naive.context import sample_ctx
 
     ctx = make_ctx(LENGTHS, seed=38)
     pipe = Pipeline.from_config(mixkv_config(12))

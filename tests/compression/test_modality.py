@@ -5,7 +5,9 @@ import e2e
 import pytest
 import torch
 from e2e import kvlab_model
-from naive import make_ctx, naive_cumulative, naive_rank, sample_lists
+from naive.attention import naive_cumulative
+from naive.budgets import naive_rank
+from naive.context import make_ctx, sample_lists
 
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval

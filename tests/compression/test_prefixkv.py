@@ -9,16 +9,9 @@ import json
 import e2e
 import pytest
 import torch
-from naive import (
-    LENGTHS,
-    dot,
-    make_ctx,
-    naive_fixed_index_decode,
-    naive_layer_importance,
-    naive_prefix_sizes,
-    sample_lists,
-    softmax,
-)
+from naive.attention import dot, softmax
+from naive.context import LENGTHS, make_ctx, sample_lists
+from naive.prefixkv import naive_fixed_index_decode, naive_layer_importance, naive_prefix_sizes
 from preset_runs import RECORD, is_vlm_preset, preset_compression, preset_models, preset_samples
 
 from kvlab.cache.cache import CompressedCache

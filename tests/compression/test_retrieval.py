@@ -10,7 +10,8 @@ import e2e
 import pytest
 import torch
 from e2e import kvlab_model
-from naive import dot, naive_attention, naive_chunk_choice
+from naive.attention import dot, naive_attention
+from naive.retrieval import naive_chunk_choice
 
 from kvlab.cache.layer import CompressedLayer
 from kvlab.cli.main import main

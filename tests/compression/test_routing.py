@@ -7,7 +7,7 @@ import e2e
 import pytest
 import torch
 from e2e import kvlab_model
-from naive import make_ctx
+from naive.context import make_ctx
 from test_modality import WINDOW, mixed_samples, with_modality
 
 from kvlab.cache.state import RunState

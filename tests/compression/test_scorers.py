@@ -6,19 +6,8 @@ import math
 
 import pytest
 import torch
-from naive import (
-    INF,
-    LENGTHS,
-    assert_scores,
-    build,
-    dot,
-    make_ctx,
-    naive_cumulative,
-    naive_window_scores,
-    norm,
-    sample_ctx,
-    sample_lists,
-)
+from naive.attention import INF, dot, naive_cumulative, naive_window_scores, norm
+from naive.context import LENGTHS, assert_scores, build, make_ctx, sample_ctx, sample_lists
 
 from kvlab.compression.context import LayerContext
 from kvlab.compression.diversity import DIVERSITY

@@ -49,7 +49,7 @@ def test_the_scorer_passes_its_naive_test_and_its_preset_runs(tmp_path, monkeypa
 
     # the naive test of the page, on the class the preset's `imports:` registered
     sys.path.insert(0, str(Path(__file__).parent))
-    from naive import make_ctx
+    from naive.context import make_ctx
 
     scorer_class = IMPORTANCE.get("value_weighted_attention")
     namespace = {"ValueWeightedAttention": scorer_class, "make_ctx": make_ctx, "itertools": itertools}

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from naive import LENGTHS, make_ctx
+from naive.context import LENGTHS, make_ctx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvlab

@@ -7,19 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from naive import (
-    INF,
-    LENGTHS,
-    build,
-    make_ctx,
-    naive_kvcf_total,
-    naive_kvpress_total,
-    naive_rank,
-    naive_snapkv_keep,
-    naive_window_scores,
-    sample_ctx,
-    sample_lists,
-)
+from naive.attention import INF, naive_window_scores
+from naive.budgets import naive_kvcf_total, naive_kvpress_total, naive_rank, naive_snapkv_keep
+from naive.context import LENGTHS, build, make_ctx, sample_ctx, sample_lists
 
 from kvlab.compression.allocators import PyramidLayerAllocator
 from kvlab.compression.budget import Budget

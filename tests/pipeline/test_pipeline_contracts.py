@@ -6,7 +6,7 @@ import json
 import e2e
 import pytest
 import torch
-from naive import make_ctx
+from naive.context import make_ctx
 
 from kvlab.cli.main import main
 from kvlab.compression.allocators import LAYER_ALLOCATORS

@@ -10,7 +10,8 @@ import e2e
 import numpy as np
 import pytest
 import torch
-from naive import LENGTHS, build, dot, make_ctx, norm, sample_lists
+from naive.attention import dot, norm
+from naive.context import LENGTHS, build, make_ctx, sample_lists
 from test_cli import TINY, write_jsonl
 from test_protocols import QUESTIONS
 
