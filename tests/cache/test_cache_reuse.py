@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_attention_variants import build, tokenizer
+from support.attention_variants import build, tokenizer
 
 import kvlab
 from kvlab.engine.generation import PrefillState, decode, prefill

@@ -7,8 +7,8 @@ the budget, far below a masking implementation that keeps full-size buffers.
 """
 
 import pytest
-import test_methods
-from e2e import kvlab_model, run
+from support.e2e import kvlab_model, run
+from support.presets import budgeted_pipeline
 
 from kvlab.data.synthetic import SyntheticRetrieval
 
@@ -26,7 +26,7 @@ def test_kv_bytes_match_the_kept_tokens_and_fall_with_the_budget(preset, long_sa
     info = loaded.info
     allocated = {}
     for budget in (96, 40):
-        pipe = test_methods.pipeline(preset, "tiny-qwen2", tokens=budget)
+        pipe = budgeted_pipeline(preset, "tiny-qwen2", tokens=budget)
         result = run(loaded, pipe, long_samples, NEW_TOKENS)
         B = len(long_samples)
         element = 4  # float32

@@ -5,48 +5,15 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from pathlib import Path
 
 import pytest
 from PIL import Image
+from support.cli import TINY, predict, write_jsonl
+from support.paths import REPO
 
 import kvlab.models
 from kvlab.cli.listing import plural
 from kvlab.cli.main import main
-
-REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--model.model",
-    "tiny-llama",
-    "--trainer.enable_progress_bar",
-    "false",
-    "--model.max_new_tokens",
-    "4",
-]
-
-
-def write_jsonl(path, rows):
-    """One JSON object per line; a str row is written as it is (for malformed-file tests)."""
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def predict(tmp_path, *args):
-    """``kvlab predict`` into ``<tmp_path>/runs/exp/<config stem>`` (``--run.method`` set, so command-line
-    overrides do not name the run; ``tests/test_resume.py`` tests that naming)."""
-    stem = Path(args[args.index("--config") + 1]).stem if "--config" in args else "method"
-    main(
-        [
-            "predict",
-            *args,
-            "--run.dir",
-            str(tmp_path / "runs"),
-            "--run.experiment",
-            "exp",
-            "--run.method",
-            stem,
-        ]
-    )
 
 
 @pytest.fixture

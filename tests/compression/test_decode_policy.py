@@ -2,11 +2,11 @@
 lowest accumulated attention, checked against a naive per-(sample, head) list simulation. The
 prefill and decode steps run separately give what `generate` gives."""
 
-import e2e
 import torch
-from e2e import kvlab_model
 from naive.attention import dot, softmax
-from test_methods import samples
+from support import e2e
+from support.e2e import kvlab_model
+from support.presets import retrieval_samples
 
 from kvlab.cache.cache import CompressedCache
 from kvlab.cache.selection import Selection
@@ -140,7 +140,7 @@ def test_h2o_decode_holds_the_cache_size_and_none_appends():
             seen.append([(layer.lengths.clone(), layer.decode_length) for layer in run.cache.layers])
 
         policy.after_step = record
-        result = e2e.run(loaded, pipeline, samples(2, 60), 6)
+        result = e2e.run(loaded, pipeline, retrieval_samples(2, 60), 6)
         assert bool((result.kept == 24).all()) and len(seen) == 5
         for step, layers in enumerate(seen):
             for lengths, decode_length in layers:
@@ -150,13 +150,13 @@ def test_h2o_decode_holds_the_cache_size_and_none_appends():
 
 def test_h2o_decode_padded_batch_equals_one_by_one():
     loaded = kvlab_model("tiny-qwen2")
-    e2e.assert_batch_equals_alone(loaded, pipe({"name": "h2o"}, window=4), samples(2, 60), 6)
+    e2e.assert_batch_equals_alone(loaded, pipe({"name": "h2o"}, window=4), retrieval_samples(2, 60), 6)
 
 
 def test_h2o_scores_live_in_the_policy_state_not_in_the_cache():
     loaded = kvlab_model("tiny-qwen2")
     pipeline = pipe({"name": "h2o"}, window=4)
-    state = prefill(loaded, pipeline, loaded.processor.collate(samples(2, 60)), decode_capacity=4)
+    state = prefill(loaded, pipeline, loaded.processor.collate(retrieval_samples(2, 60)), decode_capacity=4)
     decode(state, 4)
     entries = pipeline.decode_policy.entries(state.session.run)
     assert sorted(entries) == list(range(len(state.cache.layers)))
@@ -170,7 +170,7 @@ def test_h2o_scores_live_in_the_policy_state_not_in_the_cache():
 
 def test_prefill_then_decode_equals_generate():
     loaded = kvlab_model("tiny-qwen2")
-    batch = loaded.processor.collate(samples(2, 60))
+    batch = loaded.processor.collate(retrieval_samples(2, 60))
     teacher = torch.tensor([[5, 9, 2, 7], [1, 1, 3, 8]])
     for decode_node in ("none", "h2o"):
         pipeline = pipe({"name": decode_node}, window=4)

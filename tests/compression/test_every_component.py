@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import e2e
 import pytest
 import torch
+from support import e2e
 
 from kvlab.config.capabilities import Component
 from kvlab.config.loader import merge

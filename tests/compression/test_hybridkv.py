@@ -3,13 +3,13 @@ text-prior static selection, the per-head route, and the method end to end on th
 (the sanity checks of docs/methods/hybridkv.md: unlimited budget = full, theta = 0 = SnapKV without
 pooling, theta > 1 with r = 1 = uniform chunk retrieval, text kept when the budget allows)."""
 
-import e2e
 import pytest
 import torch
-from e2e import kvlab_model
 from naive.attention import naive_window_scores
 from naive.context import make_ctx, sample_lists
 from naive.hybridkv import naive_hybridkv_floor_budgets, naive_text_prior_keep, naive_text_sparsity
+from support import e2e
+from support.e2e import kvlab_model
 
 from kvlab.cache.state import RunState
 from kvlab.compression.hybridkv import (
@@ -295,7 +295,7 @@ def test_pool_keeps_its_total_when_a_static_head_is_raised_to_its_protected_toke
 
 def test_global_pool_on_a_model_with_sliding_window_layers():
     """Sliding layers keep their window and are not pooled; the full-attention layers share the pool."""
-    from test_attention_variants import build, prompts, tokenizer
+    from support.attention_variants import build, prompts, tokenizer
 
     import kvlab
     from kvlab.engine.generation import generate

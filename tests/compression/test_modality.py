@@ -1,31 +1,21 @@
 """Modality allocators (LOOK-M's text prior, DAVID's decoupled budgets) against naive loops, and
 the LOOK-M presets end to end on the tiny vision-language models."""
 
-import e2e
 import pytest
 import torch
-from e2e import kvlab_model
 from naive.attention import naive_cumulative
 from naive.budgets import naive_rank
 from naive.context import make_ctx, sample_lists
+from support import e2e
+from support.e2e import kvlab_model
+from support.modality import WINDOW, mixed_samples, with_modality
 
 from kvlab.config.loader import resolve
-from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
 from kvlab.pipeline import Pipeline
 
 LOOKM = ["lookm", "lookm_avg", "lookm_pivot", "lookm_weighted", "lookm_h2o"]
 DAVID = ["david", "david_h2o", "david_mixkv"]
 VLMS = ["tiny-qwen2-vl", "tiny-llava"]
-WINDOW = 4
-
-
-def with_modality(lengths, seed=0, **kw):
-    """A padded batch whose tokens are text or image (image runs at random places)."""
-    ctx = make_ctx(lengths, seed=seed, **kw)
-    gen = torch.Generator().manual_seed(seed + 1)
-    image = (torch.rand(ctx.valid.shape, generator=gen) < 0.5).long()
-    ctx.modality = torch.where(ctx.valid, image, -1)
-    return ctx
 
 
 def naive_modality_keep(scores, modality, n, budget, window, allocator):
@@ -118,13 +108,6 @@ def test_keep_all_text_reports_the_effective_kept_count():
 
 
 # --- presets end to end ------------------------------------------------------------------------
-
-
-def mixed_samples():
-    two = SyntheticImageQA(num_samples=1, images_per_sample=3, seed=3).samples()
-    one = SyntheticImageQA(num_samples=1, images_per_sample=1, seed=4).samples()
-    text = SyntheticRetrieval(num_samples=1, context_words=30, seed=2).samples()
-    return two + one + text
 
 
 def preset_pipeline(name, tokens, window=WINDOW):

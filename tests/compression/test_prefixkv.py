@@ -1,18 +1,18 @@
 """PrefixKV: the scorer, the global-threshold solvers, the offline and online allocators, the
 calibration artefact and the decode rule, each against an independent naive implementation
-(tests/naive.py) and the invariants of docs/methods/prefixkv.md (tiny models: plumbing only)."""
+(tests/naive/prefixkv.py) and the invariants of docs/methods/prefixkv.md (tiny models: plumbing only)."""
 
 import functools
 import hashlib
 import json
 
-import e2e
 import pytest
 import torch
 from naive.attention import dot, softmax
 from naive.context import LENGTHS, make_ctx, sample_lists
 from naive.prefixkv import naive_fixed_index_decode, naive_layer_importance, naive_prefix_sizes
-from preset_runs import RECORD, is_vlm_preset, preset_compression, preset_models, preset_samples
+from support import e2e
+from support.preset_runs import RECORD, is_vlm_preset, preset_compression, preset_models, preset_samples
 
 from kvlab.cache.cache import CompressedCache
 from kvlab.cache.selection import Selection
@@ -382,7 +382,7 @@ LAYER_LOCAL = [
 
 def selection_record(node: dict, preset: str, model: str) -> dict:
     """Generated tokens, kept counts and per-layer digests of the kept positions (as
-    ``tests/preset_runs.py`` records them) of ``node`` on the preset's samples."""
+    ``tests/support/preset_runs.py`` records them) of ``node`` on the preset's samples."""
     result = e2e.run(
         e2e.kvlab_model(model), Pipeline.from_config(node), preset_samples(is_vlm_preset(preset)), 6
     )
@@ -516,7 +516,7 @@ def test_global_prefill_compresses_every_layer_once_the_last_is_observed(monkeyp
 def test_online_threshold_on_a_model_with_sliding_window_layers():
     """Sliding-window layers keep their visible window (as for every method); the threshold splits
     the full-attention layers' total. Compressing within the window is refused."""
-    from test_attention_variants import WINDOW, build, prompts, tokenizer
+    from support.attention_variants import WINDOW, build, prompts, tokenizer
 
     import kvlab
     from kvlab.models.prompts import collate_ids

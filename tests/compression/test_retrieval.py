@@ -2,16 +2,16 @@
 chunk choice against a brute-force search, decode attention against a loop, the sanity checks (a
 budget covering every chunk equals the full cache), accounting, and the predictions of a run. The
 kernels (chunk scores + top-k, gather) are tested against their references in
-tests/test_kernels.py and compiled for sm_80/sm_90 by tests/test_kernel_compile.py."""
+tests/kernels/test_kernels.py and compiled for sm_80/sm_90 by tests/kernels/test_kernel_compile.py."""
 
 import json
 
-import e2e
 import pytest
 import torch
-from e2e import kvlab_model
 from naive.attention import dot, naive_attention
 from naive.retrieval import naive_chunk_choice
+from support import e2e
+from support.e2e import kvlab_model
 
 from kvlab.cache.layer import CompressedLayer
 from kvlab.cli.main import main

@@ -3,12 +3,12 @@ switch layer in predictions and TensorBoard, and the hybrid preset through `kvla
 
 import json
 
-import e2e
 import pytest
 import torch
-from e2e import kvlab_model
 from naive.context import make_ctx
-from test_modality import WINDOW, mixed_samples, with_modality
+from support import e2e
+from support.e2e import kvlab_model
+from support.modality import WINDOW, mixed_samples, with_modality
 
 from kvlab.cache.state import RunState
 from kvlab.cli.main import main

@@ -1,4 +1,4 @@
-"""User plugins: a scorer defined outside kvlab (tests/plugins/my_scorers.py) loaded through a
+"""User plugins: a scorer defined outside kvlab (tests/fixtures/plugins/my_scorers.py) loaded through a
 config's ``imports:`` and run end to end, module names from the working directory, ``imports``
 across preset inheritance, the ``kvlab.plugins`` entry points, and the errors for missing modules."""
 
@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from support.paths import FIXTURES
 
 import kvlab.models
 from kvlab.cli.main import main
@@ -17,7 +18,7 @@ from kvlab.config import plugins
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 
-PLUGIN = (Path(__file__).parent / "plugins" / "my_scorers.py").resolve()
+PLUGIN = FIXTURES / "plugins" / "my_scorers.py"
 TINY = [
     "--model.model",
     "tiny-llama",

@@ -1,5 +1,5 @@
 """The long-context benchmark datasets (kvlab.data.benchmarks): token-measured lengths on two
-tokenizers, the loaders on small fixtures in each suite's real schema (tests/data/benchmarks, no
+tokenizers, the loaders on small fixtures in each suite's real schema (tests/fixtures/benchmarks, no
 download), the needle grid and heatmap, and the shipped benchmark configs."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.paths import FIXTURES
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import check_fields, load_config, presets_dir, resolve
@@ -32,7 +33,7 @@ from kvlab.data.tokens import fit_units, token_counter
 from kvlab.metrics.tasks import check_task_samples, score_output
 from kvlab.models import PROCESSORS
 
-FIXTURES = Path(__file__).parent / "data" / "benchmarks"
+BENCHMARKS = FIXTURES / "benchmarks"
 
 
 # ---- token-measured lengths --------------------------------------------------------------------
@@ -173,13 +174,13 @@ def test_ruler_validation() -> None:
 
 # ---- LongBench ----------------------------------------------------------------------------------
 def _rows(task: str, suite: str = "longbench") -> list[dict[str, Any]]:
-    lines = (FIXTURES / suite / f"{task}.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (BENCHMARKS / suite / f"{task}.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines]
 
 
 def test_longbench_prompts_lengths_and_scores() -> None:
     tasks = ["hotpotqa", "trec", "samsum", "lcc", "passage_retrieval_en"]
-    data = LongBenchDataset(path=str(FIXTURES / "longbench"), tasks=tasks)
+    data = LongBenchDataset(path=str(BENCHMARKS / "longbench"), tasks=tasks)
     samples = data.samples()
     assert [s.meta["task"] for s in samples] == ["hotpotqa", "hotpotqa", *tasks[1:]]
     for s in samples:
@@ -203,13 +204,13 @@ def test_longbench_prompts_lengths_and_scores() -> None:
 
 def test_longbench_truncation_keeps_head_and_question() -> None:
     data = LongBenchDataset(
-        path=str(FIXTURES / "longbench"),
+        path=str(BENCHMARKS / "longbench"),
         tasks=["hotpotqa"],
         max_length=170,
         tokenizer="tiny-qwen2",
         processors=PROCESSORS,
     )
-    full = LongBenchDataset(path=str(FIXTURES / "longbench"), tasks=["hotpotqa"]).samples()
+    full = LongBenchDataset(path=str(BENCHMARKS / "longbench"), tasks=["hotpotqa"]).samples()
     counter = token_counter("tiny-qwen2", PROCESSORS)
     for short, long in zip(data.samples(), full, strict=True):
         assert counter.count_text(short.prompt) <= 170 < counter.count_text(long.prompt)
@@ -217,7 +218,7 @@ def test_longbench_truncation_keeps_head_and_question() -> None:
         assert short.prompt.startswith("Answer the question based on the given passages.")
     with pytest.raises(ConfigError, match="'hotpotqa' row 0 to 64 tokens cuts into its question"):
         LongBenchDataset(
-            path=str(FIXTURES / "longbench"),
+            path=str(BENCHMARKS / "longbench"),
             tasks=["hotpotqa"],
             max_length=64,
             tokenizer="tiny-qwen2",
@@ -226,7 +227,7 @@ def test_longbench_truncation_keeps_head_and_question() -> None:
 
 
 def test_longbench_refusals_and_schema(tmp_path: Path) -> None:
-    path = str(FIXTURES / "longbench")
+    path = str(BENCHMARKS / "longbench")
     with pytest.raises(ConfigError, match="no file for task 'qasper'"):
         LongBenchDataset(path=path, tasks=["qasper"])
     with pytest.raises(ConfigError, match="not a directory"):
@@ -269,7 +270,7 @@ def test_longbench_reads_a_saved_hf_dataset(tmp_path: Path) -> None:
 # ---- InfiniteBench -------------------------------------------------------------------------------
 def test_infinitebench_prompts_and_labels() -> None:
     tasks = ["passkey", "kv_retrieval", "longbook_choice_eng", "code_run", "math_find", "code_debug"]
-    data = InfiniteBenchDataset(path=str(FIXTURES / "infinitebench"), tasks=tasks)
+    data = InfiniteBenchDataset(path=str(BENCHMARKS / "infinitebench"), tasks=tasks)
     passkey, kv, choice, code_run, math_find, debug = data.samples()
     assert passkey.question == "\n\nWhat is the pass key?\n\nThe pass key is" and passkey.max_new_tokens == 6
     assert choice.answers == ["Light housework", "C"]  # get_answer: option text and letter
@@ -290,7 +291,7 @@ def test_infinitebench_prompts_and_labels() -> None:
 def test_infinitebench_math_calc_nested_labels_are_unwrapped_and_every_sample_scored() -> None:
     """The official data nests math_calc's label ([[1, 3, 6, 7]]); get_score_one_math_calc takes
     label[0] (commit 88b3daa). Every sample gets a score: none drops out of the mean."""
-    data = InfiniteBenchDataset(path=str(FIXTURES / "infinitebench"), tasks=["math_calc"])
+    data = InfiniteBenchDataset(path=str(BENCHMARKS / "infinitebench"), tasks=["math_calc"])
     first, negative = data.samples()
     assert first.answers == ["1", "3", "6", "7"] and negative.answers == ["4", "-1", "-3"]
     assert score_output("[1, 3, 6, 7]", first, data.metrics) == {"infinitebench_score": 1.0}
@@ -322,7 +323,7 @@ def test_infinitebench_labels_of_the_wrong_shape_are_refused_before_the_model_lo
 
 # ---- LongBench v2 --------------------------------------------------------------------------------
 def test_longbench_v2_prompt_choices_and_splits() -> None:
-    path = str(FIXTURES / "longbench_v2")
+    path = str(BENCHMARKS / "longbench_v2")
     easy, hard, long = DATASETS.build({"name": "longbench_v2", "path": path}).samples()
     assert easy.prompt.startswith("Please read the following text and answer the question below.\n\n<text>\n")
     assert (
@@ -348,8 +349,8 @@ def test_longbench_v2_prompt_choices_and_splits() -> None:
 
 # ---- MATH-500, AIME25 ----------------------------------------------------------------------------
 def test_math_problems_are_prompted_to_box_their_answer_and_checked_by_math_verify() -> None:
-    half, polar = DATASETS.build({"name": "math500", "path": str(FIXTURES / "math500")}).samples()
-    (aime,) = DATASETS.build({"name": "aime25", "path": str(FIXTURES / "aime25" / "test.jsonl")}).samples()
+    half, polar = DATASETS.build({"name": "math500", "path": str(BENCHMARKS / "math500")}).samples()
+    (aime,) = DATASETS.build({"name": "aime25", "path": str(BENCHMARKS / "aime25" / "test.jsonl")}).samples()
     assert half.prompt == (
         "Compute $\\dfrac{3}{6}$.\nPlease reason step by step, and put your final answer within \\boxed{}."
     )
@@ -369,10 +370,10 @@ def test_math_problems_are_prompted_to_box_their_answer_and_checked_by_math_veri
     ["query_aware", "{name: decode_time, interval: 4, target_size: 20}"],
 )
 def test_math500_runs_under_query_aware_and_decode_time(tmp_path: Path, protocol: str) -> None:
-    from test_cli import TINY, predict
+    from support.cli import TINY, predict
 
     knorm = ["--model.compression.budget", "{tokens: 10000, window: 4}"]
-    dataset = f"{{name: math500, path: {FIXTURES / 'math500'}, max_new_tokens: 10}}"
+    dataset = f"{{name: math500, path: {BENCHMARKS / 'math500'}, max_new_tokens: 10}}"
     predict(tmp_path, "--config", "knorm.yaml", *TINY, *knorm, "--model.protocol", protocol,
             "--data.dataset", dataset)  # fmt: skip
     run_dir = tmp_path / "runs" / "exp" / "knorm"
@@ -384,7 +385,7 @@ def test_math500_runs_under_query_aware_and_decode_time(tmp_path: Path, protocol
 
 # ---- SCBench ------------------------------------------------------------------------------------
 def test_scbench_turns_share_their_context_and_keep_the_official_labels() -> None:
-    data = DATASETS.build({"name": "scbench", "path": str(FIXTURES / "scbench"),
+    data = DATASETS.build({"name": "scbench", "path": str(BENCHMARKS / "scbench"),
                            "tasks": ["scbench_kv", "scbench_choice_eng", "scbench_mf"]})  # fmt: skip
     kv1, kv2, kv3, choice1, choice2, mf1, mf2 = data.samples()
     head = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
@@ -413,9 +414,9 @@ def test_scbench_turns_share_their_context_and_keep_the_official_labels() -> Non
 
 
 def test_scbench_runs_under_multi_question_one_compression_per_context(tmp_path: Path) -> None:
-    from test_cli import TINY, predict
+    from support.cli import TINY, predict
 
-    dataset = f"{{name: scbench, path: {FIXTURES / 'scbench'}, tasks: [scbench_kv]}}"
+    dataset = f"{{name: scbench, path: {BENCHMARKS / 'scbench'}, tasks: [scbench_kv]}}"
     predict(tmp_path, "--config", "knorm.yaml", *TINY, "--model.protocol", "multi_question",
             "--data.dataset", dataset, "--data.batch_size", "1")  # fmt: skip
     run_dir = tmp_path / "runs" / "exp" / "knorm"
@@ -428,7 +429,7 @@ def test_scbench_runs_under_multi_question_one_compression_per_context(tmp_path:
 # ---- LooGLE --------------------------------------------------------------------------------------
 def test_loogle_questions_share_their_document() -> None:
     data = LooGLEDataset(
-        path=str(FIXTURES / "loogle"), tasks=["shortdep_qa", "shortdep_cloze", "longdep_summarization"]
+        path=str(BENCHMARKS / "loogle"), tasks=["shortdep_qa", "shortdep_cloze", "longdep_summarization"]
     )
     qa1, qa2, cloze, summary = data.samples()
     document = _rows("shortdep_qa", "loogle")[0]["input"]
@@ -448,7 +449,7 @@ def test_loogle_questions_share_their_document() -> None:
     assert scores == {"loogle_cloze_exact": 0.5, "loogle_cloze_partial": 1.0}
     assert score_output("JoAnn Fabrics", qa1, data.metrics)["loogle_rouge_l"] == pytest.approx(1.0)
     short = LooGLEDataset(
-        path=str(FIXTURES / "loogle"),
+        path=str(BENCHMARKS / "loogle"),
         tasks=["shortdep_qa"],
         max_length=80,
         tokenizer="tiny-qwen2",
@@ -519,7 +520,7 @@ def test_shipped_benchmark_configs_validate(name: str) -> None:
     node = dict(cfg["data"]["dataset"])
     if name in LOCAL:  # the Hub copies are not downloaded in tests: the fixtures have the same schema
         suite = node["name"]
-        node.update(path=str(FIXTURES / suite), **({"tasks": LOCAL[name]} if LOCAL[name] else {}))
+        node.update(path=str(BENCHMARKS / suite), **({"tasks": LOCAL[name]} if LOCAL[name] else {}))
     else:  # generated suites: a small slice
         node.update({"lengths": [1024]} if node["name"] == "ruler" else {"lengths": [400], "depths": [50]})
         node.update({"tasks": ["niah_single_1"], "samples_per_task": 1} if node["name"] == "ruler" else {})
@@ -531,7 +532,7 @@ def test_longbench_tasks_prompted_raw_are_refused_with_a_chat_template() -> None
     """trec & co. are prompted without a chat template by LongBench: a run applying one is refused."""
     from kvlab.runner.datamodule import KVLabDataModule
 
-    node = {"name": "longbench", "path": str(FIXTURES / "longbench"), "tasks": ["trec"]}
+    node = {"name": "longbench", "path": str(BENCHMARKS / "longbench"), "tasks": ["trec"]}
     with pytest.raises(ConfigError, match="data.chat_template: none"):
         KVLabDataModule(dataset=node, model="tiny-qwen2", chat_template="auto").setup()
     KVLabDataModule(dataset=node, model="tiny-qwen2", chat_template="none").setup()

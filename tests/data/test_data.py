@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from PIL import Image
-from test_cli import write_jsonl
+from support.cli import write_jsonl
 
 import kvlab.models
 from kvlab.config.errors import ConfigError
@@ -403,7 +403,7 @@ def test_datamodule_errors_before_model_load(tmp_path: Path, fake_models: dict[s
 def test_datasets_keep_their_metric_names_which_the_task_registry_checks(tmp_path: Path) -> None:
     """Data sits below the metrics: a dataset keeps the names as strings (refusing only an empty
     list or a non-name); the registry refuses an unknown one (the run calls it before any model
-    loads: tests/test_bad_inputs.py)."""
+    loads: tests/cli/test_bad_inputs.py)."""
     file = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "p", "answers": "x"}])
     jsonl = DATASETS.build({"name": "jsonl", "path": str(file), "metrics": ["token_f1"]})
     assert jsonl.metrics == ("token_f1",)

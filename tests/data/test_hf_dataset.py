@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
-from test_cli import write_jsonl
+from support.cli import write_jsonl
 
 from kvlab.config.errors import ConfigError
 from kvlab.data import DATASETS

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from test_cli import write_jsonl
+from support.cli import write_jsonl
 
 from kvlab.config.errors import ConfigError
 from kvlab.data import DATASETS

@@ -1,22 +1,21 @@
-"""VLM benchmark loaders on local fixtures in each Hub dataset's schema (tests/data/vlm_tasks/,
+"""VLM benchmark loaders on local fixtures in each Hub dataset's schema (tests/fixtures/vlm_tasks/,
 written by make_fixtures.py): prompts as lmms-eval builds them, answers, limits, metrics."""
 
-from pathlib import Path
-
-import e2e
 import pytest
+from support import e2e
+from support.paths import FIXTURES
 
 from kvlab.config.errors import ConfigError
 from kvlab.data import DATASETS
 from kvlab.metrics.tasks import score_output, validate_task_metrics
 from kvlab.pipeline import Pipeline
 
-FIXTURES = Path(__file__).parent / "data" / "vlm_tasks"
+VLM_TASKS = FIXTURES / "vlm_tasks"
 SHORT = "\nAnswer the question using a single word or phrase."
 
 
 def load(task, **params):
-    return DATASETS.build({"name": task, "path": str(FIXTURES / f"{task}.parquet"), **params})
+    return DATASETS.build({"name": task, "path": str(VLM_TASKS / f"{task}.parquet"), **params})
 
 
 def test_docvqa_prompts_answers_and_anls_match_lmms_eval():
@@ -81,7 +80,7 @@ def test_mmmu_prompts_name_their_images_and_score_the_option_letter():
 
 def test_wrong_schema_and_bad_parameters():
     with pytest.raises(ConfigError, match=r"lacks the columns \['questionId', 'answers', 'docId'\]"):
-        DATASETS.build({"name": "docvqa", "path": str(FIXTURES / "chartqa.parquet")})
+        DATASETS.build({"name": "docvqa", "path": str(VLM_TASKS / "chartqa.parquet")})
     with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
         load("chartqa", max_new_tokens=0)
     with pytest.raises(ConfigError, match="unknown task metric"):  # the run checks the names

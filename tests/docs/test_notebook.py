@@ -1,13 +1,13 @@
 """The notebooks in notebooks/ execute top to bottom and show their tables and plots."""
 
 import os
-from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from support.paths import REPO
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "sweep.ipynb"
+NOTEBOOK = REPO / "notebooks" / "sweep.ipynb"
 BENCHMARK = NOTEBOOK.with_name("benchmark.ipynb")
 
 

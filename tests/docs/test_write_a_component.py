@@ -4,15 +4,15 @@ through `kvlab predict` on a tiny model, loaded with `imports:` and no edit to k
 import itertools
 import json
 import re
-import sys
-from pathlib import Path
 
 import torch
+from naive.context import make_ctx
+from support.paths import REPO
 
 from kvlab.cli.main import main
 from kvlab.compression.importance import IMPORTANCE
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "write_a_component.md"
+PAGE = REPO / "docs" / "write_a_component.md"
 
 
 def blocks(language: str) -> list[str]:
@@ -48,9 +48,6 @@ def test_the_scorer_passes_its_naive_test_and_its_preset_runs(tmp_path, monkeypa
     assert all(count == 40 for r in records for row in r["kept_per_layer_head"] for count in row)
 
     # the naive test of the page, on the class the preset's `imports:` registered
-    sys.path.insert(0, str(Path(__file__).parent))
-    from naive.context import make_ctx
-
     scorer_class = IMPORTANCE.get("value_weighted_attention")
     namespace = {"ValueWeightedAttention": scorer_class, "make_ctx": make_ctx, "itertools": itertools}
     namespace["torch"] = torch

@@ -10,10 +10,10 @@ positions shifted by the sample's left padding), not only the same counts.
 import functools
 import tempfile
 
-import e2e
 import pytest
 import torch
-from preset_runs import TOKEN_BUDGET, preset_compression, preset_models, preset_samples
+from support import e2e
+from support.preset_runs import TOKEN_BUDGET, preset_compression, preset_models, preset_samples
 
 from kvlab.calibration.synthetic import synthetic_visual_heads
 from kvlab.config.loader import preset_names, resolve

@@ -9,9 +9,9 @@ them and the same checks hold across real devices.
 
 from types import SimpleNamespace
 
-import e2e
 import pytest
 import torch
+from support import e2e
 
 from kvlab.api import load_model
 from kvlab.config.errors import ConfigError

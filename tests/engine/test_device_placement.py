@@ -5,7 +5,7 @@ Every preset (and the H2O decode policy) runs with the default device set to ``m
 model and the batch stay on the CPU: a tensor created without an explicit device lands on
 ``meta``, which holds no data, so mixing it with the CPU tensors, reading it or copying it out
 fails loudly. The run must still produce the recorded tokens and kept counts
-(``tests/data/preset_selections.json``). Host-side bookkeeping that is meant to live on the CPU
+(``tests/fixtures/preset_selections.json``). Host-side bookkeeping that is meant to live on the CPU
 (RandomScorer's seeded draws, route latches, HybridKV's pool arithmetic, the retrieval host
 store) names ``device="cpu"`` explicitly. The GPU tier (``tests/gpu``) runs the presets with the
 model on ``cuda:1`` where two GPUs exist.
@@ -13,10 +13,10 @@ model on ``cuda:1`` where two GPUs exist.
 
 import json
 
-import e2e
 import pytest
 import torch
-from preset_runs import (
+from support import e2e
+from support.preset_runs import (
     NEW_TOKENS,
     RECORD,
     is_vlm_preset,

@@ -21,7 +21,7 @@ import functools
 
 import pytest
 import torch
-from preset_runs import preset_samples
+from support.preset_runs import preset_samples
 
 import kvlab
 from kvlab.engine.generation import GenerationResult, generate

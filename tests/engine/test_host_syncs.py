@@ -12,18 +12,18 @@ needs per step:
   region's new length is a host value).
 
 Reads made only by the CPU torch path are not counted (:data:`CPU_ONLY`): the segment runs of
-the in-place decode attention, which no other device computes. ``python tests/test_host_syncs.py``
-prints the table in ``docs/benchmarks.md``.
+the in-place decode attention, which no other device computes.
+``PYTHONPATH=tests python tests/engine/test_host_syncs.py`` prints the table in ``docs/benchmarks.md``.
 """
 
 import functools
 import sys
 import tempfile
 
-import e2e
 import pytest
-from host_syncs import POLICY_READS, counting_steps, describe
-from preset_runs import is_vlm_preset, preset_compression, preset_models, preset_samples
+from support import e2e
+from support.host_syncs import POLICY_READS, counting_steps, describe
+from support.preset_runs import is_vlm_preset, preset_compression, preset_models, preset_samples
 
 from kvlab.config.loader import preset_names
 from kvlab.engine.generation import decode, prefill

@@ -9,21 +9,19 @@ only, never quality.)
 
 import functools
 import math
-import tempfile
 from dataclasses import dataclass
 
-import e2e
 import pytest
 import torch
-from e2e import kvlab_model
-from preset_runs import is_vlm_preset, preset_models, preset_samples
+from support import e2e
+from support.e2e import kvlab_model
+from support.preset_runs import is_vlm_preset, preset_models, preset_samples
+from support.presets import budgeted_compression, budgeted_pipeline, retrieval_samples
 from transformers import DynamicCache
 
-from kvlab.calibration.synthetic import synthetic_visual_heads
 from kvlab.compression.retrieval import retrieval_record
 from kvlab.config.artefacts import Artefact
-from kvlab.config.loader import merge, preset_names, resolve
-from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.config.loader import preset_names, resolve
 from kvlab.engine.masking import load_masked_model
 from kvlab.models.base import TEXT
 from kvlab.pipeline import Pipeline
@@ -31,7 +29,7 @@ from kvlab.pipeline import Pipeline
 PRESETS = [name for name in preset_names() if resolve([name], [])["model"].get("compression")]  # not `full`
 # every preset on each of its tiny models
 CASES = [(preset, model) for preset in PRESETS for model in preset_models(preset)]
-# a padded batch equals its samples one by one (kept positions included): tests/test_batching.py
+# a padded batch equals its samples one by one (kept positions included): tests/engine/test_batching.py
 NEW_TOKENS = 6
 
 
@@ -71,35 +69,9 @@ def traits(name: str) -> Traits:
 
 
 @functools.cache
-def visual_heads_artefact(model: str) -> str:
-    """A seeded, skewed visual-head artefact for a tiny model (SparseMM presets need one)."""
-    return synthetic_visual_heads(kvlab_model(model).info, tempfile.mkdtemp(prefix="kvlab-vh-"))
-
-
-def preset_compression(name, model="tiny-qwen2", **budget):
-    """The preset's compression node; ``budget`` fields are merged in (``tokens`` replaces a ratio)."""
-    node = resolve([name], [])["model"]["compression"]
-    if budget:
-        node["budget"] = merge(node["budget"], budget)
-    head = node.get("allocate", {}).get("head", {})
-    if head.get("name") == "sparsemm":
-        head["artefact"] = visual_heads_artefact(model)
-    return node
-
-
-def pipeline(name, model="tiny-qwen2", **budget):
-    return Pipeline.from_config(preset_compression(name, model, **budget))
-
-
-@functools.cache
-def samples(n=2, words=60):
-    return SyntheticRetrieval(num_samples=n, context_words=words, seed=1).samples()
-
-
-@functools.cache
 def samples_for(model):
     """Two text samples for a text model; two image samples and a text one for a VLM."""
-    return preset_samples(vlm=True) if kvlab_model(model).info.vision_language else samples()
+    return preset_samples(vlm=True) if kvlab_model(model).info.vision_language else retrieval_samples()
 
 
 @functools.cache
@@ -117,7 +89,7 @@ def run(loaded, pipe, items):
 
 def protected(name, length):
     """``(window, sinks)`` of a preset for a prompt of ``length`` tokens (a float window is a fraction)."""
-    budget = preset_compression(name)["budget"]
+    budget = budgeted_compression(name)["budget"]
     window = budget.get("window", 0)
     return (math.floor(window * length) if isinstance(window, float) else window), budget.get("sinks", 0)
 
@@ -127,7 +99,7 @@ def test_budget_at_least_the_prompt_is_identical_to_full(preset, model):
     loaded = kvlab_model(model)
     full = full_run(model)
     longest = int(full.prompt_lengths.max())
-    big = run(loaded, pipeline(preset, model, tokens=longest), samples_for(model))
+    big = run(loaded, budgeted_pipeline(preset, model, tokens=longest), samples_for(model))
     assert big.tokens == full.tokens
     assert torch.equal(big.step_logits, full.step_logits)
     assert torch.equal(big.kept, full.kept)
@@ -137,7 +109,7 @@ def test_budget_at_least_the_prompt_is_identical_to_full(preset, model):
 def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
     loaded = kvlab_model(model)
     budget = 48
-    pipe = pipeline(preset, model, tokens=budget)
+    pipe = budgeted_pipeline(preset, model, tokens=budget)
     items = samples_for(model)
     result = run(loaded, pipe, items)
     lengths = result.prompt_lengths
@@ -197,7 +169,7 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
         return
     kept = {}
     for budget in (64, 32):
-        result = run(loaded, pipeline(preset, model, tokens=budget), samples_for(model))
+        result = run(loaded, budgeted_pipeline(preset, model, tokens=budget), samples_for(model))
         kept[budget] = result.kv_bytes_kept
         assert torch.equal(result.kv_bytes_full, result.prompt_lengths * per_token)
         if trait.sparsemm:  # caps above a short head's candidates are clamped
@@ -289,7 +261,7 @@ def check_device_bytes_fall(preset, trait, loaded, model, per_token):
     per_entry = per_token // (info.num_layers * info.num_kv_heads)
     device, budgeted, host = {}, {}, {}
     for budget in (64, 32):
-        result = run(loaded, pipeline(preset, model, tokens=budget), samples_for(model))
+        result = run(loaded, budgeted_pipeline(preset, model, tokens=budget), samples_for(model))
         assert torch.equal(result.kv_bytes_full, result.prompt_lengths * per_token)
         records = [retrieval_record(result.reports, b, int(result.kv_bytes_kept[b]))
                    for b in range(len(result.prompt_lengths))]  # fmt: skip
@@ -313,8 +285,8 @@ def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
     the ragged cache attends to exactly the kept entries (against kvpress-style masking of a
     full cache, the baseline of `kvlab bench memory`)."""
     loaded = kvlab_model("tiny-qwen2")
-    item = samples(1, 60)
-    result = run(loaded, pipeline(preset, tokens=40), item)
+    item = retrieval_samples(1, 60)
+    result = run(loaded, budgeted_pipeline(preset, tokens=40), item)
     T = int(result.prompt_lengths[0])
     reference = load_masked_model("tiny-qwen2", result.reports, T)  # full K/V, evicted entries masked
     ids = batch_of(loaded, item)["input_ids"]
@@ -338,16 +310,17 @@ HOSTS = {name: name[len("mixkv_") :] for name in PRESETS if name.startswith("mix
 def test_mixkv_without_diversity_and_intrinsic_term_keeps_the_hosts_tokens(mixkv, host):
     """MixKV with r = 0 and no VNorm term reduce MixKV to its host exactly (any allocator)."""
     loaded = kvlab_model("tiny-qwen2")
-    node = preset_compression(mixkv)
+    node = budgeted_compression(mixkv)
     extrinsic = node["mixer"]["extrinsic"]
     node["importance"] = {extrinsic: node["importance"][extrinsic]}
     node["mixer"] = {**node["mixer"], "intrinsic": [], "redundancy": "fixed", "fixed_redundancy": 0.0}
-    got = run(loaded, Pipeline.from_config(node), samples())
-    want = run(loaded, pipeline(host), samples())
+    got = run(loaded, Pipeline.from_config(node), retrieval_samples())
+    want = run(loaded, budgeted_pipeline(host), retrieval_samples())
     assert got.tokens == want.tokens and torch.equal(got.kept, want.kept)
     for mine, theirs in zip(got.reports, want.reports, strict=True):
         assert torch.equal(mine.selection.indices, theirs.selection.indices)
-    full_mixkv = run(loaded, pipeline(mixkv), samples())  # and the real MixKV does change the choice
+    # and the real MixKV does change the choice
+    full_mixkv = run(loaded, budgeted_pipeline(mixkv), retrieval_samples())
     assert any(
         not torch.equal(a.selection.indices, b.selection.indices)
         for a, b in zip(full_mixkv.reports, want.reports, strict=True)
@@ -359,9 +332,9 @@ def test_scores_are_aggregated_to_kv_heads_as_configured():
     loaded = kvlab_model("tiny-qwen2")
     chosen = {}
     for gqa in ("mean", "max"):
-        node = preset_compression("mixkv_adakv")
+        node = budgeted_compression("mixkv_adakv")
         node["importance"][node["mixer"]["extrinsic"]]["gqa"] = gqa
-        result = run(loaded, Pipeline.from_config(node), samples())
+        result = run(loaded, Pipeline.from_config(node), retrieval_samples())
         assert result.kept.shape[-1] == loaded.info.num_kv_heads
         chosen[gqa] = torch.cat([r.selection.indices.flatten() for r in result.reports])
     assert not torch.equal(chosen["mean"], chosen["max"])

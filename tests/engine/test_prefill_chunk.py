@@ -14,9 +14,9 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
-import e2e
 import pytest
 import torch
+from support import e2e
 
 import kvlab
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
@@ -87,8 +87,8 @@ def test_chunks_reach_every_layer_and_only_the_last_one_compresses(monkeypatch):
 
 @pytest.mark.parametrize("name", ["mistral-sliding", "gemma2", "gpt-oss-sinks"])
 def test_chunked_prefill_of_windowed_softcapped_and_sink_layers_matches_transformers(name):
-    from test_attention_variants import STEPS as VARIANT_STEPS
-    from test_attention_variants import build, prompts, tokenizer
+    from support.attention_variants import STEPS as VARIANT_STEPS
+    from support.attention_variants import build, prompts, tokenizer
 
     from kvlab.models.prompts import collate_ids
 

@@ -12,8 +12,9 @@ import json
 
 import pytest
 import torch
-from e2e import kvlab_model
-from test_cli import TINY, predict, write_jsonl
+from support.cli import TINY, predict, write_jsonl
+from support.e2e import kvlab_model
+from support.questions import CONTEXT, QUESTIONS, sample
 
 import kvlab.data.kvpress  # noqa: F401  (registers the kvpress dataset)
 from kvlab.api import load_pipeline
@@ -27,20 +28,7 @@ from kvlab.models.processors import ChatProcessor
 from kvlab.pipeline import Pipeline
 from kvlab.runner.fingerprint import check_run, fingerprint_fields, record_run
 
-CONTEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. " * 3
 UNLIMITED = {"budget": {"tokens": 10_000, "window": 4}}
-
-
-def sample(sid: str, question: str, context: str = CONTEXT, **fields) -> Sample:
-    return Sample(id=sid, prompt=context + question, question=question, **fields)
-
-
-QUESTIONS = [
-    sample("a", "What jumps over the dog?", answer_prefix="Answer:", context_id="fox"),
-    sample("b", "Who sleeps?", context_id="fox", max_new_tokens=3),
-    sample("c", "Where does the cat sleep, and for how long does it stay there?", context_id="fox"),
-    sample("d", "Name a color.", context="A short note about colors. "),
-]
 
 
 def run(protocol, pipeline, samples, steps=6, **kwargs):
@@ -139,7 +127,7 @@ def test_the_question_part_is_the_question_the_assistant_opening_and_the_answer_
 
 
 def test_raw_prompts_split_at_the_question_and_put_the_answer_prefix_on_a_new_line():
-    from test_prompt_format import bos_tokenizer
+    from support.tokenizers import bos_tokenizer
 
     processor = ChatProcessor(bos_tokenizer(None))
     s = sample("a", "What jumps?", answer_prefix="Answer:")

@@ -3,11 +3,11 @@
 A sliding layer's next query sees the prompt's last ``W - 1`` tokens only, so no method keeps
 anything older there: ``window`` (default) keeps exactly those tokens, ``compress`` runs the
 method within them. Full-attention layers are untouched, and the full cache stays exact
-(tests/test_attention_variants.py runs these models against transformers).
+(tests/engine/test_attention_variants.py runs these models against transformers).
 """
 
 import pytest
-from test_attention_variants import WINDOW, build, prompts, tokenizer
+from support.attention_variants import WINDOW, build, prompts, tokenizer
 
 import kvlab
 from kvlab.config.errors import ConfigError

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from test_attention_variants import build, tokenizer
-from test_cli import TINY, predict, write_jsonl
+from support.attention_variants import build, tokenizer
+from support.cli import TINY, predict, write_jsonl
 
 import kvlab
 import kvlab.engine.attention as attention

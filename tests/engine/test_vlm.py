@@ -1,11 +1,11 @@
 """Vision-language models: only the language model is compressed, positions stay right, batches
 with different image counts equal their samples one by one."""
 
-import e2e
 import pytest
 import torch
-from e2e import kvlab_model
-from preset_runs import VLM_MODELS
+from support import e2e
+from support.e2e import kvlab_model
+from support.preset_runs import VLM_MODELS
 
 from kvlab.config.loader import merge, resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval

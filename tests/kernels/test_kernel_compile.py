@@ -1,6 +1,6 @@
 """The Triton kernels compile for real GPUs (sm_80, sm_90) without one, and launch as a GPU needs.
 
-The interpreter that runs tests/test_kernels.py on CPU skips what the GPU compiler checks. Here
+The interpreter that runs tests/kernels/test_kernels.py on CPU skips what the GPU compiler checks. Here
 the launches those tests make are recorded (argument types, constants and options, as Triton's
 launcher specialises them; nothing runs) and every distinct one (a covering set with
 ``KVLAB_COMPILE_COVERING=1``) is compiled by Triton down to a cubin for sm_80 and sm_90
@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_kernels import GPU_SLOTS, kernel_test_launches, ragged_inputs, window_inputs  # noqa: E402
+from support.kernel_cases import GPU_SLOTS, kernel_test_launches, ragged_inputs, window_inputs  # noqa: E402
 
 from kvlab.kernels.tl import common  # noqa: E402
 from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
@@ -150,7 +150,7 @@ COMPILE_ALL = os.environ.get("KVLAB_COMPILE_COVERING", "0") in ("", "0")
 
 @pytest.fixture(scope="module")
 def recorded():
-    """Every launch tests/test_kernels.py makes (recorded, not run)."""
+    """Every launch tests/kernels/test_kernels.py makes (recorded, not run)."""
     return record(kernel_test_launches())
 
 

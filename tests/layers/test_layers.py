@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 # package name -> folder (kvlab.kernels and kvlab.configs live outside kvlab/, pyproject's package-dir)
-SOURCES = {"kvlab": ROOT / "kvlab", "kvlab.kernels": ROOT / "kernels"}
+SOURCES = {"kvlab": REPO / "kvlab", "kvlab.kernels": REPO / "kernels"}
 
 
 def source_modules() -> dict[str, Path]:
@@ -164,7 +164,7 @@ def test_imports_inside_functions_are_optional_dependencies_named_in_a_comment()
             else:
                 allowed = _explained(lines, node, innermost[id(node)], dependency)
             if not allowed:
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {imported}")
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} imports {imported}")
     assert not offenders, "imports inside functions without an optional dependency's reason:\n" + "\n".join(
         offenders
     )
@@ -173,8 +173,8 @@ def test_imports_inside_functions_are_optional_dependencies_named_in_a_comment()
 @pytest.mark.skipif(shutil.which("lint-imports") is None, reason="import-linter is not installed")
 def test_import_linter_contract_holds():
     result = subprocess.run(
-        ["lint-imports", "--config", str(ROOT / "pyproject.toml")],
-        cwd=ROOT,
+        ["lint-imports", "--config", str(REPO / "pyproject.toml")],
+        cwd=REPO,
         capture_output=True,
         text=True,
     )

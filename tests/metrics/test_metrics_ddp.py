@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_metrics import fake_records
+from support.records import fake_records
 
 from kvlab.metrics.run import RunMetrics, summarize
 

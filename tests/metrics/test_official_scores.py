@@ -1,5 +1,5 @@
 """kvlab's scores equal those the official scoring code computed when it was run on the same
-inputs (tests/data/official/*.json; each file names the official commit and how it was run).
+inputs (tests/fixtures/official/*.json; each file names the official commit and how it was run).
 
 The inputs sit at the edges: empty outputs, punctuation and articles, several answers, Chinese
 punctuation, first-line cuts, nested labels. Differences kept on purpose are tested apart, each
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.paths import FIXTURES
 
 from kvlab.data.benchmarks.infinitebench import official_labels
 from kvlab.data.benchmarks.report import longbench_e_scores, longbench_v2_scores, task_table
@@ -26,7 +27,7 @@ from kvlab.metrics.suites.scbench import scbench_score
 from kvlab.metrics.tasks import TASK_METRICS, check_task_samples
 from kvlab.runner.compare import compare_experiment
 
-OFFICIAL = Path(__file__).parent / "data" / "official"
+OFFICIAL = FIXTURES / "official"
 LONGBENCH = json.loads((OFFICIAL / "longbench_2e00731.json").read_text())
 INFINITEBENCH = json.loads((OFFICIAL / "infinitebench_88b3daa.json").read_text())
 

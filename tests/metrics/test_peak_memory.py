@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-from test_cli import TINY, predict, write_jsonl
+from support.cli import TINY, predict, write_jsonl
 
 from kvlab.metrics.cost import NO_PEAK_NOTE, CostMetrics, process_peak_rss_bytes, process_rss_bytes
 from kvlab.models.builtin import MODELS

@@ -4,7 +4,7 @@ The cross-process check runs the built-ins' construction twice at once: in a chi
 process and in the test process (in opposite orders, from different global random states), each
 taking a SHA-256 digest of every tensor (state dict and non-persistent buffers); the digests
 must agree tensor by tensor. Run directly, this file is the child:
-``python tests/test_determinism.py SEED NAME...`` prints the digests as one JSON line.
+``python tests/models/test_determinism.py SEED NAME...`` prints the digests as one JSON line.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import e2e
 import pytest
 import torch
 from PIL import Image
+from support import e2e
 
 import kvlab
 from kvlab.cache.masks import image_block_ids
@@ -524,7 +524,7 @@ def test_kvlab_predict_takes_the_directory_as_model_model(zoo, tmp_path):
     first batch included, keeps the budget in every full-attention layer."""
     import json
 
-    from test_cli import predict
+    from support.cli import predict
 
     name, loaded = zoo
     dataset = "{name: synthetic_image_qa, num_samples: 2, images_per_sample: 2, seed: 1}"

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from support.tokenizers import BOS, bos_tokenizer
 
 from kvlab.cli.main import main
 from kvlab.cli.prompt_example import EXAMPLE_KEEP, describe_prompt, elide
@@ -15,10 +16,8 @@ from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
 from kvlab.models import load_processor
 from kvlab.models.scaffolding import tiny
-from kvlab.models.scaffolding.tokenizer import tiny_tokenizer
 from kvlab.runner.datamodule import KVLabDataModule
 
-BOS = "<|endoftext|>"
 PROMPT = "Remember the passkey 4821. What is the passkey?"
 # not ChatML, so that a ChatML prompt could not pass for the model's own format
 INSTRUCT = (
@@ -26,19 +25,6 @@ INSTRUCT = (
     "{% if add_generation_prompt %}[assistant]: {% endif %}"
 )
 WITH_BOS = "{{ bos_token }}" + INSTRUCT
-
-
-def bos_tokenizer(chat_template: str | None = None):
-    """The tiny BPE with BOS = ``<|endoftext|>`` added in front by tokenization, and ``chat_template``."""
-    from tokenizers import Tokenizer, processors
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer.from_str(tiny_tokenizer().backend_tokenizer.to_str())
-    bos_id = bpe.token_to_id(BOS)
-    bpe.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=BOS, eos_token="<|im_end|>", chat_template=chat_template
-    )
 
 
 def model_dir(path: Path, chat_template: str | None = None, vlm: bool = False) -> Path:

@@ -3,10 +3,10 @@ and a per-sample budget that holds (or whose overshoot is recorded) on short pro
 
 import json
 
-import e2e
 import pytest
 import torch
 from naive.context import make_ctx
+from support import e2e
 
 from kvlab.cli.main import main
 from kvlab.compression.allocators import LAYER_ALLOCATORS

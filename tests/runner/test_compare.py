@@ -5,8 +5,8 @@ import json
 
 import pytest
 import yaml
+from support.cli import TINY, predict, write_jsonl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_cli import TINY, predict, write_jsonl
 
 from kvlab.cli.main import main
 from kvlab.cli.sweep import expand

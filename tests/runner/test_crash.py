@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from test_cli import write_jsonl
+from support.cli import without_timings, write_jsonl
 
 from kvlab.cli.main import main
 
@@ -30,7 +30,6 @@ def killing(self, *args, **kwargs):
 writer.PredictionWriter.write_on_batch_end = killing
 main(sys.argv[1:])
 """
-TIMING = ("_seconds", "per_second", "peak_memory", "compression_over_prefill")
 
 
 def command(data, root):
@@ -46,10 +45,6 @@ def run_killed(args, after, partial=False):
     if partial:
         env["KILL_PARTIAL"] = "1"
     return subprocess.run([sys.executable, "-c", SCRIPT, *args], env=env, capture_output=True, text=True)
-
-
-def stable(metrics):
-    return {k: v for k, v in metrics.items() if not any(t in k for t in TIMING)}
 
 
 def test_killed_runs_resume_to_every_sample_once_and_the_same_metrics(tmp_path):
@@ -72,4 +67,4 @@ def test_killed_runs_resume_to_every_sample_once_and_the_same_metrics(tmp_path):
     outputs = lambda r: [json.loads(x)["output"] for x in (r / "predictions.jsonl").read_text().splitlines()]  # noqa: E731
     assert outputs(run) == outputs(whole)
     got, expected = (json.loads((r / "metrics.json").read_text()) for r in (run, whole))
-    assert stable(got) == stable(expected) and got["samples"] == 5
+    assert without_timings(got) == without_timings(expected) and got["samples"] == 5

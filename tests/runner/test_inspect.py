@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 from PIL import Image
+from support.cli import predict, write_jsonl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_cli import predict, write_jsonl
 
 from kvlab.cache.selection import Selection
 from kvlab.runner.views import image_grids, modality_counts, patch_figure, render

@@ -6,14 +6,14 @@ anchor compared index by index with kvpress' formula."""
 import json
 import math
 
-import e2e
 import numpy as np
 import pytest
 import torch
 from naive.attention import dot, norm
 from naive.context import LENGTHS, build, make_ctx, sample_lists
-from test_cli import TINY, write_jsonl
-from test_protocols import QUESTIONS
+from support import e2e
+from support.cli import TINY, write_jsonl
+from support.questions import QUESTIONS
 
 from kvlab.api import load_pipeline
 from kvlab.cli.main import main
@@ -392,7 +392,7 @@ def test_decode_time_records_what_a_prefill_of_the_same_tokens_keeps():
 def test_decode_time_positions_equal_the_cache_positions_of_sliding_layers(monkeypatch):
     """Gemma 3's sliding layers store each entry's position in the cache: after every decode-time
     compression of a padded batch they hold exactly the recorded kept sets (the log never reads them)."""
-    from test_attention_variants import build, prompts, tokenizer
+    from support.attention_variants import build, prompts, tokenizer
 
     import kvlab
     from kvlab.cache.layer import CompressedLayer

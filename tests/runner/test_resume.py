@@ -5,7 +5,7 @@ overrides name their own directory unless ``--run.method`` is given."""
 import json
 
 import pytest
-from test_cli import write_jsonl
+from support.cli import write_jsonl
 
 import kvlab.models
 from kvlab.cli.main import main

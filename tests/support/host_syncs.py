@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from support.paths import REPO
+
 aten = torch.ops.aten
-REPO = Path(__file__).resolve().parents[1]
 KVLAB_DIRS = (str(REPO / "kvlab"), str(REPO / "kernels"))
 
 #: aten ops whose output the host must read (a scalar's value or a data-dependent size)

@@ -1,22 +1,22 @@
 """One fixed run of a shipped preset on a tiny model: what the preset regression test compares.
 
-``python tests/preset_runs.py`` rewrites ``tests/data/preset_selections.json`` from the current
-code: do it only when a change of results is intended (and say so in the commit).
+``PYTHONPATH=tests python -m support.preset_runs`` rewrites ``tests/fixtures/preset_selections.json``
+from the current code: do it only when a change of results is intended (and say so in the commit).
 """
 
 import hashlib
 import json
 import sys
-from pathlib import Path
 
-import e2e
 import torch
 
 from kvlab.config.loader import preset_names, resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
 from kvlab.pipeline import Pipeline
+from support import e2e
+from support.paths import FIXTURES
 
-RECORD = Path(__file__).parent / "data" / "preset_selections.json"
+RECORD = FIXTURES / "preset_selections.json"
 TEXT_MODELS = ("tiny-llama", "tiny-qwen2")
 VLM_MODELS = ("tiny-qwen2-vl", "tiny-llava")
 TOKEN_BUDGET = 40  # small enough that every token-budget preset evicts on the 60-word prompts
