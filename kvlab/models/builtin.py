@@ -18,7 +18,7 @@ ones carry SmolLM2-135M-Instruct's trained weights (the grafted VLMs with seeded
 parts); gemma3-270m carries Google's Gemma 3 270M base weights (Gemma Terms of Use; sliding
 windows of 512 tokens on five layers of six). Every built-in is bit-identical across loads and
 processes: every random draw made while building one runs under
-:func:`~kvlab.models.common.seeded` (``tests/test_determinism.py``).
+:func:`~kvlab.models.common.seeded` (``tests/models/test_determinism.py``).
 """
 
 from __future__ import annotations
