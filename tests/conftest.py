@@ -1,10 +1,16 @@
 """Shared test settings: offline, one torch thread per xdist worker (2 workers on 2 cores), and
 the Triton interpreter when there is no GPU (it must be set before triton is first imported, so
-that ``@triton.jit`` builds interpreted kernels: tests/test_kernels.py runs them on CPU).
+that ``@triton.jit`` builds interpreted kernels: tests/kernels/test_kernels.py runs them on CPU).
 
 Tests marked ``gpu`` (the GPU tier, ``tests/gpu``; ``.ci/gpu`` runs it on a GPU machine) are
 collected everywhere and skipped without CUDA, unless ``KVLAB_GPU_TIER=interpreted`` asks for the
 tier's dry run on the CPU (tests/gpu/gpu_support.py).
+
+Tests sit in folders named after the package they test (tests/README.md). This file, in tests/
+(no ``__init__.py``), puts tests/ on ``sys.path`` (pytest's default ``prepend`` import mode), so
+every test folder imports the shared helpers as ``support.<module>`` and the naive references as
+``naive.<module>``. Each test module is imported by its file name from its own folder, so test
+file names must stay unique across folders.
 """
 
 import os

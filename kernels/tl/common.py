@@ -42,7 +42,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     TF32 rounding): with the stride-1 head dim specialised, 8 warps and no software pipelining
     (:func:`launch_options`) the FMA path compiles without spills on sm_80 and sm_90, whereas
     ``tf32x3`` spilled 64-96 bytes per thread in the window column sums at head dim 96
-    (measured on the cubins, ``tests/test_kernel_compile.py``).
+    (measured on the cubins, ``tests/kernels/test_kernel_compile.py``).
     """
     return "ieee"
 
@@ -66,7 +66,7 @@ def launch_options(block_d: int, dtype: torch.dtype, logits: int = 0) -> dict[st
     FMAs, which hold more per thread than the tensor cores' fragments); and at least one warp
     per 1024 logits (32 fp32 values per thread), so a 128-row window tile gets 8 warps at any
     head dim. fp32 runs without software pipelining, whose prefetched tiles spill. Checked on
-    the sm_80 and sm_90 cubins by ``tests/test_kernel_compile.py``: no spills at head dims <= 128.
+    the sm_80 and sm_90 cubins by ``tests/kernels/test_kernel_compile.py``: no spills at head dims <= 128.
     """
     warps = 2 if block_d <= 32 else 4 if block_d <= 64 else 8
     if dtype == torch.float32 and block_d >= 64:

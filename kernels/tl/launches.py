@@ -16,7 +16,7 @@ usage (registers, stack and local memory: a non-zero stack means spilled registe
   subprocess per target running side by side (``python -m kvlab.kernels.tl.launches``), and
   returns one :class:`Compiled` per (launch, target).
 
-``tests/test_kernel_compile.py`` records the launches of the kernel tests and compiles the
+``tests/kernels/test_kernel_compile.py`` records the launches of the kernel tests and compiles the
 distinct launches (the covering set with ``KVLAB_COMPILE_COVERING=1``) for sm_80 and sm_90.
 """
 

@@ -21,7 +21,7 @@ the glyphs the image shows, :mod:`kvlab.models.scaffolding.reader`); gemma3-270m
 Gemma 3 270M base weights (Gemma Terms of Use; sliding windows of 512 tokens on five layers of
 six). Every built-in is bit-identical across loads and
 processes: every random draw made while building one runs under
-:func:`~kvlab.models.common.seeded` (``tests/test_determinism.py``).
+:func:`~kvlab.models.common.seeded` (``tests/models/test_determinism.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Helpers of the GPU tier: one run of a preset on a device and dtype, and how two runs compare.
 
-A run is the preset regression's setup (``tests/preset_runs.py``: the preset's compression with a
+A run is the preset regression's setup (``tests/support/preset_runs.py``: the preset's compression with a
 40-token budget, its tiny samples in one padded batch, 6 greedy tokens) on any model, device and
 dtype, through the public loaders (``kvlab.load_model``, ``kvlab.load_pipeline``) and kvlab's
 ``generate`` (logits and scores kept). kvlab internals the tier needs are imported here only.
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from host_syncs import POLICY_READS, origin
-from preset_runs import NEW_TOKENS, is_vlm_preset, preset_compression, preset_samples
+from support.host_syncs import POLICY_READS, origin
+from support.preset_runs import NEW_TOKENS, is_vlm_preset, preset_compression, preset_samples
 
 import kvlab
 from kvlab.cli.main import main as cli_main  # noqa: F401  (the `kvlab` command, for the tier's tests)
@@ -278,7 +278,7 @@ def cuda_syncs() -> Iterator[list[str]]:
 def decode_syncs(preset: str, model: str, visual_heads) -> tuple[Counter, Counter, int]:
     """A preset's decode on CUDA: ``(kvlab's syncs, other syncs)`` of its worst decode step (the
     step between two ``on_step`` calls with the most), by origin, and the bound of
-    ``tests/test_host_syncs.py`` for its decode policy."""
+    ``tests/engine/test_host_syncs.py`` for its decode policy."""
     loaded = load(model, "float32", "cuda")
     pipeline = kvlab.load_pipeline(preset_compression(preset, model, visual_heads))
     batch = loaded.processor.collate(preset_samples(is_vlm_preset(preset)))

@@ -1,12 +1,12 @@
 """GPU tier: every Triton kernel, compiled natively (no interpreter), against its torch reference at
 real-model shapes (skipped without CUDA).
 
-tests/test_kernels.py runs the kernels on small shapes (interpreted on CPU, native on a GPU); here
+tests/kernels/test_kernels.py runs the kernels on small shapes (interpreted on CPU, native on a GPU); here
 the shapes are those of real models: head dims 64, 80, 96, 128 and 256, GQA groups 1, 4, 7 and 8,
 one and two queries per step, prompt lengths that are multiples of no block (up to 33k tokens, so
 the split-K decode runs many splits), bf16 / fp16 / fp32, a (sample, head) that keeps nothing,
 padded samples. The references run on the GPU too (the torch paths). Tolerances are those of
-tests/test_kernels.py: fp32 1e-5, fp16 2e-3, bf16 2e-2 (outputs rounded once to 16 bits, and
+tests/kernels/test_kernels.py: fp32 1e-5, fp16 2e-3, bf16 2e-2 (outputs rounded once to 16 bits, and
 the native P.V product takes P in the cache dtype, as FlashAttention does); window scores
 ``atol 1e-5, rtol 1e-4`` in fp32 whatever the input dtype; compaction, chunk top-k and gather
 exactly.
@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from gpu_support import needs_cuda  # noqa: E402
-from test_kernels import (  # noqa: E402
+from support.kernel_cases import (  # noqa: E402
     DEVICE,
     assert_close,
     compaction_inputs,

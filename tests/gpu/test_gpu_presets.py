@@ -1,6 +1,6 @@
 """GPU tier: every shipped preset on CUDA keeps what it keeps on the CPU (skipped without CUDA).
 
-Each preset runs as the preset regression runs it (``tests/preset_runs.py``: 40-token budget, its
+Each preset runs as the preset regression runs it (``tests/support/preset_runs.py``: 40-token budget, its
 tiny samples in one padded batch, 6 greedy tokens) on its tiny models, once on the GPU and once on
 the GPU machine's CPU in the same process, with ``model.kernels: auto`` (Triton on CUDA, the torch
 reference on the CPU). Tolerances and why:
@@ -29,13 +29,13 @@ reference on the CPU). Tolerances and why:
 Every kernel call on CUDA must have taken the Triton path (``kvlab.kernels.dispatch.CALLS``). The
 presets also run with the model on ``cuda:1`` where two GPUs exist, and the host syncs of the
 decode loop are counted with ``torch.cuda.set_sync_debug_mode`` (the CPU count's bound:
-tests/test_host_syncs.py). SmolLM2-135M: tests/gpu/test_gpu_smollm2.py.
+tests/engine/test_host_syncs.py). SmolLM2-135M: tests/gpu/test_gpu_smollm2.py.
 """
 
 import pytest
 import torch
 from gpu_support import DEVICE, assert_triton_only, cached_run, decode_syncs, mismatches, needs_cuda
-from preset_runs import preset_models
+from support.preset_runs import preset_models
 
 from kvlab.config.loader import preset_names
 

@@ -18,7 +18,7 @@ from gpu_support import (
     mismatches,
     smollm2_available,
 )
-from preset_runs import is_vlm_preset
+from support.preset_runs import is_vlm_preset
 
 from kvlab.config.loader import preset_names
 

@@ -1,0 +1,127 @@
+"""A run directory holds one run: the same command resumes it, a different one refuses (naming the
+differing fields and the ways out), ``--run.overwrite true`` starts afresh, and command-line
+overrides name their own directory unless ``--run.method`` is given."""
+
+import json
+
+import pytest
+from support.cli import write_jsonl
+
+import kvlab.models
+from kvlab.cli.main import main
+from kvlab.runner.fingerprint import RUN_JSON
+from kvlab.runner.run_names import override_suffix
+
+TINY = ["--model.model", "tiny-llama", "--trainer.enable_progress_bar", "false",
+        "--model.max_new_tokens", "2", "--model.fidelity", "false"]  # fmt: skip
+SNAP = ["--config", "snapkv", "--model.compression.budget.window", "4"]
+
+
+@pytest.fixture
+def data(tmp_path):
+    rows = [{"id": f"s{i}", "prompt": "word " * (20 + 5 * i), "answers": ["word"]} for i in range(3)]
+    return write_jsonl(tmp_path / "d.jsonl", rows)
+
+
+def predict(tmp_path, data, *args):
+    dataset = ["--data.dataset", f"{{name: jsonl, path: {data}}}"]
+    main(
+        [
+            "predict",
+            *SNAP,
+            *args,
+            *TINY,
+            *dataset,
+            "--run.dir",
+            str(tmp_path / "runs"),
+            "--run.experiment",
+            "e",
+        ]
+    )
+
+
+def snapshot(run):
+    return {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_the_same_command_resumes_and_records_its_fingerprint(tmp_path, data, capsys):
+    args = ["--model.compression.budget.tokens", "12", "--run.method", "m"]
+    predict(tmp_path, data, *args)
+    run = tmp_path / "runs" / "e" / "m"
+    lines = (run / "predictions.jsonl").read_text().splitlines()
+    (run / "predictions.jsonl").write_text("\n".join(lines[:2]) + "\n")  # as if killed after 2 samples
+    capsys.readouterr()
+    predict(tmp_path, data, *args)
+    assert "2 samples already written are skipped" in capsys.readouterr().out
+    assert [json.loads(line)["id"] for line in (run / "predictions.jsonl").read_text().splitlines()] == [
+        "s0", "s1", "s2"
+    ]  # fmt: skip
+    record = json.loads((run / RUN_JSON).read_text())
+    assert len(record["fingerprint"]) == 16
+    assert record["fields"]["model"]["compression"]["budget"]["tokens"] == 12
+    assert record["fields"]["model"]["model"] == "tiny-llama"
+    assert "batch_size" not in record["fields"]["data"] and "kernels" not in record["fields"]["model"]
+
+
+def test_a_different_budget_refuses_naming_the_field_and_the_ways_out(tmp_path, data, capsys, monkeypatch):
+    predict(tmp_path, data, "--model.compression.budget.tokens", "12", "--run.method", "m")
+    run = tmp_path / "runs" / "e" / "m"
+    before = snapshot(run)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the model was loaded before the fingerprint was checked")
+
+    monkeypatch.setattr(kvlab.models, "load_model", forbidden)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        predict(tmp_path, data, "--model.compression.budget.tokens", "8", "--run.method", "m")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "model.compression.budget.tokens: 12 -> 8" in err
+    assert "--run.method" in err and "--run.overwrite true" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert snapshot(run) == before  # nothing in the directory changed
+
+
+def test_overwrite_starts_afresh_with_the_new_fingerprint(tmp_path, data):
+    predict(tmp_path, data, "--model.compression.budget.tokens", "12", "--run.method", "m")
+    predict(
+        tmp_path,
+        data,
+        "--model.compression.budget.tokens",
+        "8",
+        "--run.method",
+        "m",
+        "--run.overwrite",
+        "true",
+    )
+    run = tmp_path / "runs" / "e" / "m"
+    records = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["s0", "s1", "s2"]
+    assert {c for r in records for row in r["kept_per_layer_head"] for c in row} == {8}
+    assert json.loads((run / RUN_JSON).read_text())["fields"]["model"]["compression"]["budget"]["tokens"] == 8
+    assert json.loads((run / "metrics.json").read_text())["samples"] == 3
+
+
+def test_overrides_name_their_own_directory_and_an_explicit_method_wins(tmp_path, data):
+    predict(tmp_path, data, "--model.compression.budget.tokens", "12")
+    predict(tmp_path, data, "--model.compression.budget.tokens", "8", "--run.method", "mine")
+    names = sorted(p.name for p in (tmp_path / "runs" / "e").iterdir() if (p / "metrics.json").exists())
+    assert names == [
+        "mine",
+        "snapkv@budget.window=4,budget.tokens=12,name=jsonl,path=d.jsonl,model=tiny-llama,max_new_tokens=2,"
+        "fidelity=False",
+    ]
+
+
+def test_override_suffix_names_leaves_paths_and_cuts_long_names():
+    assert override_suffix([("model.compression.budget.ratio", "0.1")]) == "budget.ratio=0.1"
+    assert (
+        override_suffix([("data.dataset", "{name: jsonl, path: /a/b/qa.jsonl}")])
+        == "name=jsonl,path=qa.jsonl"
+    )
+    assert (
+        override_suffix([("model.max_new_tokens", "4"), ("model.max_new_tokens", "8")]) == "max_new_tokens=8"
+    )
+    long = override_suffix([(f"model.compression.k{i}", "x" * 10) for i in range(20)])
+    assert len(long) == 120 and long[-9] == "~"

@@ -1,0 +1,39 @@
+"""A shipped preset's compression with another budget, on the tiny models: the cases of the
+method invariants (tests/engine/test_methods.py) and of the tests that reuse them."""
+
+import functools
+import tempfile
+
+from kvlab.calibration.synthetic import synthetic_visual_heads
+from kvlab.config.loader import merge, resolve
+from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.pipeline import Pipeline
+from support.e2e import kvlab_model
+
+
+@functools.cache
+def visual_heads_artefact(model: str) -> str:
+    """A seeded, skewed visual-head artefact for a tiny model (SparseMM presets need one)."""
+    return synthetic_visual_heads(kvlab_model(model).info, tempfile.mkdtemp(prefix="kvlab-vh-"))
+
+
+def budgeted_compression(name: str, model: str = "tiny-qwen2", **budget) -> dict:
+    """The preset's compression node; ``budget`` fields are merged in (``tokens`` replaces a ratio)."""
+    node = resolve([name], [])["model"]["compression"]
+    if budget:
+        node["budget"] = merge(node["budget"], budget)
+    head = node.get("allocate", {}).get("head", {})
+    if head.get("name") == "sparsemm":
+        head["artefact"] = visual_heads_artefact(model)
+    return node
+
+
+def budgeted_pipeline(name: str, model: str = "tiny-qwen2", **budget) -> Pipeline:
+    """The pipeline of :func:`budgeted_compression`."""
+    return Pipeline.from_config(budgeted_compression(name, model, **budget))
+
+
+@functools.cache
+def retrieval_samples(n: int = 2, words: int = 60) -> list:
+    """``n`` seeded synthetic retrieval samples of ``words`` context words (the same every call)."""
+    return SyntheticRetrieval(num_samples=n, context_words=words, seed=1).samples()
