@@ -112,12 +112,13 @@ def patch_figure(
         right.vlines(np.linspace(0, width, cols + 1), 0, height, colors="white", linewidth=0.4, alpha=0.6)
         right.hlines(np.linspace(0, height, rows + 1), 0, width, colors="white", linewidth=0.4, alpha=0.6)
     if labels is not None and len(labels) == rows * cols:
+        patch_points = right.get_position().width * fig.get_figwidth() * 72 / cols  # a patch's width
         for i, text in enumerate(labels):
             value = float(kept_share[i // cols, i % cols])
             x, y = (i % cols + 0.5) * width / cols, (i // cols + 0.5) * height / rows
-            right.text(
-                x, y, text, ha="center", va="center", weight="bold", color="black" if value > 0.5 else "white"
-            )
+            size = min(11.0, 0.8 * patch_points / (0.65 * max(len(text), 2)))  # the text fits its patch
+            right.text(x, y, text, ha="center", va="center", weight="bold", fontsize=size,
+                       color="black" if value > 0.5 else "white")  # fmt: skip
     for ax in (left, right):
         ax.set_xticks([])
         ax.set_yticks([])
