@@ -77,7 +77,8 @@ def runs(runs_dir: Path) -> list[list[str]]:
         ["kvlab", "predict", "--config", "mixkv_snapkv", *demo],
         ["kvlab", "predict", "--config", "snapkv", *reader, "--data.dataset", READER_CODE,
          "--model.compression.budget.ratio", "0.5", "--run.method", "snapkv@budget=0.5"],
-        ["kvlab", "predict", "--config", "lookm", *reader, "--data.dataset", READER_ALL],
+        ["kvlab", "predict", "--config", "lookm", *reader, "--data.dataset", READER_ALL,
+         "--run.method", "lookm"],
         ["kvlab", "compare", str(runs_dir / "demo")],
         ["kvlab", "compare", str(runs_dir / "reader")],
     ]  # fmt: skip
