@@ -219,6 +219,21 @@ def leaderboard_text(board: Leaderboard) -> tuple[str, str]:
     return "".join(parts), csv_text(["family", "method", *labels], rows_csv)
 
 
+def _line_styles(methods: list[str]) -> dict[str, dict[str, Any]]:
+    """One distinct look per method, the same in every panel: ten colours, then the same colours
+    dashed with square markers, then dotted with triangles (a legend of 19 VLM presets stays
+    unambiguous)."""
+    looks = (("-", "o"), ("--", "s"), (":", "^"))
+    palette = [f"C{i}" for i in range(10)]
+    styles: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        if method not in styles:
+            i = len(styles)
+            linestyle, marker = looks[(i // len(palette)) % len(looks)]
+            styles[method] = {"color": palette[i % len(palette)], "linestyle": linestyle, "marker": marker}
+    return styles
+
+
 def plot_leaderboard(board: Leaderboard, kind: str, path: Path, title: str) -> Any:
     """Score (%) against budget of one kind (``ratio`` or ``tokens``): a panel per family (overall
     first), a line per method, the full cache as a dashed line; saved as PNG (>= 600 px wide)."""
@@ -228,6 +243,7 @@ def plot_leaderboard(board: Leaderboard, kind: str, path: Path, title: str) -> A
     rows = math.ceil(len(order) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 1.2, 3.6 * rows), squeeze=False)
     points = [b for b in board.budgets if b.kind == kind]
+    styles = _line_styles([m for family in order for m in _methods(board, family) if m not in board.full])
     for ax, family in zip(axes.flat, order, strict=False):
         for method in _methods(board, family):
             values = board.scores[family][method]
@@ -237,7 +253,7 @@ def plot_leaderboard(board: Leaderboard, kind: str, path: Path, title: str) -> A
                 level = next(iter(values.values()))
                 ax.axhline(level, color="black", linestyle="--", linewidth=1.2, label=method)
             elif xs:
-                ax.plot(xs, ys, marker="o", label=method)
+                ax.plot(xs, ys, label=method, **styles[method])
         metrics = ", ".join(board.metrics.get(family, [])) or ", ".join(
             sorted({m for v in board.metrics.values() for m in v})
         )
