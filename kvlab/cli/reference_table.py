@@ -110,7 +110,7 @@ def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[f
             except ConfigError as exc:
                 if not vlm:
                     raise
-                refused.append(f"`{name}` under {protocol}: {str(exc).splitlines()[0][:200]}")
+                refused.append(f"`{name}` under {protocol}: {str(exc).splitlines()[0]}")
                 continue
             count += 1
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
