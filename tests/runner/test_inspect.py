@@ -72,6 +72,8 @@ def test_the_run_summary_is_text_and_an_hparams_trial(vlm_run):
     assert {"results/metrics", "run/config", "run/prompt"} <= text
     table = acc.Tensors("results/metrics/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| fidelity to the full cache | `fidelity_top1` |" in table and "| memory | `kv_ratio` |" in table
+    assert f"| `fidelity_kl` | {metrics_value(vlm_run, 'fidelity_kl'):.4g} nats/token |" in table
+    assert " s per sample |" in table.split("`prefill_seconds` |")[1].splitlines()[0]
     assert "snapkv" in acc.Tensors("run/config/text_summary")[0].tensor_proto.string_val[0].decode()
     metrics = json.loads((vlm_run / "metrics.json").read_text())
     assert acc.Scalars("cost/kv_kept_over_full")[0].value == pytest.approx(metrics["kv_ratio"])
@@ -80,6 +82,10 @@ def test_the_run_summary_is_text_and_an_hparams_trial(vlm_run):
     plugin = acc.PluginTagToContent("hparams")
     assert "_hparams_/experiment" not in plugin  # TensorBoard then takes every run's columns
     assert "hp_metric" not in events(vlm_run / "tensorboard").Tags()["scalars"]
+
+
+def metrics_value(run, key):
+    return json.loads((run / "metrics.json").read_text())[key]
 
 
 def naive_kept(selection, length):

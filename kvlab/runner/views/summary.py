@@ -18,6 +18,15 @@ from kvlab.runner.progress import SECTIONS, format_value
 from kvlab.runner.views.hparams import hparam_values, metric_values, trial_name, write_session
 
 SUMMARY_DIR = Path("tensorboard") / "summary"
+#: units the TEXT table writes after a value (bytes get theirs from ``format_value``; shares,
+#: ratios and scores in [0, 1] have none); the same units as the HPARAMS tags' names
+UNITS = {
+    "fidelity_kl": "nats/token",
+    "prefill_seconds": "s per sample",
+    "compression_seconds": "s per sample",
+    "decode_seconds": "s per sample",
+    "decode_tokens_per_second": "tokens/s",
+}
 
 
 def _read(path: Path) -> str | None:
@@ -32,19 +41,27 @@ def code_block(text: str) -> str:
     return "```\n" + text.rstrip("\n") + "\n```"
 
 
+def with_unit(key: str, value: Any) -> str:
+    """A metric's value for the TEXT table: :func:`~kvlab.runner.progress.format_value` and the
+    key's unit from :data:`UNITS` (``0.1748 nats/token``)."""
+    text = format_value(key, value)
+    return f"{text} {UNITS[key]}" if key in UNITS and isinstance(value, int | float) else text
+
+
 def metrics_table(metrics: dict[str, Any]) -> str:
     """``metrics.json`` as a Markdown table ``| section | metric | value |``, values with units
-    (bytes in KiB/MiB/GiB), the sections of the end-of-run summary first, then every other number."""
+    (bytes in KiB/MiB/GiB, :data:`UNITS`), the sections of the end-of-run summary first, then every
+    other number."""
     rows, seen = [], set()
     task = tuple(metrics.get("task_samples", {}))
     for title, keys in SECTIONS:
         for key in dict.fromkeys([*keys, *(task if title == "task" else ())]):
             if key in metrics:
-                rows.append((title, key, format_value(key, metrics[key])))
+                rows.append((title, key, with_unit(key, metrics[key])))
                 seen.add(key)
     for key, value in metrics.items():
         if key not in seen and isinstance(value, int | float | str) and not isinstance(value, bool):
-            rows.append(("other", key, format_value(key, value)))
+            rows.append(("other", key, with_unit(key, value)))
     lines = ["| section | metric | value |", "|---|---|---|"]
     return "\n".join(lines + [f"| {s} | `{k}` | {v} |" for s, k, v in rows]) + "\n"
 
