@@ -151,7 +151,9 @@ def layer_curves_figure(
     ax.plot(layers, mean, marker="o", markersize=3, label="mean over heads")
     drawn = [high]
     if budget is not None:
-        ax.plot(layers, budget.float().numpy(), linestyle="--", color="black", label="layer budget")
+        # on top of the mean: a uniform budget lies exactly on it
+        dashed = {"linestyle": "--", "color": "black", "linewidth": 1.6, "zorder": 3}
+        ax.plot(layers, budget.float().numpy(), label="layer budget", **dashed)
         drawn.append(budget.float().numpy())
     for name, values in (modalities or {}).items():
         ax.plot(layers, values.float().numpy(), linestyle=":", marker=".", color=MODALITY_COLORS.get(name),
