@@ -155,8 +155,18 @@ def region_targets(modality: torch.Tensor, meta: dict[str, Any], tokens_per_imag
     """
     if "answer_cells" in meta:
         image_positions = torch.nonzero(modality == 1).flatten()
+        cells = meta["answer_cells"]
+        images = len(meta.get("image_cells", ())) or image_positions.numel() // tokens_per_image
+        if image_positions.numel() != images * tokens_per_image or any(
+            not (0 <= i < images and 0 <= c < tokens_per_image) for i, c in cells
+        ):
+            raise ValueError(
+                f"answer_cells name cells of {tokens_per_image}-token images, but the prompt has "
+                f"{image_positions.numel()} image tokens for {images} images: the reader tasks' answer cells "
+                "fit smollm2-reader only (16 tokens per image); calibrate another model on other data."
+            )
         targets = torch.zeros_like(modality, dtype=torch.bool)
-        targets[image_positions[[i * tokens_per_image + c for i, c in meta["answer_cells"]]]] = True
+        targets[image_positions[[i * tokens_per_image + c for i, c in cells]]] = True
         return targets
     side = math.isqrt(tokens_per_image)
     if side * side != tokens_per_image:

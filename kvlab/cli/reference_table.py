@@ -41,6 +41,7 @@ from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names
 from kvlab.data.benchmarks.ruler_tasks import RULER_TASKS
 from kvlab.engine.protocols import PROTOCOLS
+from kvlab.models import validate_model_name
 from kvlab.runner import reference_vlm
 from kvlab.runner.reference_table import (
     BUDGETS,
@@ -92,8 +93,9 @@ def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[f
         groups = (("task", "task"), ("length", "length (tokens)"))
         metric, stem, markers = SUITE_METRIC, "reference_suite", (SUITE_START, SUITE_END)
     root = Path(ns.dir)
+    validate_model_name(ns.model)  # a typo fails here, not as every cell "refused"
     wall, cpu = time.perf_counter(), time.process_time()
-    count, refused = 0, []
+    count, refused = 0, {}
     for method, ratio in cells(methods, budgets):  # both protocols of a cell one after the other
         for protocol in protocols:
             experiment = suite_experiment(protocol, ns.suite)
@@ -108,11 +110,13 @@ def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[f
             try:
                 run_predict(cfg, ["--trainer.enable_progress_bar", "false"])
             except ConfigError as exc:
-                if not vlm:
+                if not vlm or method == "full":  # the full cache runs everywhere: a refusal is a real error
                     raise
-                refused.append(f"`{name}` under {protocol}: {str(exc).splitlines()[0]}")
+                refused.setdefault((method, protocol, str(exc).splitlines()[0]), []).append(ratio)
                 continue
             count += 1
+    if count == 0:
+        raise ConfigError(f"kvlab reference-table: every cell was refused ({refused_text(refused)}).")
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     boards = suite_boards(root, protocols, plots=not ns.no_plots, suite=ns.suite)
     caption = (
@@ -124,7 +128,7 @@ def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[f
         root, protocols, methods, budgets, ns.metric or metric, boards, ns.suite, groups
     )
     if refused:
-        text += "\nRefused, no run: " + "; ".join(refused) + "\n"
+        text += "\nRefused, no run: " + refused_text(refused) + "\n"
     (root / f"{stem}.md").write_text(text)
     print(text, end="")
     if not ns.no_plots:
@@ -138,6 +142,15 @@ def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[f
     if ns.docs is not None:
         replace_section(ns.docs, text, *markers)
         print(f"kvlab: updated the reference suite in {ns.docs}")
+
+
+def refused_text(refused: dict[tuple[str, str, str], list[float]]) -> str:
+    """The cells a preset refused, one entry per (method, protocol, reason) with its budgets:
+    ``prefixkv at 10%, 25%, 50% under query_agnostic: <the ConfigError's first line>``."""
+    return "; ".join(
+        f"`{method}` at {', '.join(f'{r:.0%}' for r in ratios)} under {protocol}: {reason}"
+        for (method, protocol, reason), ratios in refused.items()
+    )
 
 
 def _ruler_dataset(ns: argparse.Namespace) -> tuple[dict, int, str]:

@@ -6,18 +6,20 @@ its own dataset and all of them together as ``reader`` (the VLM reference suite)
 
 - ``reader_code``: ``num_images`` images, each labelled "Image k :"; one holds "The secret code
   is 4 7 2 9 1 ." and the others a short caption ("A small dog ."). Question: the code in image k.
-- ``reader_table``: a form of ``fields`` rows "Field : value" over ``ceil(fields / 4)`` images
-  (Name, City, Pet, Fruit, Day, Sport, Drink, Colour, in a random order). Question: one field;
-  the answer prefix "Field:" starts the reply.
+- ``reader_table``: a form of ``rows`` rows "Field : 4 1 7" (six cells each, so four rows fill
+  two images; Name, City, Pet, Fruit, Day, Sport, Drink, Colour, in a random order), caption
+  images before or after. Question: one field's number; the answer prefix " Field:" starts the
+  reply.
 - ``reader_doc``: a page of prose cut over ``num_images`` images, one sentence of which is "The
   secret code is 4 7 2 9 1 ." at a random place. Question: the code in the document.
-- ``reader_mark``: like ``reader_code``, but the one image says "The mark is [square] ." with a
-  square of one of four colours. Question: the mark's colour.
+- ``reader_mark``: like ``reader_code``, but the one image says "The marks are" and shows
+  ``marks`` (3) squares of distinct colours (red, green, blue, yellow). Question: the marks'
+  colours in order; the answer prefix " The marks are" starts the reply.
 
 SmolLM2-135M binds a key to its value poorly when several look alike (docs/evaluation.md:
 with two facts of the same form it often answers the other's value), so each prompt holds exactly
-one code, one mark and one value of each field type: the question's referent is unique, and the
-answer is only in the images. ``docs/vlm_tasks.md`` gives the measured scores and the designs
+one code, one set of marks and one value of each field type: the question's referent is unique,
+and the answer is only in the images. ``docs/vlm_tasks.md`` gives the measured scores and the designs
 that failed (which image holds a word; counting marks).
 
 Sample ``i`` of a task draws from ``random.Random(f"{task}:{seed}:{i}")``. ``meta`` carries

@@ -49,9 +49,24 @@ __all__ = [
     "context_length",
     "load_processor",
     "model_info",
+    "validate_model_dtype",
     "validate_model_name",
     "wrap_model",
 ]
+
+
+def validate_model_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
+    """``dtype`` resolved, or :class:`ConfigError` when the built-in ``name`` cannot be built in it
+    faithfully (``BuiltinModel.dtypes``: ``smollm2-reader`` is float32 only). Loads nothing."""
+    torch_dtype = resolve_dtype(dtype)
+    allowed = MODELS.get(name).dtypes if name in MODELS else None
+    if allowed is not None and torch_dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ConfigError(
+            f"model.dtype {str(torch_dtype).removeprefix('torch.')} is not supported by the built-in "
+            f"'{name}' (supported: {names}; see docs/models.md). Set model.dtype: {names.split(',')[0]}."
+        )
+    return torch_dtype
 
 
 def validate_model_name(name: str) -> None:
@@ -134,7 +149,7 @@ def load_model(
     """
     validate_model_name(name)
     validate_device_map(device_map)
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = validate_model_dtype(name, dtype)
     start = time.perf_counter()
     processor = load_processor(name)
     if name in MODELS:

@@ -59,6 +59,8 @@ class BuiltinModel(ABC):
     image_size: ClassVar[int | None] = None
     #: seed of every random draw while building (random weights, and any draw construction makes)
     seed: ClassVar[int] = 0
+    #: the dtypes the model can be built in faithfully (None: any floating dtype)
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
 
     @abstractmethod
     def config(self) -> Any:
@@ -247,6 +249,10 @@ class SmolLM2Reader(GraftedSmolLM2):
     model_class: ClassVar[str] = "LlavaForConditionalGeneration"
     family: ClassVar[str] = "llava"
     image_size: ClassVar[int | None] = reader.glyphs.IMAGE_SIZE
+    #: float32 only: the projector's pass-through units add a constant shift (~15) that its bias
+    #: takes back off (~50 in absolute value) around outputs of ~0.1, a cancellation that bfloat16
+    #: and float16 turn into a ~35% error on every image token (the LM would read other glyphs)
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = (torch.float32,)
 
     def config(self) -> Any:
         return reader.reader_config(self.tokenizer())

@@ -27,7 +27,7 @@ from kvlab.metrics.tasks import (
     score_output,
     validate_task_metrics,
 )
-from kvlab.models import MODELS, validate_model_name
+from kvlab.models import MODELS, validate_model_dtype, validate_model_name
 from kvlab.models.base import LoadedModel
 from kvlab.models.fingerprint import model_fingerprint, reproduce_record
 from kvlab.models.placement import validate_device_map
@@ -115,6 +115,7 @@ class KVLabModule(L.LightningModule):
                 f"model.inspect_samples must be >= 0 (0 = no detailed views), got {inspect_samples}."
             )
         validate_model_name(model)
+        validate_model_dtype(model, dtype)
         if verify not in ("first_batch", "off"):
             raise ConfigError(
                 f"model.verify must be 'first_batch' (check kvlab's engine against transformers on the first "

@@ -23,6 +23,17 @@ def test_answer_cells_are_the_targets():
     assert torch.nonzero(got).flatten().tolist() == [1, 19 + 9, 19 + 10]
 
 
+def test_answer_cells_of_another_image_grid_are_refused():
+    """The reader's cells index 16-token images: on a model with 36 (smollm2-llava) they would
+    name unrelated patches, so the targets are refused rather than built."""
+    modality = torch.tensor([0] + [1] * 36 + [0, 0] + [1] * 36 + [0])  # two 36-token images
+    meta = {"answer_cells": [[1, 9]], "image_cells": [["a"] * 16, ["b"] * 16]}
+    with pytest.raises(ValueError, match="16 tokens per image"):
+        region_targets(modality, meta, 16)
+    with pytest.raises(ValueError, match="answer_cells"):
+        region_targets(modality[:38], {"answer_cells": [[0, 40]]}, 36)
+
+
 def _image_ctx(seed: int, layer: int):
     ctx = make_ctx([24, 20], seed=seed, layer_idx=layer, num_layers=2, scale=3.0)
     modality = ctx.modality.clone()

@@ -91,6 +91,16 @@ def test_reader_suite_and_its_checks():
         build_dataset({"name": "reader_table", "rows": 9})
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reader_refuses_half_precision_before_building(dtype):
+    """Its projector cancels a large shift that half precision cannot carry: refused by name."""
+    from kvlab.models import load_model, validate_model_dtype
+
+    with pytest.raises(ConfigError, match="model.dtype .* not supported by the built-in 'smollm2-reader'"):
+        load_model("smollm2-reader", dtype)
+    assert validate_model_dtype("smollm2-llava", dtype) is getattr(torch, dtype)
+
+
 def test_kept_patch_figure_writes_each_glyph_on_its_patch(tmp_path):
     from PIL import Image
 

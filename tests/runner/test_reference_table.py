@@ -245,6 +245,21 @@ def test_vlm_suite_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "| method | query_aware: reader_doc | query_aware: reader_table |" in text.replace(
         " | query_agnostic: reader_doc | query_agnostic: reader_table |", " |"
     )
-    assert "Refused, no run: `sparsemm@budget=0.5` under query_aware" in text
+    assert "Refused, no run: `sparsemm` at 50% under query_aware: " in text
     assert text in doc.read_text() and "By length" not in text
     assert reference_vlm.MODEL == "smollm2-reader" and reference_vlm.METHODS[0] == "full"
+
+
+def test_vlm_suite_refuses_a_bad_model_and_a_suite_with_no_run(tmp_path: Path) -> None:
+    """A typo in --model is an error before any cell, not a table of refused cells; a suite whose
+    every cell is refused fails instead of writing an empty table over the docs block."""
+    doc = tmp_path / "evaluation.md"
+    doc.write_text(f"x\n{reference.VLM_MARKS[0]}\nkept\n{reference.VLM_MARKS[1]}\n")
+    args = ["--suite", "vlm", "--budgets", "0.5", "--tasks", "reader_table",
+            "--samples", "1", "--dir", str(tmp_path / "runs"), "--docs", str(doc), "--no-plots"]  # fmt: skip
+    with pytest.raises(ConfigError, match="model.model"):
+        reference_command.main([*args, "--model", "tiny-lava", "--methods", "snapkv"])
+    with pytest.raises(ConfigError, match="every cell was refused.*`sparsemm` at 50% under query_aware"):
+        reference_command.main([*args, "--model", "tiny-llama", "--methods", "sparsemm",
+                                "--protocols", "query_aware"])  # fmt: skip
+    assert "kept" in doc.read_text()
