@@ -40,4 +40,5 @@ def budget_overshoot(reports: Sequence[LayerReport]) -> torch.Tensor | None:
     """Tokens per head each sample kept beyond its asked budget, ``[B]`` (the most over layers),
     or None when no layer reported one (nothing compressed)."""
     values = [r.overshoot for r in reports if getattr(r, "overshoot", None) is not None]
-    return torch.stack(values).amax(0).cpu() if values else None
+    # each layer's tensor is on its layer's device (several under a device_map)
+    return torch.stack([v.cpu() for v in values]).amax(0) if values else None

@@ -42,6 +42,7 @@ from kvlab.runner.leaderboard import (
     csv_text,
     leaderboard,
     leaderboard_text,
+    legend_entries,
     markdown,
     plot_leaderboard,
     pyplot,
@@ -113,8 +114,7 @@ def plot(runs: list[Run], path: Path) -> Any:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(metrics) :]:
         ax.set_visible(False)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    fig.legend(*legend_entries(axes.flat), loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100, bbox_inches="tight")
     return fig
@@ -174,8 +174,9 @@ def write_comparison(root: Path, plots: bool = True) -> tuple[str, list[str]]:
     """Write the comparison files; returns the Markdown and the names of the files written."""
     runs = load_runs(root)
     stale_files = [root / "leaderboard.csv", root / "positions_overlap.csv", root / "longbench_e.csv"]
-    for stale in [*root.glob("score_vs_*.png"), *stale_files]:
+    for stale in [*root.glob("score_vs_*.png"), root / "quality_vs_memory.png", *stale_files]:
         stale.unlink(missing_ok=True)  # our own outputs of an earlier compare
+    shutil.rmtree(root / TB_DIR, ignore_errors=True)  # its TEXT and figures, even under --no-plots
     outputs: dict[str, str] = {}
     keys = columns(runs)
     header, rows = ["method", *keys], table(runs, keys)

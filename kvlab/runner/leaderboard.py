@@ -41,7 +41,7 @@ def csv_text(header: list[str], rows: list[list[str]]) -> str:
 
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend (files only, no display)."""
-    import matplotlib  # matplotlib: optional (the dev extra), needed only for the plots
+    import matplotlib  # matplotlib: imported when a figure is drawn (a dependency; slow to import)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -219,6 +219,16 @@ def leaderboard_text(board: Leaderboard) -> tuple[str, str]:
     return "".join(parts), csv_text(["family", "method", *labels], rows_csv)
 
 
+def legend_entries(axes: Any) -> tuple[list[Any], list[str]]:
+    """``(handles, labels)`` of every panel's lines, each label once: a method drawn only in some
+    panels (a family it has no score in elsewhere) is named too."""
+    entries: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    return list(entries.values()), list(entries)
+
+
 def _line_styles(methods: list[str]) -> dict[str, dict[str, Any]]:
     """One distinct look per method, the same in every panel: ten colours, then the same colours
     dashed with square markers, then dotted with triangles (a legend of 19 VLM presets stays
@@ -272,7 +282,7 @@ def plot_leaderboard(board: Leaderboard, kind: str, path: Path, title: str) -> A
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(order) :]:
         ax.set_visible(False)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    handles, labels = legend_entries(axes.flat)
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=9, frameon=False)
     fig.suptitle(title, fontsize=12)
     fig.tight_layout()

@@ -138,6 +138,19 @@ def test_sweep_plot_png_and_tensorboard_figure(swept):
     assert not board.Tags()["scalars"]  # curves as figures: TensorBoard's smoothing cannot bend them
 
 
+def test_compare_without_plots_leaves_no_figure_of_an_earlier_compare(swept, tmp_path):
+    """After ``--no-plots`` every figure and TensorBoard TEXT is of the runs now, or absent."""
+    import shutil
+
+    from kvlab.runner.compare import write_comparison
+
+    exp = shutil.copytree(swept[0], tmp_path / "exp")
+    assert (exp / "quality_vs_memory.png").is_file() and (exp / "compare" / "tensorboard").is_dir()
+    write_comparison(exp, plots=False)
+    assert not (exp / "quality_vs_memory.png").exists() and not (exp / "compare" / "tensorboard").exists()
+    assert not list(exp.glob("score_vs_*.png")) and (exp / "compare.md").is_file()
+
+
 def test_yaml_sweep_block_and_names(tmp_path):
     cfg = {
         "preset": "snapkv",

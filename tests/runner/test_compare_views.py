@@ -225,3 +225,28 @@ def test_kept_patches_are_drawn_in_the_colour_bars_colours_with_the_count():
     second = image[y, int(box.x0 + 3 * box.width / 8)]  # dropped by both
     assert np.abs(first.astype(int) - top).max() <= 2  # the bar's top colour, not a muted blend
     assert np.abs(second.astype(int) - bottom).max() <= 2
+
+
+def test_trial_names_of_one_experiment_never_collide():
+    """TensorBoard averages the metrics of sessions that share a name: a budget sweep keeps its
+    short value names, any other point names its fields."""
+    from kvlab.runner.views.hparams import trial_name
+
+    runs = ["snapkv@budget.tokens=64", "snapkv@budget.window=64", "snapkv@budget.ratio=1",
+            "snapkv@budget.tokens=1", "snapkv@budget.ratio=0.5", "snapkv", "full"]  # fmt: skip
+    names = [trial_name(run, "abl") for run in runs]
+    assert len(set(names)) == len(names)
+    assert names[0] == "snapkv@64 (abl)" and names[1] == "snapkv@window=64 (abl)"
+    assert names[4] == "snapkv@0.5 (abl)" and names[6] == "full (abl)"
+
+
+def test_the_legend_names_a_method_drawn_only_in_a_later_panel():
+    from kvlab.runner.leaderboard import legend_entries, pyplot
+
+    fig, axes = pyplot().subplots(1, 2)
+    axes[0].plot([0, 1], [0, 1], label="snapkv")
+    axes[1].plot([0, 1], [1, 0], label="snapkv")
+    axes[1].plot([0, 1], [1, 1], label="lookm")  # no overall score: absent from the first panel
+    handles, labels = legend_entries(axes.flat)
+    assert labels == ["snapkv", "lookm"] and len(handles) == 2
+    pyplot().close(fig)

@@ -46,7 +46,7 @@ def styled(draw: Callable[..., Any]) -> Callable[..., Any]:
 
     @wraps(draw)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from matplotlib import rc_context  # matplotlib: optional (dev extra)
+        from matplotlib import rc_context  # matplotlib: imported when a figure is drawn (slow to import)
 
         with rc_context(STYLE):
             return draw(*args, **kwargs)
@@ -106,7 +106,7 @@ def heatmap_figure(share: torch.Tensor, title: str, label: str = "kept / prompt 
         ax.text(0.5, 0.5, f"uniform: {float(share.flatten()[0]):.2f}", transform=ax.transAxes, ha="center",
                 va="center", fontsize=15, color="white", weight="bold",
                 bbox={"facecolor": "black", "alpha": 0.45, "edgecolor": "none"})  # fmt: skip
-    elif (L, H) <= PRINTED_CELLS and PRINTED_CELLS[1] >= H:
+    elif cells_printed(L, H):
         middle = (low + high) / 2
         for layer in range(L):
             for head in range(H):

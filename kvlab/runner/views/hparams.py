@@ -104,11 +104,18 @@ def _leaves(prefix: str, value: Any) -> dict[str, Any]:
 
 def trial_name(method: str, experiment: str) -> str:
     """The trial's name in HPARAMS: the run's family and swept values, then its experiment
-    (``snapkv@budget.tokens=64`` in ``sweep`` -> ``snapkv@64 (sweep)``). TensorBoard cuts a trial
-    name at about 15 characters, so what tells runs apart comes first; the columns say what the
-    values are (the run's full name is the ``run`` column)."""
+    (``snapkv@budget.tokens=64`` in ``sweep`` -> ``snapkv@64 (sweep)``; a budget's ``tokens`` or
+    ``ratio`` alone is written as its value, any other point as ``field=value`` with the field's
+    last part: ``snapkv@window=64``, so runs of one experiment never share a trial). TensorBoard
+    cuts a trial name at about 15 characters, so what tells runs apart comes first; the columns
+    say what the values are (the run's full name is the ``run`` column)."""
     family, point = parse_method(method)
-    values = ",".join(point.values())
+    (key, value), *more = point.items() if point else ((None, ""),)
+    if not more and (key == "budget.tokens" or (key == "budget.ratio" and "." in value)):
+        values = value  # the common sweep: the value alone (a ratio has a point, a count has none)
+    else:  # two runs whose values are equal but fields differ must not share a trial (TensorBoard
+        # would average their metrics into one row): the field's last part names each value
+        values = ",".join(f"{key.rsplit('.', 1)[-1]}={value}" for key, value in point.items())
     return f"{family}@{values} ({experiment})" if values else f"{family} ({experiment})"
 
 

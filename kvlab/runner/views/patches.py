@@ -67,7 +67,7 @@ def cell_labels(cells: list[str], count: int) -> list[str]:
 def _share_colours(heads: int | None) -> tuple[Any, Any, list[float] | None]:
     """``(cmap, norm, ticks)``: with ``heads`` KV heads, one flat colour per possible share
     ``k / heads`` (so a patch shows exactly a colour of the bar); else a continuous 0..1 scale."""
-    from matplotlib import colormaps  # matplotlib: optional (dev extra)
+    from matplotlib import colormaps  # matplotlib: imported when a figure is drawn (slow to import)
     from matplotlib.colors import BoundaryNorm, ListedColormap, Normalize
 
     base = colormaps["magma"]
