@@ -171,6 +171,16 @@ class Timer:
             return None
         return total / len(sets)
 
+    def row(self, kernel: str, T: int, kept: float | None, nbytes: int, make: Callable[[int], tuple],
+            triton_fn: Callable[..., object], reference_fn: Callable[..., object],
+            device: torch.device) -> Row:  # fmt: skip
+        """A kernel's row: ``triton_fn(*make(seed))`` timed over enough input sets to pass the L2
+        cache, ``reference_fn`` on the first set, and a plain copy of the same ``nbytes``."""
+        sets = [make(i) for i in range(self.sets(nbytes))]
+        triton_ms = self.time(lambda a: triton_fn(*a), sets)
+        reference = self.time(lambda a: reference_fn(*a), sets[:1])
+        return Row(kernel, T, kept, nbytes, triton_ms, self.copy(nbytes, device), reference)
+
     def copy(self, nbytes: int, device: torch.device, from_host: bool = False) -> float:
         """Median ms of a plain copy that moves ``nbytes``: a device-to-device copy of ``nbytes / 2``
         (read + write), or ``nbytes`` from pinned host memory to the device (the host link's bytes)."""
@@ -258,10 +268,8 @@ def bench_window(s: Shapes, T: int, timer: Timer) -> Row:
         return queries, s.randn(s.B, s.Hkv, T, s.D, gen=gen), valid, s.D**-0.5
 
     nbytes = (s.B * s.Hkv * T * s.D + s.B * s.H * s.window * s.D) * s.elt + s.B * T * (1 + 4 * s.H)
-    sets = [make(i) for i in range(timer.sets(nbytes))]
-    triton_ms = timer.time(lambda a: window_attention_scores_triton(*a), sets)
-    reference = timer.time(lambda a: window_attention_scores_reference(*a), sets[:1])
-    return Row("window scores", T, None, nbytes, triton_ms, timer.copy(nbytes, s.device), reference)
+    return timer.row("window scores", T, None, nbytes, make, window_attention_scores_triton,
+                     window_attention_scores_reference, s.device)  # fmt: skip
 
 
 def bench_compaction(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
@@ -276,10 +284,7 @@ def bench_compaction(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
 
     N = s.B * s.Hkv * K
     nbytes = 4 * N * s.D * s.elt + N * 8  # kept rows of K and V read and written, positions read
-    sets = [make(i) for i in range(timer.sets(nbytes))]
-    triton_ms = timer.time(lambda a: compact_kv_triton(*a), sets)
-    reference = timer.time(lambda a: compact_kv_reference(*a), sets[:1])
-    return Row("compaction", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device), reference)
+    return timer.row("compaction", T, kept, nbytes, make, compact_kv_triton, compact_kv_reference, s.device)
 
 
 def bench_merge(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
@@ -294,10 +299,9 @@ def bench_merge(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
         return s.randn(N, s.D, gen=gen), s.randn(M, s.D, gen=gen), target, weights
 
     nbytes = (2 * N + M) * s.D * s.elt + M * (8 + 4)  # kept read + written, evicted, targets, weights
-    sets = [make(i) for i in range(timer.sets(nbytes))]
-    triton_ms = timer.time(lambda a: merge_scatter_triton(*a), sets)
-    reference = timer.time(lambda a: merge_scatter_reference(*a), sets[:1])
-    return Row("merge (LOOK-M)", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device), reference)
+    return timer.row(
+        "merge (LOOK-M)", T, kept, nbytes, make, merge_scatter_triton, merge_scatter_reference, s.device
+    )
 
 
 def bench_chunk_topk(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
@@ -314,10 +318,9 @@ def bench_chunk_topk(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
         return s.randn(s.B, s.H, 1, s.D, gen=gen), s.randn(R, NC, s.D, gen=gen), rows, valid, n, s.Hkv, n_sel
 
     nbytes = R * NC * (s.D * s.elt + 1 + 8) + R * n_sel * 8  # index, validity, scores, chosen ids
-    sets = [make(i) for i in range(timer.sets(nbytes))]
-    triton_ms = timer.time(lambda a: chunk_topk_triton(*a), sets)
-    reference = timer.time(lambda a: chunk_topk_reference(*a), sets[:1])
-    return Row("chunk scores + top-k", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device), reference)
+    return timer.row(
+        "chunk scores + top-k", T, kept, nbytes, make, chunk_topk_triton, chunk_topk_reference, s.device
+    )
 
 
 def bench_gather(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
