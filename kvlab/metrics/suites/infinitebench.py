@@ -75,15 +75,22 @@ def _ib_code_debug(pred: str, label: list[str]) -> bool:
     if pred[:2] in (f"{letter}.", f"{letter}:"):
         return True
     pred = _collapse_spaces(_replace_all(pred.strip(), ("\n", "`", "'", '"', "-", "*", "Option", "option")))
-    for prefix in ("answer is:", "is:", "answer:", "correct option is:"):
+    prefixes = ("answer is:", "is:", "answer:", "correct option is:")
+    return _after_first_prefix(pred, prefixes, (letter, fn_name)) is True
+
+
+def _after_first_prefix(pred: str, prefixes: tuple[str, ...], answers: Sequence[str]) -> bool | None:
+    """The official scorers' prefix rule: at the first of ``prefixes`` found in ``pred``, whether
+    the text one character after it starts with one of ``answers`` (False when nothing follows);
+    None when no prefix occurs."""
+    for prefix in prefixes:
         idx = pred.find(prefix)
         if idx == -1:
             continue
         if len(pred) < idx + len(prefix) + 1:
             return False
-        rest = pred[idx + len(prefix) + 1 :]
-        return any(rest.startswith(s) for s in (letter, fn_name))
-    return False
+        return any(pred[idx + len(prefix) + 1 :].startswith(a) for a in answers)
+    return None
 
 
 def _number(text: str) -> int | float:
@@ -121,14 +128,9 @@ def _ib_choice(pred: str, label: list[str]) -> bool:
     if pred in label:
         return True
     pred = _collapse_spaces(_replace_all(pred, ("\n", '"', "'", ".", ",", "?", "!", "{", "}")))
-    for prefix in ("answer is:", "answer:", "answer is", "option is"):
-        idx = pred.find(prefix)
-        if idx == -1:
-            continue
-        if len(pred) < idx + len(prefix) + 1:
-            return False
-        after = pred[idx + len(prefix) + 1 :]
-        return any(after.startswith(s) for s in label)
+    found = _after_first_prefix(pred, ("answer is:", "answer:", "answer is", "option is"), label)
+    if found is not None:
+        return found
     for word in pred.split():
         if word in "ABCD":
             return word in label
