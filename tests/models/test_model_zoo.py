@@ -726,16 +726,7 @@ def test_paligemma_is_refused_at_load(tmp_path):
         text_config=_dims(
             drop=("rope_parameters",), vocab_size=len(tokenizer), model_type="gemma", query_pre_attn_scalar=16
         ),
-        vision_config=dict(
-            model_type="siglip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=14,
-            projection_dim=64,
-        ),
+        vision_config={**_CLIP, "model_type": "siglip_vision_model", "projection_dim": 64},
         image_token_index=_token_id(tokenizer, "<image>"),
     )
     _save_model(config, "AutoModelForImageTextToText", tmp_path)
