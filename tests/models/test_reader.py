@@ -176,3 +176,16 @@ def test_full_cache_reads_every_task_and_no_image_cache_fails():
 
     assert all(correct(None))
     assert not any(correct(NO_IMAGE))
+
+
+def test_glyph_labels_refuse_a_grid_that_is_not_one_patch_per_cell():
+    """Reader cells on another model's patch grid would name the wrong patches: refused, never
+    written on them."""
+    from kvlab.runner.views.patches import cell_labels, patch_figure
+
+    sample = build_dataset({"name": "reader_mark", "num_samples": 1}).samples()[0]
+    cells = sample.meta["image_cells"][sample.meta["image_index"]]
+    with pytest.raises(ValueError, match="not a one-cell-per-patch grid"):
+        cell_labels(cells, 4)  # tiny-llava cuts an image into 2 x 2 patches
+    with pytest.raises(ValueError, match="labels for 2 x 2 patches"):
+        patch_figure(sample.images[0], torch.zeros(2, 2), "t", labels=cell_labels(cells, 16))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+import kvlab.data.glyphs as glyphs
 from kvlab.compression.routing import route_metric, switch_layers
 from kvlab.engine.generation import GenerationResult
 from kvlab.models.base import IMAGE, TEXT, VIDEO
@@ -218,7 +219,9 @@ class Inspector:
             for i, (first, rows, cols) in enumerate(grids):
                 share = patch_share(report.selection, T, first, rows, cols)
                 title = titled(self.label, f"sample {sample.id}", f"layer {report.layer_idx}, image {i}")
-                labels = cell_labels(cells[i], rows * cols) if i < len(cells) else None
+                # glyphs label patches only where one patch is one cell (smollm2-reader's 4 x 4)
+                reader_grid = i < len(cells) and (rows, cols) == (glyphs.GRID, glyphs.GRID)
+                labels = cell_labels(cells[i], rows * cols) if reader_grid else None
                 figure = patch_figure(sample.images[i], share, title, heads=heads, labels=labels)
                 self._figure(f"patches/layer_{report.layer_idx}/image_{i}", figure, step)
 

@@ -59,8 +59,13 @@ def patch_share(selection: Any, length: int, first: int, rows: int, cols: int) -
 
 def cell_labels(cells: list[str], count: int) -> list[str]:
     """The ``count`` texts written over an image's patches from its reader glyph cells (reading
-    order; a mark ``mark:red`` as ``[red]``; patches past the cells left blank)."""
-    labels = [f"[{c.split(':', 1)[1]}]" if c.startswith("mark:") else c for c in cells[:count]]
+    order; a mark ``mark:red`` as ``[red]``; patches past the cells left blank). More cells than
+    patches means the image is not cut into one patch per cell (another model's grid): refused."""
+    if len(cells) > count:
+        raise ValueError(
+            f"{len(cells)} glyph cells cannot label {count} patches: not a one-cell-per-patch grid"
+        )
+    labels = [f"[{c.split(':', 1)[1]}]" if c.startswith("mark:") else c for c in cells]
     return labels + [""] * (count - len(labels))
 
 
@@ -111,7 +116,9 @@ def patch_figure(
     if rows * cols <= 400:  # patch boundaries
         right.vlines(np.linspace(0, width, cols + 1), 0, height, colors="white", linewidth=0.4, alpha=0.6)
         right.hlines(np.linspace(0, height, rows + 1), 0, width, colors="white", linewidth=0.4, alpha=0.6)
-    if labels is not None and len(labels) == rows * cols:
+    if labels is not None:
+        if len(labels) != rows * cols:
+            raise ValueError(f"{len(labels)} labels for {rows} x {cols} patches")
         patch_points = right.get_position().width * fig.get_figwidth() * 72 / cols  # a patch's width
         for i, text in enumerate(labels):
             value = float(kept_share[i // cols, i % cols])
