@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from kvlab import models  # module attribute: load_model stays replaceable (tests)
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, Recorder, region_targets
 from kvlab.config.artefacts import Artefact, cache_path
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import find_config
+from kvlab.config.yaml_text import load_yaml_file
 from kvlab.data import build_dataset
 from kvlab.engine.generation import generate
 from kvlab.engine.registration import enable_kvlab_attention
@@ -40,7 +40,7 @@ def read_settings(config: str) -> dict[str, Any]:
     """The calibration config ``config`` (a YAML path or a shipped name) as a plain dict, its fields
     checked."""
     path = find_config(config, shipped=CONFIGS, kind="calibration config")
-    settings = yaml.safe_load(path.read_text()) or {}
+    settings = load_yaml_file(path) or {}
     if not isinstance(settings, dict):
         raise ConfigError(f"calibration config '{config}' must be a mapping with fields {', '.join(FIELDS)}.")
     for key in settings:

@@ -18,34 +18,65 @@ Bad configuration exits with status 2 and a one-paragraph message, before any mo
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import tempfile
 import warnings
+from argparse import ArgumentError
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from kvlab.cli.prompt_example import describe_prompt
-from kvlab.cli.sweep import cli_sweep, expand, has_option, naming_overrides, pop_run_args
-from kvlab.config.loader import check_fields, resolve, split_overrides
-from kvlab.config.plugins import IMPORTS_KEY, import_plugins
+from kvlab.cli.sweep import cli_sweep, expand, naming_overrides
+from kvlab.config.errors import ConfigError, did_you_mean
+from kvlab.config.loader import apply_override, check_fields, imports_by_config, resolve, split_overrides
+from kvlab.config.names import run_directory
+from kvlab.config.plugins import IMPORTS_KEY, import_plugins, is_file_reference
+from kvlab.config.values import check_numbers
 from kvlab.metrics.reference import REFERENCE_DIR
 from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, check_task_samples, validate_task_metrics
 from kvlab.runner.compare import compare_experiment
 from kvlab.runner.datamodule import KVLabDataModule
 from kvlab.runner.files import atomic_write_text
-from kvlab.runner.fingerprint import check_run, clear_results, fingerprint_fields, record_run
+from kvlab.runner.fingerprint import check_run, clear_results, fingerprint_fields, plain, record_run
 from kvlab.runner.guards import RunGuard, make_run_dir
 from kvlab.runner.module import KVLabModule
 from kvlab.runner.progress import RunProgress, format_summary
 from kvlab.runner.run_names import override_suffix
 from kvlab.runner.views import write_run_summary
 from kvlab.runner.writer import METRICS, PredictionWriter, local_summary, merge_predictions
+
+#: the ``run`` group: where a run writes (``<dir>/<experiment>/<method>/``) and whether it starts afresh
+RUN_DEFAULTS: dict[str, Any] = {
+    "dir": "runs",
+    "experiment": "default",
+    "method": "method",
+    "overwrite": False,
+}
+#: the top-level fields of a run config
+TOP_LEVEL = frozenset({"model", "data", "trainer", "run", "seed_everything"})
+#: LightningCLI's own flags, passed through to it
+FLAGS = frozenset({"--print_config", "--help", "-h"})
+#: Trainer options a run may not set, and why
+TRAINER_REFUSED = {
+    "default_root_dir": "kvlab writes every file of a run under <run.dir>/<run.experiment>/<run.method>/; "
+    "choose that place with --run.dir.",
+    "logger": "kvlab writes the run's TensorBoard events itself, in the run directory (tensorboard --logdir "
+    "runs/).",
+    "callbacks": "kvlab installs the run's callbacks (prediction writing, progress); a callback could write "
+    "outside the run directory or import other code. Use a plugin (`imports:`) for code of your own.",
+    "profiler": "a profiler writes its report outside the run directory; profile with `kvlab bench` or "
+    "py-spy instead.",
+    "plugins": "Lightning plugins are classes named by import path; kvlab runs only what its config "
+    "declares.",
+}
 
 
 def launch_rank() -> int:
@@ -92,21 +123,25 @@ class KVLabCLI(LightningCLI):
 
     def run_dir(self) -> Path:
         run = self.config["predict"]["run"]
-        return Path(run["dir"]) / run["experiment"] / run["method"]
+        return run_directory(run["dir"], run["experiment"], run["method"])
 
     def before_predict(self) -> None:
-        """Check the fingerprint (refuse another run's directory), record the run, set up writing.
+        """Validate what is left (the samples against the model's processor), then check the
+        fingerprint (refuse another run's directory), record the run and set up writing.
 
+        Every check comes before the run directory is touched: a refused run writes nothing.
         Every process of a data-parallel run gets here; only the launcher's first process clears
-        results on ``--run.overwrite``. Nothing in the directory changes before the check passes.
+        results on ``--run.overwrite``.
         """
+        config = self.config["predict"]
+        check_numbers(plain(config))  # what LightningCLI parsed, defaults included
         # the dataset's metric names (strings in the data layer) name registered metrics
         names = validate_task_metrics(
             getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS
         )
         check_task_samples(names, self.datamodule.selected_samples)
+        self.datamodule.setup("predict")  # the processor: images, prompt lengths, encodable text
         run_dir = self.run_dir()
-        config = self.config["predict"]
         fields = fingerprint_fields(config, self.imports)
         overwrite = bool(config["run"].get("overwrite", False))
         check_run(run_dir, fields, overwrite=overwrite)
@@ -120,14 +155,14 @@ class KVLabCLI(LightningCLI):
         atomic_write_text(run_dir / "config.yaml", text)
         self.model.reference_dir = str(run_dir.parent / REFERENCE_DIR)
         self.model.run_dir = str(run_dir)
-        writer = PredictionWriter(run_dir, order=[s.id for s in self.datamodule.selected_samples])
+        order = [s.id for s in self.datamodule.selected_samples]
+        writer = PredictionWriter(run_dir, order=order)
         self.trainer.callbacks.extend([writer, RunProgress(), RunGuard(run_dir)])
         # no placeholder hp_metric: the HPARAMS trial is written from the finished run (after_predict)
         self.trainer.logger = TensorBoardLogger(
             save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False
         )
         if launch_rank() == 0 and self.datamodule.selected_samples:  # what the model sees, shown once
-            self.datamodule.setup("predict")
             sample = self.datamodule.selected_samples[0]
             text, n_tokens = describe_prompt(self.datamodule.processor, sample)
             example = f"kvlab: prompt of sample '{sample.id}' ({n_tokens} tokens, data.chat_template = "
@@ -136,8 +171,11 @@ class KVLabCLI(LightningCLI):
             print(example, end="")
         done = writer.completed_ids()
         self.datamodule.skip_ids = done
-        if done and launch_rank() == 0:
-            print(f"kvlab: resuming {run_dir}: {len(done)} samples already written are skipped")
+        if launch_rank() == 0:
+            for problem in writer.unreadable_lines():
+                print(f"kvlab: resuming {run_dir}: {problem}; the line is not counted")
+            if done:
+                print(f"kvlab: resuming {run_dir}: {len(done)} samples already written are skipped")
 
     def after_predict(self) -> None:
         if self.trainer.global_rank != 0:
@@ -151,61 +189,165 @@ class KVLabCLI(LightningCLI):
 
 
 def main(args: list[str]) -> None:
-    """``kvlab predict``: resolve presets and kvlab-merged overrides, expand a sweep, then hand each
-    run to LightningCLI (:func:`run_predict`); a sweep ends with ``kvlab compare``'s table."""
+    """``kvlab predict``: the command line resolved into one config per run (presets, overrides, a
+    sweep's points), every run validated (:func:`check_run_config`) before the first one starts,
+    then each handed to LightningCLI (:func:`run_predict`); a sweep ends with ``kvlab compare``'s
+    table."""
     configs, rest, overrides = split_overrides(args)
-    if not (configs or overrides):
-        run_predict(None, rest)
-        return
     resolved = resolve(configs, overrides)
     imports = resolved.pop(IMPORTS_KEY, [])
+    announce_plugins(configs, imports)
     import_plugins(imports)  # before any component is built (relative paths are already absolute)
     if configs:
-        resolved.setdefault("run", {}).setdefault("method", Path(configs[-1]).stem)
+        resolved.setdefault("run", {}).setdefault("method", Path(configs[0]).stem)
     # overrides that change results name the run, unless --run.method names it explicitly
     swept = {dotted for dotted, _ in cli_sweep(overrides)}
-    fixed = [(d, v) for d, v in overrides if d not in swept] + naming_overrides(rest)
-    named = "" if has_option(rest, "--run.method") else override_suffix(fixed)
+    explicit = any(dotted == "run.method" for dotted, _ in overrides)
+    named = "" if explicit else override_suffix(naming_overrides(overrides, swept))
     points = expand(resolved, overrides)
-    if len(points) == 1 and not named:
-        run_predict(points[0][1], rest, imports)
-        return
-    rest, run_args = pop_run_args(rest)
-    if "overwrite" in run_args:
-        run_args["overwrite"] = yaml.safe_load(run_args["overwrite"])
-    run = {"dir": "runs", "experiment": "default", "method": "method", **resolved.get("run", {}), **run_args}
+    runs = []
     for suffix, cfg in points:
         name = ",".join(part for part in (named, suffix) if part)
-        run_predict({**cfg, "run": {**run, "method": f"{run['method']}@{name}"}}, rest, imports)
-    if len(points) == 1:
+        if name:
+            run = {**RUN_DEFAULTS, **cfg.get("run", {})}
+            cfg = {**cfg, "run": {**run, "method": f"{run['method']}@{name}"}}
+        runs.append(cfg)
+    for cfg in runs:  # every point of a sweep is checked before the first one runs
+        check_run_config(cfg, instantiate=len(runs) > 1)
+    for cfg in runs:
+        run_predict(cfg, rest, imports)
+    if len(runs) > 1:
+        experiment = {**RUN_DEFAULTS, **runs[0].get("run", {})}
+        print(compare_experiment(Path(experiment["dir"]) / experiment["experiment"]))
+
+
+def announce_plugins(configs: Sequence[str], imports: Sequence[str]) -> None:
+    """Say, once, each plugin file or module the run imports and the config that asked for it
+    (a preset's ``imports:`` runs code: the user sees what, before it runs)."""
+    if not imports:
         return
-    print(compare_experiment(Path(run["dir"]) / run["experiment"]))
+    origin: dict[str, str] = {}
+    for entry, config in imports_by_config(configs):
+        origin.setdefault(entry, config)
+    for entry in imports:
+        kind = "file" if is_file_reference(entry) else "module"
+        print(f"kvlab: imports plugin {kind} {entry} (listed by {origin.get(entry, 'the command line')})")
+
+
+def check_run_config(cfg: dict[str, Any], instantiate: bool = False) -> None:
+    """Validate one run's resolved config, before anything of it is written: numbers, the fields of
+    every group, the trainer options kvlab allows, the run's names and directory. ``instantiate``
+    (the points of a sweep): also build the module and the data module, so each point's pipeline
+    and dataset are checked before the first point runs (LightningCLI builds them again)."""
+    check_numbers(cfg)
+    unknown = sorted(set(cfg) - TOP_LEVEL)
+    if unknown:
+        raise ConfigError(
+            f"unknown top-level field `{unknown[0]}`.{did_you_mean(unknown[0], TOP_LEVEL)} A run config "
+            f"holds {', '.join(sorted(TOP_LEVEL))}. Fix or remove it."
+        )
+    check_fields(cfg, {"model": KVLabModule, "data": KVLabDataModule})  # unknown field, wrong type
+    check_trainer(cfg.get("trainer"))
+    run = {**RUN_DEFAULTS, **(cfg.get("run") or {})}
+    extra = sorted(set(run) - set(RUN_DEFAULTS))
+    if extra:
+        raise ConfigError(
+            f"unknown field run.{extra[0]}.{did_you_mean(extra[0], RUN_DEFAULTS)} The fields of `run` are: "
+            f"{', '.join(RUN_DEFAULTS)}. Fix or remove it."
+        )
+    if not isinstance(run["overwrite"], bool):
+        raise ConfigError(f"run.overwrite must be true or false, got {run['overwrite']!r}.")
+    run_directory(run["dir"], run["experiment"], run["method"])
+    if instantiate:
+        model = cfg.get("model") or {}
+        KVLabModule(**model)
+        KVLabDataModule(**{**(cfg.get("data") or {}), "model": model.get("model", "smollm2-135m")})
+
+
+def check_trainer(node: Any) -> None:
+    """The ``trainer`` options a run may set: Lightning's ``Trainer`` arguments, minus those that write
+    outside the run directory or import classes by name (kvlab owns the logger and the callbacks).
+    ``class_path`` is allowed only for Lightning's own classes."""
+    if node is None:
+        return
+    if not isinstance(node, dict):
+        raise ConfigError(f"`trainer` must be a mapping of Trainer options, got {node!r}. Fix the config.")
+    known = [name for name in inspect.signature(Trainer.__init__).parameters if name != "self"]
+    for key, value in node.items():
+        if key in TRAINER_REFUSED:
+            raise ConfigError(f"trainer.{key} is not accepted: {TRAINER_REFUSED[key]}")
+        if key not in known:
+            raise ConfigError(
+                f"unknown field trainer.{key}.{did_you_mean(str(key), known)} Fix or remove it (Lightning's "
+                "Trainer arguments are listed by `kvlab predict --help`)."
+            )
+        for path in class_paths(value):
+            if not path.startswith("lightning."):
+                raise ConfigError(
+                    f"trainer.{key}: class_path {path!r} is refused; a run may name only Lightning's own "
+                    "classes (lightning.pytorch.*), so that a config cannot import other code. Use a "
+                    "plugin (`imports:`, docs/plugins.md) for code of your own."
+                )
+
+
+def check_flags(rest: Sequence[str]) -> None:
+    """The arguments left for LightningCLI are only its flags (:data:`FLAGS`): any other option or
+    word is refused here, with the closest option, instead of LightningCLI's usage text."""
+    for arg in rest:
+        flag = arg.partition("=")[0]
+        if flag in FLAGS:
+            continue
+        if flag.startswith("-"):
+            raise ConfigError(
+                f"unknown option {flag}.{did_you_mean(flag, [*FLAGS, '--config'])} `kvlab predict` takes "
+                "--config FILE, --model.<field>, --data.<field>, --trainer.<field>, --run.<field>, "
+                "--seed_everything N and --print_config; options are matched exactly (never by prefix)."
+            )
+        raise ConfigError(
+            f"unexpected argument {arg!r}: every value follows its option. To run a preset or a file, write "
+            f"`--config {arg}`."
+        )
+
+
+def class_paths(node: Any) -> list[str]:
+    """Every ``class_path`` value inside ``node``."""
+    if isinstance(node, dict):
+        found = [str(node["class_path"])] if "class_path" in node else []
+        return found + [p for value in node.values() for p in class_paths(value)]
+    if isinstance(node, list):
+        return [p for value in node for p in class_paths(value)]
+    return []
 
 
 def run_predict(resolved: dict[str, Any] | None, rest: list[str], imports: Sequence[str] = ()) -> None:
-    """One ``kvlab predict`` run of a resolved config (None: LightningCLI's own arguments only).
+    """One ``kvlab predict`` run of a resolved config (None: the defaults).
 
-    The resolved config reaches LightningCLI as a temporary file, deleted when the run ends;
-    ``imports`` (plugin modules, already imported) is recorded in the run's ``config.yaml``.
+    The config is validated (:func:`check_run_config`), then reaches LightningCLI as a temporary
+    file, deleted when the run ends; ``imports`` (plugin modules, already imported) is recorded in
+    the run's ``config.yaml``. Options are matched exactly, and LightningCLI's own parse errors
+    become one-paragraph :class:`ConfigError`\ s.
     """
-    if resolved is not None and IMPORTS_KEY in resolved:  # a caller that did not import them first
-        resolved = dict(resolved)
+    resolved = dict(resolved or {})
+    configs, rest, overrides = split_overrides(rest)
+    if configs:
+        raise ConfigError("run_predict takes a resolved config: pass --config files to `kvlab predict`.")
+    for dotted, text in overrides:
+        resolved = apply_override(resolved, dotted, text)
+    check_flags(rest)
+    if IMPORTS_KEY in resolved:  # a caller that did not import them first
         imports = list(dict.fromkeys([*imports, *resolved.pop(IMPORTS_KEY)]))
         import_plugins(imports)
-    config_file = None
-    if resolved is not None:
-        check_fields(resolved, {"model": KVLabModule, "data": KVLabDataModule})  # unknown field, wrong type
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kvlab-", delete=False) as tmp:
-            yaml.safe_dump(resolved, tmp, sort_keys=False)
-        config_file = tmp.name
-        rest = ["--config", config_file, *rest]
+    check_run_config(resolved)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kvlab-", delete=False) as tmp:
+        yaml.safe_dump(resolved, tmp, sort_keys=False)
+    config_file = tmp.name
     # kvlab rewrites the arguments it received (resolved config file): not a user mistake.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     try:
         KVLabCLI(
             KVLabModule,
             KVLabDataModule,
-            args=["predict", *rest],
+            args=["predict", "--config", config_file, *rest],
             save_config_callback=None,
             trainer_defaults={
                 "logger": False,
@@ -214,8 +356,13 @@ def run_predict(resolved: dict[str, Any] | None, rest: list[str], imports: Seque
                 "devices": 1,
             },
             seed_everything_default=0,
+            parser_kwargs={"allow_abbrev": False, "exit_on_error": False},
             imports=imports,
         )
+    except ArgumentError as exc:
+        message = " ".join(str(exc).split())
+        raise ConfigError(
+            f"the command line: {message}. Options are matched exactly; `kvlab predict --help` lists them."
+        ) from None
     finally:
-        if config_file is not None:
-            os.unlink(config_file)
+        os.unlink(config_file)

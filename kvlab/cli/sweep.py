@@ -2,7 +2,8 @@
 
 Two ways to ask for one:
 
-- a comma list on a kvlab-merged override: ``--model.compression.budget 32,64,128`` (commas
+- a comma list on a ``--model.*``, ``--data.*`` or ``--seed_everything`` override:
+  ``--model.compression.budget 32,64,128`` (commas
   inside ``[...]`` or ``{...}`` do not split, so ``--model.compression.importance
   "[{name: a}, {name: b}]"`` stays one value);
 - a ``sweep:`` block in the YAML config, dotted keys to lists of values (any key of the
@@ -21,9 +22,11 @@ Command-line overrides name a run the same way: every override of a field that c
 (the run's fingerprint, :mod:`kvlab.runner.fingerprint`: ``--model.compression.*``,
 ``--data.dataset*``, ``--model.max_new_tokens``, ``--model.model``, ...; not ``--trainer.*``,
 ``--data.batch_size`` or the TensorBoard options) is appended as ``@key=value[,key=value]``, in
-the order given, before any swept values (:func:`naming_overrides`,
-:func:`kvlab.runner.run_names.override_suffix`). An explicit ``--run.method`` wins: no override
-suffix (a sweep still appends its point).
+the order given (``model.compression.*`` and ``data.dataset.*`` first), before any swept values
+(:func:`naming_overrides`, :func:`kvlab.runner.run_names.override_suffix`). An explicit
+``--run.method`` wins: no override suffix (a sweep still appends its point). A comma list on
+any other option is refused (``--trainer.*`` values keep Lightning's own syntax, e.g.
+``--trainer.devices 0,1``).
 """
 
 from __future__ import annotations
@@ -31,10 +34,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import yaml
-
 from kvlab.config.errors import ConfigError
-from kvlab.config.loader import merge
+from kvlab.config.loader import TEXT_FIELDS, is_sweepable, merge, reject_interpolation
+from kvlab.config.yaml_text import parse_yaml
 from kvlab.runner.fingerprint import DATA_EXCLUDED, MODEL_EXCLUDED
 from kvlab.runner.run_names import short_key, split_values, value_text
 
@@ -67,14 +69,21 @@ def yaml_sweep(node: Any) -> list[tuple[str, list[Any]]]:
 
 
 def cli_sweep(overrides: list[tuple[str, str]]) -> list[tuple[str, list[Any]]]:
-    """The overrides that hold comma lists, as ``[(dotted key, parsed values)]``."""
+    """The sweepable overrides that hold comma lists, as ``[(dotted key, parsed values)]``; each
+    value is read and checked on its own (a broken part is an error naming it)."""
     out = []
     for dotted, text in overrides:
-        parts = split_values(text)
+        parts = split_values(text) if is_sweepable(dotted) else [text]
         if len(parts) > 1:
             if not all(parts):
                 raise ConfigError(f"--{dotted} {text!r}: a sweep needs a value between every pair of commas.")
-            out.append((dotted, [yaml.safe_load(p) for p in parts]))
+            values = []
+            for number, part in enumerate(parts, start=1):
+                where = f"--{dotted} (value {number} of the sweep, {part!r})"
+                value = part if dotted in TEXT_FIELDS else parse_yaml(part, where)
+                reject_interpolation(value, where, dotted)
+                values.append(value)
+            out.append((dotted, values))
     return out
 
 
@@ -100,25 +109,6 @@ def expand(resolved: dict[str, Any], overrides: list[tuple[str, str]]) -> list[t
     return points
 
 
-def pop_run_args(args: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Take ``--run.dir/experiment/method`` out of LightningCLI arguments (a sweep sets them per point)."""
-    rest: list[str] = []
-    run: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        key, eq, value = args[i].partition("=")
-        if key.startswith("--run."):
-            if not eq:
-                if i + 1 >= len(args):
-                    raise ConfigError(f"{key} needs a value.")
-                value, i = args[i + 1], i + 1
-            run[key[len("--run.") :]] = value
-        else:
-            rest.append(args[i])
-        i += 1
-    return rest, run
-
-
 def names_run(dotted: str) -> bool:
     """Whether an override of ``dotted`` changes results (is in the run's fingerprint), so names the run."""
     group, _, field = dotted.partition(".")
@@ -130,20 +120,9 @@ def names_run(dotted: str) -> bool:
     return dotted in ("seed_everything", "trainer.precision")
 
 
-def naming_overrides(args: list[str]) -> list[tuple[str, str]]:
-    """The ``--key value`` / ``--key=value`` options among LightningCLI arguments that name the run."""
-    out: list[tuple[str, str]] = []
-    i = 0
-    while i < len(args):
-        key, eq, value = args[i].partition("=")
-        if key.startswith("--") and names_run(key[2:]):
-            if not eq and i + 1 < len(args):
-                value, i = args[i + 1], i + 1
-            out.append((key[2:], value))
-        i += 1
-    return out
-
-
-def has_option(args: list[str], option: str) -> bool:
-    """Whether ``option`` (``--run.method``) is among the arguments, as ``--opt v`` or ``--opt=v``."""
-    return any(a == option or a.startswith(option + "=") for a in args)
+def naming_overrides(overrides: list[tuple[str, str]], swept: set[str]) -> list[tuple[str, str]]:
+    """The command-line overrides that name the run (:func:`names_run`, not swept), the
+    ``model.compression.*`` and ``data.dataset.*`` ones first, each group in the order given."""
+    named = [(dotted, text) for dotted, text in overrides if dotted not in swept and names_run(dotted)]
+    first = [o for o in named if o[0].startswith(("model.compression", "data.dataset"))]
+    return first + [o for o in named if o not in first]

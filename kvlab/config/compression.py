@@ -13,12 +13,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import find_config, load_config, merge
 from kvlab.config.plugins import IMPORTS_KEY, check_imports, import_plugins
 from kvlab.config.registry import to_plain
+from kvlab.config.yaml_text import load_yaml_file
 
 #: top-level groups of a run config (``kvlab predict --config``); a mapping without them is a
 #: bare ``model.compression`` node
@@ -63,10 +62,7 @@ def _compression_node(source: PipelineSource) -> dict[str, Any]:
         return {}
     if isinstance(source, str | os.PathLike):
         path = find_config(str(source))
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        raw = load_yaml_file(path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(
                 f"{path} must contain a YAML mapping at the top level, got {type(raw).__name__}."

@@ -11,9 +11,11 @@
   are merged into the resolved config the same way (values parsed as YAML), so
   ``--model.compression.budget.tokens 128`` changes the budget and keeps its window. Other
   dotted options go to LightningCLI unchanged.
-- Configs hold plain values. YAML tags (``!!python/object/apply:...``) are refused (``yaml.safe_load``),
-  and so are omegaconf interpolations and resolvers (``${model.model}``, ``${oc.env:HOME}``): kvlab
-  does not evaluate them, so a value containing ``${`` is an error naming the field, not a literal.
+- Configs hold plain values, read by :func:`kvlab.config.yaml_text.parse_yaml`: YAML tags
+  (``!!python/object/apply:...``), duplicate keys, alias bombs, absurd nesting and non-UTF-8
+  files are refused, and so are omegaconf interpolations and resolvers (``${model.model}``,
+  ``${oc.env:HOME}``): kvlab does not evaluate them, so a value containing ``${`` is an error
+  naming the field, not a literal.
 - ``imports: [module, path/to/file.py]`` lists user plugin modules (:mod:`kvlab.config.plugins`):
   ``.py`` paths are made absolute against the file that lists them, and the lists of a config
   and of the presets it inherits are concatenated (not replaced).
@@ -27,14 +29,27 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.plugins import IMPORTS_KEY, resolve_imports
 from kvlab.config.registry import _matches, _type_name
+from kvlab.config.yaml_text import load_yaml_file, parse_yaml, read_text
 
 PRESET_KEY = "preset"
-MERGED_PREFIXES = ("model.compression", "data.dataset")
+#: the config groups whose ``--group.field VALUE`` options kvlab merges itself (``seed_everything`` too)
+OVERRIDE_GROUPS = ("model", "data", "trainer", "run")
+#: ``--group FILE``: a YAML file holding one group's fields
+GROUP_FILES = ("model", "data", "trainer")
+#: fields whose comma lists sweep (one run per value)
+SWEEPABLE_PREFIXES = ("model.", "data.")
+#: fields that hold names or paths: an override's text is taken as it is, not parsed as YAML
+TEXT_FIELDS = frozenset({"model.model", "run.dir", "run.experiment", "run.method", "data.chat_template"})
+#: what a second ``--config`` may set (an empty tuple: the whole group)
+LATER_CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
+    "data": (),
+    "trainer": (),
+    "run": ("experiment", "dir"),
+    "model": ("protocol", "max_new_tokens"),
+}
 # fields of which a node holds at most one: an override naming one drops the others
 EXCLUSIVE_FIELDS = (("tokens", "ratio"), ("context_words", "context_tokens"))
 
@@ -94,7 +109,7 @@ def load_config(name: str, relative_to: Path | None = None, _seen: tuple[Path, .
     if path in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, path))
         raise ConfigError(f"preset cycle: {chain}. Remove one of the `preset:` lines.")
-    raw = parse_yaml(path.read_text(), str(path))
+    raw = load_yaml_file(path)
     reject_interpolation(raw, str(path))
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must contain a YAML mapping at the top level, got {type(raw).__name__}.")
@@ -106,24 +121,6 @@ def load_config(name: str, relative_to: Path | None = None, _seen: tuple[Path, .
         raise ConfigError(f"{path}: `{PRESET_KEY}` must be a preset name or a path, got {parent!r}.")
     base = load_config(parent, relative_to=path.parent, _seen=(*_seen, path))
     return with_imports(merge(base, raw), imports)
-
-
-def parse_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load(text)``; :class:`ConfigError` naming ``where`` for invalid YAML or a tag."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.constructor.ConstructorError as exc:
-        mark = f" (line {exc.problem_mark.line + 1})" if exc.problem_mark is not None else ""
-        tag = (exc.problem or "").split("tag ")[-1]
-        raise ConfigError(
-            f"{where}{mark}: the YAML tag {tag} is refused. Configs hold plain values only (mappings, "
-            "lists, strings, numbers, booleans); tags such as !!python/object could construct objects "
-            "or run code, so kvlab reads YAML with safe_load. Remove the tag and write the value itself."
-        ) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(
-            f"{where} is not valid YAML: {' '.join(str(exc).split())}. Fix the syntax at the position shown."
-        ) from None
 
 
 def reject_interpolation(node: Any, where: str, field: str = "") -> None:
@@ -191,18 +188,44 @@ def with_imports(cfg: dict[str, Any], imports: list[str]) -> dict[str, Any]:
 
 
 def apply_override(cfg: dict[str, Any], dotted: str, value_text: str) -> dict[str, Any]:
-    """Return ``cfg`` with ``dotted = yaml(value_text)`` merged in (same rules as presets)."""
-    value = parse_yaml(value_text, f"--{dotted}")
+    """Return ``cfg`` with ``dotted = yaml(value_text)`` merged in (same rules as presets).
+
+    A field that holds a name or a path (:data:`TEXT_FIELDS`) takes ``value_text`` as it is, so
+    ``--run.method 0.1`` names a run ``0.1`` rather than failing as a number."""
+    if dotted in TEXT_FIELDS:
+        value: Any = value_text
+    else:
+        value = parse_yaml(value_text, f"--{dotted}")
     reject_interpolation(value, f"--{dotted}", dotted)
     for key in reversed(dotted.split(".")):
         value = {key: value}
     return merge(cfg, value)
 
 
-def split_overrides(args: list[str]) -> tuple[list[str], list[str], list[tuple[str, str]]]:
-    """Separate ``--config`` files and kvlab-merged overrides from the other CLI arguments.
+def is_override(option: str) -> bool:
+    """Whether ``--option`` sets a config field that kvlab merges itself (:data:`OVERRIDE_GROUPS`)."""
+    group, dot, field = option.partition(".")
+    if group == "seed_everything":
+        return not dot
+    return group in OVERRIDE_GROUPS and bool(dot) and all(field.split("."))
 
-    Returns ``(config_names, passthrough_args, [(dotted_key, value_text)])``.
+
+def is_sweepable(dotted: str) -> bool:
+    """Whether a comma list on ``--dotted`` sweeps it (one run per value)."""
+    return dotted == "seed_everything" or dotted.startswith(SWEEPABLE_PREFIXES)
+
+
+def split_overrides(args: list[str]) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """Separate ``--config`` files and field overrides from the other CLI arguments.
+
+    Every ``--model.*``, ``--data.*``, ``--trainer.*``, ``--run.*`` and ``--seed_everything``
+    option is an override that kvlab merges into the resolved config itself (so the whole run is
+    one config, validated in one place), and so is a group file (``--trainer trainer.yaml``,
+    read like a config file). Options are matched exactly (never by prefix). What remains
+    (``--print_config``, ``--help``) goes to LightningCLI.
+
+    Returns ``(config_names, passthrough_args, [(dotted_key, value_text)])``; a group file is
+    ``(group, its text)``.
     """
     configs: list[str] = []
     rest: list[str] = []
@@ -211,32 +234,91 @@ def split_overrides(args: list[str]) -> tuple[list[str], list[str], list[tuple[s
     while i < len(args):
         arg = args[i]
         key, eq, inline = arg.partition("=")
+        option = key[2:] if key.startswith("--") else ""
+        takes_value = key in ("--config", "-c") or is_override(option) or option in GROUP_FILES
+        if takes_value and not eq:
+            if i + 1 >= len(args):
+                example = "`--config snapkv.yaml`" if option in ("config", "") else f"`--{option} VALUE`"
+                raise ConfigError(f"{key} needs a value, e.g. {example}.")
+            inline, i = args[i + 1], i + 1
         if key in ("--config", "-c"):
-            if not eq:
-                if i + 1 >= len(args):
-                    raise ConfigError("--config needs a file or preset name, e.g. `--config snapkv.yaml`.")
-                inline, i = args[i + 1], i + 1
             configs.append(inline)
-        elif key.startswith("--") and key[2:].startswith(MERGED_PREFIXES):
-            if not eq:
-                if i + 1 >= len(args):
-                    raise ConfigError(f"{key} needs a value.")
-                inline, i = args[i + 1], i + 1
-            overrides.append((key[2:], inline))
+        elif option in GROUP_FILES:
+            path = Path(inline).expanduser()
+            if not path.is_file():
+                raise ConfigError(
+                    f"--{option} {inline!r}: a group option takes the path of a YAML file holding the "
+                    f"`{option}` fields, and {path} is not a file. Set single fields with "
+                    f"--{option}.<field> VALUE instead."
+                )
+            node = load_yaml_file(path)
+            reject_interpolation(node, str(path), option)
+            if node is not None and not isinstance(node, dict):
+                raise ConfigError(f"{path} must hold a mapping of `{option}` fields, got {node!r}.")
+            overrides.append((option, read_text(path)))
+        elif takes_value:
+            if (
+                not is_sweepable(option)
+                and not option.startswith("trainer.")
+                and len(split_values(inline)) > 1
+            ):
+                raise ConfigError(
+                    f"--{option} {inline!r}: a comma list sweeps only model.*, data.* and seed_everything "
+                    f"fields (one run per value), and {option} cannot be swept. Give one value, or run "
+                    "one command per value."
+                )
+            overrides.append((option, inline))
         else:
             if "${" in arg:  # passed to LightningCLI: refused like interpolations in config files
-                option = key if key.startswith("--") else (args[i - 1] if i else "argument")
-                reject_interpolation(inline if eq else arg, "the command line", option.lstrip("-"))
+                where = key if key.startswith("--") else (args[i - 1] if i else "argument")
+                reject_interpolation(inline if eq else arg, "the command line", where.lstrip("-"))
             rest.append(arg)
         i += 1
     return configs, rest, overrides
 
 
+def check_later_config(name: str, loaded: dict[str, Any]) -> None:
+    """Refuse a second (third, ...) ``--config`` that sets what the first one owns: the method.
+
+    Several ``--config`` files merge in order under one rule (docs/benchmark_suites.md): the
+    first names the method and the run; every later one is an evaluation config (a benchmark
+    suite such as ``benchmarks/ruler``) and may set only :data:`LATER_CONFIG_FIELDS`.
+    """
+    allowed = {group: set(fields) for group, fields in LATER_CONFIG_FIELDS.items()}
+    for group, node in loaded.items():
+        if group not in allowed:
+            raise ConfigError(
+                f"--config {name} sets `{group}`, but only the first --config may set the method and its "
+                f"run name; a later --config is an evaluation config (such as benchmarks/ruler) and may "
+                f"set only {_later_fields()}. Give the method first, or write one YAML file that starts "
+                f"with `preset: <method>` and sets the fields to change."
+            )
+        if allowed[group] and isinstance(node, dict):
+            extra = sorted(set(node) - allowed[group])
+            if extra:
+                raise ConfigError(
+                    f"--config {name} sets {group}.{extra[0]}, but only the first --config may set the "
+                    f"method and its run name; a later --config (an evaluation config such as "
+                    f"benchmarks/ruler) may set only {_later_fields()}. Move {group}.{extra[0]} into the "
+                    "first config (or a YAML file with `preset: <method>`)."
+                )
+
+
+def _later_fields() -> str:
+    return ", ".join(
+        f"{group}.{{{', '.join(fields)}}}" if fields else group
+        for group, fields in LATER_CONFIG_FIELDS.items()
+    )
+
+
 def resolve(configs: list[str], overrides: list[tuple[str, str]]) -> dict[str, Any]:
-    """Merge the given configs (later wins) and overrides into one plain dict."""
+    """Merge the given configs (a later evaluation config on top, :func:`check_later_config`) and
+    the overrides into one plain dict."""
     cfg: dict[str, Any] = {}
-    for name in configs:
+    for index, name in enumerate(configs):
         loaded = load_config(name)
+        if index:
+            check_later_config(name, loaded)
         earlier = cfg.get(IMPORTS_KEY, [])
         cfg = with_imports({**merge(cfg, loaded), IMPORTS_KEY: earlier}, loaded.get(IMPORTS_KEY, []))
         if not cfg[IMPORTS_KEY]:
@@ -244,3 +326,39 @@ def resolve(configs: list[str], overrides: list[tuple[str, str]]) -> dict[str, A
     for dotted, value in overrides:
         cfg = apply_override(cfg, dotted, value)
     return cfg
+
+
+def split_values(text: str) -> list[str]:
+    """Split ``text`` at the commas outside brackets and braces (``"32,64"`` -> ``["32", "64"]``)."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    parts.append(current.strip())
+    return parts
+
+
+def imports_by_config(configs: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(imports entry, the config file that lists it)`` for the ``imports`` of ``configs`` and of
+    every preset they inherit (the file nearest the command line first), as :func:`resolve` reads them."""
+    found: list[tuple[str, str]] = []
+
+    def walk(name: str, relative_to: Path | None) -> None:
+        path = find_config(name, relative_to).resolve()
+        raw = load_yaml_file(path)
+        if not isinstance(raw, dict):
+            return
+        found.extend((entry, str(path)) for entry in resolve_imports(raw.get(IMPORTS_KEY), path.parent))
+        if isinstance(raw.get(PRESET_KEY), str):
+            walk(raw[PRESET_KEY], path.parent)
+
+    for name in configs:
+        walk(name, None)
+    return found

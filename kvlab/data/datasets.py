@@ -8,6 +8,7 @@ is checked in ``__post_init__``, so a bad data config fails before any model is 
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,8 +188,12 @@ class JsonlDataset:
                 f"{where}: sample '{sample_id}': field '{self.system_field}' must be a string, "
                 f"got {type(system).__name__}. Fix the value or remove the field."
             )
-        used = {self.id_field, self.text_field, self.images_field, self.answers_field,
-                self.choices_field, self.system_field}  # fmt: skip
+        options = {self.id_field: "id_field", self.text_field: "text_field",
+                   self.images_field: "images_field", self.answers_field: "answers_field",
+                   self.choices_field: "choices_field",
+                   self.system_field: "system_field"}  # fmt: skip
+        used = set(options)
+        self._check_near_misses(obj, options, where, sample_id)
         return _Record(
             id=sample_id,
             line=lineno,
@@ -199,6 +204,24 @@ class JsonlDataset:
             system=system,
             meta={k: v for k, v in obj.items() if k not in used},
         )
+
+    @staticmethod
+    def _check_near_misses(obj: dict[str, Any], fields: dict[str, str], where: str, sample_id: str) -> None:
+        """Refuse a key that is one typo away from a field the row lacks (``answer`` for ``answers``):
+        kept as metadata, it would leave the sample unscored without a word. ``fields`` maps each
+        field name read to the dataset option that names it."""
+        missing = [f for f in fields if f not in obj]
+        for key in obj:
+            if key in fields:
+                continue
+            match = difflib.get_close_matches(str(key), missing, n=1, cutoff=0.8)
+            if match:
+                raise ConfigError(
+                    f"{where}: sample '{sample_id}' has a field '{key}' but no '{match[0]}': kvlab reads "
+                    f"'{match[0]}' (the fields it reads are {', '.join(sorted(fields))}), so '{key}' would "
+                    f"be kept as metadata and ignored. Rename it to '{match[0]}', or set "
+                    f"data.dataset.{fields[match[0]]} to '{key}'."
+                )
 
     @staticmethod
     def _strings(obj: dict[str, Any], key: str, where: str, sample_id: str, allow_scalar: bool) -> list[str]:

@@ -14,11 +14,18 @@ def read_json_lines(path: Path, fix: str) -> Iterator[tuple[int, dict[str, Any]]
     """``(line number, object)`` for every non-blank line of ``path`` (numbered from 1).
 
     Raises:
-        ConfigError: a line that is not valid JSON, or not a JSON object, naming ``path:line``
+        ConfigError: a line that is not UTF-8, not valid JSON, or not a JSON object, naming ``path:line``
             and ending with ``fix`` (what the file must hold, in the caller's terms).
     """
-    with path.open(encoding="utf-8") as handle:
-        for lineno, raw in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for lineno, data in enumerate(handle, start=1):
+            try:
+                raw = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {exc.start} of the line, "
+                    f"0x{data[exc.start]:02x}, cannot be decoded). Save the file as UTF-8. {fix}"
+                ) from None
             if not raw.strip():
                 continue
             try:

@@ -10,10 +10,11 @@ one; otherwise :func:`check_run` refuses, naming the differing fields. What is i
   those that only change what is shown or how it is computed (:data:`MODEL_EXCLUDED`:
   TensorBoard views, the kernel implementation, device placement). A run recorded before
   ``model.protocol`` existed ran ``query_aware`` and resumes as such;
-- ``data``: every ``KVLabDataModule`` argument (the whole ``dataset`` node) except
-  :data:`DATA_EXCLUDED`: ``batch_size`` and ``num_workers`` (a padded batch gives what each
-  sample gives alone, by design) and ``limit`` (it chooses how many samples, not what each one
-  gives: a larger limit extends a run);
+- ``data``: every ``KVLabDataModule`` argument (the whole ``dataset`` node, ``limit``,
+  ``long_prompts``, ``chat_template``: everything that changes which samples run or how they
+  are built) except :data:`DATA_EXCLUDED`: ``batch_size`` and ``num_workers`` (a padded batch
+  gives what each sample gives alone, by design). A run's metrics cover exactly its selection,
+  so a re-run with another ``limit`` is another run (refused in the same directory);
 - ``seed_everything``, ``trainer.precision`` and the plugin ``imports``.
 """
 
@@ -45,7 +46,7 @@ MODEL_EXCLUDED = frozenset(
         "verify",
     }
 )
-DATA_EXCLUDED = frozenset({"batch_size", "num_workers", "limit", "model"})  # data.model is model.model
+DATA_EXCLUDED = frozenset({"batch_size", "num_workers", "model"})  # data.model is model.model
 # what `--run.overwrite true` removes (run.json and config.yaml are rewritten by the run itself)
 RESULTS = (
     "predictions.jsonl",

@@ -21,25 +21,10 @@ from typing import Any
 
 import yaml
 
+from kvlab.config.loader import split_values
+
 SHORT_PREFIXES = ("model.compression.", "data.dataset.", "model.")
 MAX_SUFFIX = 120  # longer override suffixes are cut and end with a hash of the whole text
-
-
-def split_values(text: str) -> list[str]:
-    """Split ``text`` at the commas outside brackets and braces (``"32,64"`` -> ``["32", "64"]``)."""
-    parts, depth, current = [], 0, ""
-    for ch in text:
-        if ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += ch
-    parts.append(current.strip())
-    return parts
 
 
 def short_key(dotted: str) -> str:

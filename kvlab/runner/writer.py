@@ -43,6 +43,7 @@ __all__ = [
     "PredictionWriter",
     "merge_predictions",
     "read_predictions",
+    "unreadable_lines",
     "shard_paths",
     "summarize",
 ]
@@ -63,26 +64,65 @@ def shard_paths(run_dir: str | Path) -> list[Path]:
     return sorted(paths, key=lambda p: int(SHARD.fullmatch(p.name).group(1)))  # type: ignore[union-attr]
 
 
-def read_predictions(run_dir: str | Path) -> list[dict[str, Any]]:
+def read_predictions(run_dir: str | Path, ids: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """All records of a run: ``predictions.jsonl`` then the shards of an unmerged data-parallel run,
-    each sample once (the first record of an id wins; a truncated last line is ignored)."""
+    each sample once (the first record of an id wins; a truncated last line is ignored, and so is a
+    line that is not a JSON object with an ``id``). ``ids``: keep only the records of these samples
+    (the run's selection: a line of another sample is never counted, :func:`unreadable_lines`)."""
     run_dir = Path(run_dir)
+    keep = None if ids is None else {str(i) for i in ids}
     seen: set[str] = set()
     records = []
     for path in [run_dir / PREDICTIONS, *shard_paths(run_dir)]:
         for record in read_jsonl(path):
-            if str(record.get("id")) not in seen:
-                seen.add(str(record.get("id")))
+            if not isinstance(record, dict) or "id" not in record:
+                continue
+            sample_id = str(record["id"])
+            if sample_id not in seen and (keep is None or sample_id in keep):
+                seen.add(sample_id)
                 records.append(record)
     return records
+
+
+def unreadable_lines(run_dir: str | Path, ids: Sequence[str]) -> list[str]:
+    """What a resume cannot count, one phrase per line with its file and line number: a line that is
+    not JSON (except a last line cut short by a crash, which is dropped), not a JSON object with an
+    ``id``, or whose id is not among ``ids`` (the run's selected samples)."""
+    run_dir = Path(run_dir)
+    known = {str(i) for i in ids}
+    problems = []
+    for path in [run_dir / PREDICTIONS, *shard_paths(run_dir)]:
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        lines = data.decode("utf-8", errors="replace").split("\n")
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path.name} line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines):  # no newline after it: a line cut short by a crash
+                    continue
+                problems.append(f"{where} is not valid JSON")
+                continue
+            if not isinstance(record, dict) or "id" not in record:
+                problems.append(f"{where} is not a JSON object with an 'id'")
+            elif str(record["id"]) not in known:
+                problems.append(
+                    f"{where} has id {str(record['id'])!r}, which is not among this run's samples"
+                )
+    return problems
 
 
 def merge_predictions(run_dir: str | Path, order: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Merge ``predictions.jsonl`` and the shards into ``predictions.jsonl`` in dataset order.
 
-    ``order`` is the dataset's ids; records of other ids follow in the order they were read.
-    The merged file replaces the old one atomically, then the shards are deleted (a crash in
-    between leaves duplicates that :func:`read_predictions` reads once). Returns the records.
+    ``order`` is the dataset's ids; records of other ids follow in the order they were read (kept
+    in the file, not returned). The merged file replaces the old one atomically, then the shards
+    are deleted (a crash in between leaves duplicates that :func:`read_predictions` reads once).
+    Returns the records of the samples in ``order`` (all records when it is empty).
     """
     run_dir = Path(run_dir)
     position = {str(i): n for n, i in enumerate(order)}
@@ -91,7 +131,7 @@ def merge_predictions(run_dir: str | Path, order: Sequence[str] = ()) -> list[di
     atomic_write_text(run_dir / PREDICTIONS, "".join(json.dumps(r) + "\n" for r in records))
     for shard in shard_paths(run_dir):
         shard.unlink()
-    return records
+    return [r for r in records if not position or str(r.get("id")) in position]
 
 
 def local_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -135,8 +175,13 @@ class PredictionWriter(BasePredictionWriter):
         self.positions_path = self.run_dir / positions.POSITIONS
 
     def completed_ids(self) -> set[str]:
-        """Ids already written, in ``predictions.jsonl`` or a shard (skipped when the run is resumed)."""
-        return {str(r["id"]) for r in read_predictions(self.run_dir)}
+        """Ids of this run's samples already written, in ``predictions.jsonl`` or a shard (skipped
+        when the run is resumed)."""
+        return {str(r["id"]) for r in read_predictions(self.run_dir, self.order or None)}
+
+    def unreadable_lines(self) -> list[str]:
+        """The written lines a resume does not count (:func:`unreadable_lines`)."""
+        return unreadable_lines(self.run_dir, self.order)
 
     def drop_partial_line(self) -> None:
         """Remove a last line cut short by a crash from this process's predictions file."""
@@ -151,7 +196,7 @@ class PredictionWriter(BasePredictionWriter):
         self.drop_partial_line()
         drop_partial_line(self.positions_path)
         if trainer.world_size == 1:
-            self.metrics.update(read_predictions(self.run_dir))
+            self.metrics.update(read_predictions(self.run_dir, self.order or None))
 
     def write_on_batch_end(
         self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx

@@ -152,11 +152,13 @@ def test_changing_a_component_name_replaces_its_parameters():
 
 def test_command_line_overrides_merge_field_by_field():
     configs, rest, overrides = split_overrides(
-        ["--config", "snapkv.yaml", "--model.compression.budget.tokens", "96", "--trainer.max_epochs=1"]
-    )
-    assert configs == ["snapkv.yaml"] and rest == ["--trainer.max_epochs=1"]
+        ["--config", "snapkv.yaml", "--model.compression.budget.tokens", "96", "--trainer.max_epochs=1",
+         "--print_config"]
+    )  # fmt: skip
+    assert configs == ["snapkv.yaml"] and rest == ["--print_config"]  # every field is kvlab's to merge
     cfg = resolve(configs, overrides)
     assert cfg["model"]["compression"]["budget"] == {"tokens": 96, "window": 32}
+    assert cfg["trainer"]["max_epochs"] == 1
     cfg = resolve(configs, [("model.compression.budget", "{ratio: 0.5}")])
     assert cfg["model"]["compression"]["budget"] == {"ratio": 0.5, "window": 32}  # tokens dropped
 
