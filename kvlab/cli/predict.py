@@ -139,7 +139,14 @@ class KVLabCLI(LightningCLI):
         names = validate_task_metrics(
             getattr(self.datamodule.source, "metrics", None) or DEFAULT_TASK_METRICS
         )
-        check_task_samples(names, self.datamodule.selected_samples)
+        selected = self.datamodule.selected_samples
+        check_task_samples(names, selected)
+        if selected and not any(s.answers for s in selected) and launch_rank() == 0:
+            print(
+                "kvlab: note: no sample of data.dataset has reference answers, so the run reports no task "
+                "metric (a jsonl dataset reads them from the field `answers`, or the one named by "
+                "data.dataset.answers_field)"
+            )
         self.datamodule.setup("predict")  # the processor: images, prompt lengths, encodable text
         run_dir = self.run_dir()
         fields = fingerprint_fields(config, self.imports)
@@ -297,6 +304,12 @@ def check_flags(rest: Sequence[str]) -> None:
         flag = arg.partition("=")[0]
         if flag in FLAGS:
             continue
+        if flag == "--ckpt_path":
+            raise ConfigError(
+                "--ckpt_path is not accepted: kvlab predict loads the model named by model.model (a "
+                "built-in, a local Hugging Face directory or a Hub id) and never loads a Lightning "
+                "checkpoint (which would unpickle it). Point --model.model at the model's directory instead."
+            )
         if flag.startswith("-"):
             raise ConfigError(
                 f"unknown option {flag}.{did_you_mean(flag, [*FLAGS, '--config'])} `kvlab predict` takes "

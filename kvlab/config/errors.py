@@ -16,8 +16,13 @@ class ConfigError(ValueError):
 
 
 def closest(name: str, known: Iterable[str]) -> str | None:
-    """The known name most similar to ``name`` (for "did you mean" hints), or None."""
-    matches = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
+    """The known name most similar to ``name`` (for "did you mean" hints), or None: the one known
+    name that ``name`` abbreviates, else the closest by :mod:`difflib`."""
+    known = list(known)
+    extensions = [k for k in known if name and k.startswith(name)]
+    if len(extensions) == 1:
+        return extensions[0]
+    matches = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     return matches[0] if matches else None
 
 

@@ -257,11 +257,7 @@ def split_overrides(args: list[str]) -> tuple[list[str], list[str], list[tuple[s
                 raise ConfigError(f"{path} must hold a mapping of `{option}` fields, got {node!r}.")
             overrides.append((option, read_text(path)))
         elif takes_value:
-            if (
-                not is_sweepable(option)
-                and not option.startswith("trainer.")
-                and len(split_values(inline)) > 1
-            ):
+            if not is_sweepable(option) and not option.startswith("trainer.") and is_comma_list(inline):
                 raise ConfigError(
                     f"--{option} {inline!r}: a comma list sweeps only model.*, data.* and seed_everything "
                     f"fields (one run per value), and {option} cannot be swept. Give one value, or run "
@@ -326,6 +322,13 @@ def resolve(configs: list[str], overrides: list[tuple[str, str]]) -> dict[str, A
     for dotted, value in overrides:
         cfg = apply_override(cfg, dotted, value)
     return cfg
+
+
+def is_comma_list(text: str) -> bool:
+    """Whether ``text`` is a comma list (``a,b``), not a single value holding commas in brackets or
+    a run name whose commas follow its ``@`` (``snapkv@budget=32,window=8``)."""
+    parts = split_values(text)
+    return len(parts) > 1 and "@" not in parts[0]
 
 
 def split_values(text: str) -> list[str]:

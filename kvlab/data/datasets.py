@@ -160,6 +160,11 @@ class JsonlDataset:
                 f"{where}: field '{self.id_field}' must be a string or a number, got {raw_id!r}. "
                 f"Fix the id, or set data.dataset.id_field to the field that holds the ids."
             )
+        options = {self.id_field: "id_field", self.text_field: "text_field",
+                   self.images_field: "images_field", self.answers_field: "answers_field",
+                   self.choices_field: "choices_field",
+                   self.system_field: "system_field"}  # fmt: skip
+        self._check_near_misses(obj, options, where, sample_id)
         prompt = obj.get(self.text_field)
         if prompt is None and {"context", "question"} <= set(obj):
             raise ConfigError(
@@ -188,12 +193,7 @@ class JsonlDataset:
                 f"{where}: sample '{sample_id}': field '{self.system_field}' must be a string, "
                 f"got {type(system).__name__}. Fix the value or remove the field."
             )
-        options = {self.id_field: "id_field", self.text_field: "text_field",
-                   self.images_field: "images_field", self.answers_field: "answers_field",
-                   self.choices_field: "choices_field",
-                   self.system_field: "system_field"}  # fmt: skip
         used = set(options)
-        self._check_near_misses(obj, options, where, sample_id)
         return _Record(
             id=sample_id,
             line=lineno,

@@ -27,6 +27,21 @@ from kvlab.models.processors import read_chat_template
 DEFAULT_DATASET: dict[str, Any] = {"name": "synthetic_retrieval", "num_samples": 8, "context_words": 400}
 
 
+def check_encodable(sample: Sample) -> None:
+    """Refuse a sample whose text is not valid Unicode (a lone surrogate such as JSON's ``"\\ud800"``
+    decodes into a Python string that no tokenizer can encode), naming the sample and the field."""
+    texts = {"prompt": sample.prompt, "system": sample.system or "", "question": sample.question or ""}
+    for field_name, text in texts.items():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(
+                f"sample '{sample.id}': its {field_name} holds {text[exc.start]!r} at character {exc.start}, "
+                "which is not a character (a lone UTF-16 surrogate, as written by a broken JSON escape), so "
+                "no tokenizer can encode it. Fix the text of this sample."
+            ) from None
+
+
 class KVLabDataModule(L.LightningDataModule):
     """Serves the prompts of one dataset to ``Trainer.predict``, batched by the model's processor.
 
@@ -150,6 +165,8 @@ class KVLabDataModule(L.LightningDataModule):
         sample whose benchmark prompts without a chat template (``meta["reference_chat_template"]``
         ``none``: LongBench's few-shot and code tasks) in a run that applies one."""
         selected = self.selected_samples
+        for sample in selected:
+            check_encodable(sample)
         raw = [s.id for s in selected if (s.meta or {}).get("reference_chat_template") == "none"]
         if raw and self.chat_template != "none":
             raise ConfigError(
@@ -173,7 +190,14 @@ class KVLabDataModule(L.LightningDataModule):
         check_contexts(selected)
         truncated: list[str] = []
         for index, sample in enumerate(selected):
-            length = prompt_length(self.processor, sample)
+            try:
+                length = prompt_length(self.processor, sample)
+            except Exception as exc:  # tokenizers raise TypeError/ValueError/their own on odd input
+                raise ConfigError(
+                    f"sample '{sample.id}': the tokenizer of model.model '{self.model_name}' cannot encode "
+                    f"its prompt ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}). Fix or remove "
+                    "the sample."
+                ) from None
             if length <= limit:
                 continue
             if self.long_prompts == "refuse":

@@ -146,6 +146,63 @@ def blocked_run_dir(tmp: Path) -> list[str]:
     return ["--run.dir", str(tmp / "blocker" / "runs")]
 
 
+def second_config(text: str) -> Callable[[Path], list[str]]:
+    """``--config snapkv --config <a file holding text>``: the file as a later (evaluation) config."""
+
+    def build(tmp: Path) -> list[str]:
+        (tmp / "later.yaml").write_text(text)
+        return ["--config", "snapkv", "--config", str(tmp / "later.yaml")]
+
+    return build
+
+
+def file_bytes(name: str, data: bytes, option: str = "--config") -> Callable[[Path], list[str]]:
+    """A file of raw bytes (bad encodings) given to ``option``."""
+
+    def build(tmp: Path) -> list[str]:
+        (tmp / name).write_bytes(data)
+        if option == "--data.dataset":
+            return dataset_arg(tmp / name)
+        return [option, str(tmp / name)]
+
+    return build
+
+
+def group_file(group: str, text: str) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        (tmp / f"{group}.yaml").write_text(text)
+        return ["--config", "snapkv", f"--{group}", str(tmp / f"{group}.yaml")]
+
+    return build
+
+
+def into_earlier_run(method_prefix: str) -> Callable[[Path], list[str]]:
+    """Run names that walk from another experiment into the earlier run's directory."""
+
+    def build(tmp: Path) -> list[str]:
+        victim = run_dir(tmp)
+        return ["--run.experiment", "other", "--run.method", f"{method_prefix}{victim.name}"]
+
+    return build
+
+
+def symlinked_experiment(tmp: Path) -> list[str]:
+    """An experiment folder that is a symbolic link out of run.dir."""
+    (tmp / "elsewhere").mkdir()
+    (tmp / "linked").mkdir()
+    (tmp / "linked" / "exp").symlink_to(tmp / "elsewhere")
+    return ["--run.dir", str(tmp / "linked")]
+
+
+def nested(depth: int) -> str:
+    return "preset: snapkv\nx: " + "{a: " * depth + "1" + "}" * depth + "\n"
+
+
+ALIAS_BOMB = "preset: snapkv\na: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)
+)
+
+
 @dataclass(frozen=True)
 class Case:
     """One bad input: the arguments that make it, fragments of its message, whether the model may
@@ -219,6 +276,175 @@ CASES = [
     Case("unknown-hub-id-offline", args("--model.model", "nobody-kvlab/no-such-model"),
          ("model.model 'nobody-kvlab/no-such-model'", "HF_HUB_OFFLINE", "huggingface-cli download")),
     Case("file-where-run-dir-must-go", blocked_run_dir, ("blocker is a file", "--run.dir")),
+    # names are names: one path component each, inside run.dir
+    Case("method-walks-into-another-run", into_earlier_run("../exp/"), ("run.method", "path separator")),
+    Case("experiment-walks-up", args("--run.experiment", "../outside"), ("run.experiment", "path separator")),
+    Case("experiment-absolute", args("--run.experiment", "/tmp/kvlab-abs"),
+         ("run.experiment", "path separator")),
+    Case("method-absolute", args("--run.method", "/tmp/kvlab-abs"), ("run.method", "path separator")),
+    Case("method-nested", args("--run.method", "a/b/c"), ("run.method = 'a/b/c'", "path separator")),
+    Case("method-backslash", args("--run.method", "a\\b"), ("run.method", "path separator")),
+    Case("method-dotdot", args("--run.method", ".."), ("run.method = '..'",)),
+    Case("method-dot", args("--run.method", "."), ("run.method = '.'",)),
+    Case("experiment-dot", args("--run.experiment", "."), ("run.experiment = '.'",)),
+    Case("method-empty", args("--run.method", ""), ("run.method = ''", "is empty")),
+    Case("experiment-empty", args("--run.experiment", ""), ("run.experiment = ''", "is empty")),
+    Case("method-blank", args("--run.method", "   "), ("run.method", "is empty")),
+    Case("method-control-character", args("--run.method", "a\nb"), ("run.method", "control character")),
+    Case("method-surrounding-space", args("--run.method", " snapkv"), ("run.method", "white space")),
+    Case("method-too-long", args("--run.method", "m" * 300), ("run.method", "300 bytes long")),
+    Case("experiment-too-long", args("--run.experiment", "é" * 200), ("run.experiment", "400 bytes long")),
+    Case("sweep-names-too-long",
+         args("--run.method", "m" * 240, "--model.compression.budget.tokens", "16,32"),
+         ("run.method", "bytes long")),
+    Case("method-path-in-yaml", yaml_file("preset: snapkv\nrun: {method: ../victim}\n"),
+         ("run.method = '../victim@",)),
+    Case("experiment-nested", args("--run.experiment", "a/b/c"), ("run.experiment = 'a/b/c'",)),
+    Case("experiment-symlinked-out", symlinked_experiment, ("outside run.dir", "symbolic link")),
+    Case("run-dir-empty", args("--run.dir", ""), ("run.dir must be a directory path",)),
+    Case("unknown-run-field", yaml_file("preset: snapkv\nrun: {methd: x}\n"),
+         ("unknown field run.methd", "Did you mean 'method'")),
+    Case("overwrite-not-a-boolean", args("--run.overwrite", "maybe"),
+         ("run.overwrite must be true or false",)),
+    Case("method-comma-list", args("--run.method", "a,b"), ("--run.method", "cannot be swept")),
+    Case("run-dir-comma-list", args("--run.dir", "a,b"), ("--run.dir", "cannot be swept")),
+    # a config means one thing
+    Case("duplicate-top-level-key",
+         yaml_file("preset: snapkv\nmodel: {max_new_tokens: 2}\nmodel: {max_new_tokens: 3}\n"),
+         ("key 'model' appears twice", "lines 2 and 3")),
+    Case("duplicate-nested-key",
+         yaml_file("preset: snapkv\nmodel:\n  compression:\n    budget: {tokens: 16, tokens: 32}\n"),
+         ("key 'tokens' appears twice",)),
+    Case("duplicate-key-in-override", args("--model.compression.budget", "{tokens: 16, tokens: 20}"),
+         ("--model.compression.budget", "key 'tokens' appears twice")),
+    Case("duplicate-key-in-later-config", second_config("data: {limit: 1}\ndata: {limit: 2}\n"),
+         ("key 'data' appears twice",)),
+    Case("second-config-is-a-method", args("--config", "snapkv", "--config", "h2o"),
+         ("--config h2o sets model.compression", "only the first --config may set the method")),
+    Case("second-config-names-the-run", second_config("run: {method: other}\n"),
+         ("sets run.method", "only the first --config")),
+    Case("second-config-imports-code", second_config("imports: [os]\n"),
+         ("sets `imports`", "only the first --config")),
+    Case("abbreviated-run-option", args("--run.exp", "zzz"),
+         ("unknown field run.exp", "Did you mean 'experiment'")),
+    Case("abbreviated-model-option", args("--model.max_new", "3"), ("unknown field model.max_new",)),
+    Case("abbreviated-data-option", args("--data.batch", "2"), ("unknown field data.batch",)),
+    Case("abbreviated-trainer-option", args("--trainer.max_epoch", "1"),
+         ("unknown field trainer.max_epoch",)),
+    Case("abbreviated-flag", args("--print_conf"),
+         ("unknown option --print_conf", "Did you mean '--print_config'")),
+    Case("unknown-option", args("--frobnicate", "1"), ("unknown option --frobnicate",)),
+    Case("bare-word", args("snapkv"), ("unexpected argument 'snapkv'", "--config snapkv")),
+    Case("unknown-top-level-field", yaml_file("preset: snapkv\nmodle: {max_new_tokens: 2}\n"),
+         ("unknown top-level field `modle`", "Did you mean 'model'")),
+    Case("checkpoint-path", args("--ckpt_path", "model.ckpt"),
+         ("--ckpt_path is not accepted", "model.model")),
+    # sweeps: every point and every part checked before the first point runs
+    Case("sweep-broken-part", args("--model.compression.budget.tokens", "16,{tokens:"),
+         ("value 2 of the sweep", "not valid YAML")),
+    Case("sweep-empty-part", args("--model.compression.budget.tokens", "16,,32"),
+         ("a value between every pair of commas",)),
+    Case("sweep-second-point-invalid", args("--model.compression.budget.tokens", "16,2"),
+         ("model.compression.budget.tokens = 2", "below the protected tokens")),
+    Case("sweep-second-model-unknown", args("--model.model", "tiny-llama,tiny-lama"),
+         ("model.model", "Did you mean 'tiny-llama'")),
+    Case("sweep-block-not-a-mapping", yaml_file("preset: snapkv\nsweep: [1, 2]\n"), ("`sweep:` must map",)),
+    Case("sweep-block-value-not-a-list", yaml_file("preset: snapkv\nsweep: {model.max_new_tokens: 3}\n"),
+         ("sweep.model.max_new_tokens must be a non-empty list",)),
+    Case("sweep-block-invalid-point", yaml_file("preset: snapkv\nsweep: {model.max_new_tokens: [2, 0]}\n"),
+         ("model.max_new_tokens must be >= 1",)),
+    # values are what they claim
+    Case("nan-window", args("--model.compression.budget", "{tokens: 16, window: .nan}"),
+         ("model.compression.budget.window = nan", "not a finite number")),
+    Case("infinite-ratio", args("--model.compression.budget", "{ratio: .inf, window: 4}"),
+         ("model.compression.budget.ratio = inf",)),
+    Case("nan-in-yaml",
+         yaml_file("preset: snapkv\nmodel: {compression: {importance: {attention: {kernel: .nan}}}}\n"),
+         ("model.compression.importance.attention.kernel = nan",)),
+    Case("budget-beyond-indexing", args("--model.compression.budget.tokens", str(10**30)),
+         ("model.compression.budget.tokens", "outside")),
+    Case("max-new-tokens-beyond-indexing", args("--model.max_new_tokens", str(10**12)),
+         ("model.max_new_tokens", "outside")),
+    Case("limit-beyond-indexing", args("--data.limit", str(-(10**40))), ("data.limit", "outside")),
+    Case("seed-beyond-range", args("--seed_everything", str(2**40)), ("seed_everything", "outside [0,")),
+    Case("seed-negative", args("--seed_everything", "-1"), ("seed_everything = -1",)),
+    Case("limit-zero", args("--data.limit", "0"), ("data.limit must be",)),
+    Case("limit-boolean", args("--data.limit", "true"), ("data.limit must be",)),
+    Case("num-workers-negative", args("--data.num_workers", "-1"), ("data.num_workers must be",)),
+    Case("chat-template-file-missing", args("--data.chat_template", "/nonexistent/template.jinja"),
+         ("data.chat_template",)),
+    Case("unknown-dataset", args("--data.dataset", "{name: jsnol}"),
+         ("data.dataset", "Did you mean 'jsonl'")),
+    Case("answer-instead-of-answers", jsonl_rows([{"id": "a", "prompt": "x", "answer": "y"}]),
+         ("sample 'a' has a field 'answer' but no 'answers'", "data.dataset.answers_field")),
+    Case("prompt-misspelt", jsonl_rows([{"id": "a", "promt": "x"}]), ("field 'promt' but no 'prompt'",)),
+    Case("image-instead-of-images", jsonl_rows([{"id": "a", "prompt": "x", "image": "a.png"}]),
+         ("field 'image' but no 'images'",)),
+    Case("row-is-an-array", jsonl_rows([{"id": "a", "prompt": "x"}, '["b", "y"]']),
+         ("bad.jsonl:2: expected a JSON object",)),
+    Case("id-not-a-scalar", jsonl_rows([{"id": [1], "prompt": "x"}]),
+         ("field 'id' must be a string or a number",)),
+    Case("answers-not-strings", jsonl_rows([{"id": "a", "prompt": "x", "answers": {"a": 1}}]),
+         ("field 'answers' must be",)),
+    Case("data-not-utf8", file_bytes("latin.jsonl", b'{"id": "a", "prompt": "caf\xe9"}\n', "--data.dataset"),
+         ("latin.jsonl:1: not UTF-8",)),
+    Case("prompt-not-encodable", jsonl_rows(['{"id": "bad", "prompt": "\\ud800 hello"}']),
+         ("sample 'bad'", "lone UTF-16 surrogate")),
+    # parse errors are one paragraph
+    Case("yaml-nested-too-deep", yaml_file(nested(100)), ("more than 64 levels",)),
+    Case("yaml-nested-beyond-recursion", yaml_file(nested(5000)), ("levels",)),
+    Case("yaml-alias-bomb", yaml_file(ALIAS_BOMB), ("expands to more than 100000 values",)),
+    Case("config-not-utf8", file_bytes("latin.yaml", b"preset: snapkv\nrun: {method: caf\xe9}\n"),
+         ("latin.yaml is not UTF-8 text", "byte 32")),
+    Case("yaml-syntax-error", yaml_file("preset: snapkv\nmodel: {max_new_tokens: 2\n"),
+         ("is not valid YAML",)),
+    Case("yaml-not-a-mapping", yaml_file("- snapkv\n"), ("must contain a YAML mapping",)),
+    Case("override-not-yaml", args("--model.compression.budget", "{tokens: 16"),
+         ("--model.compression.budget is not valid YAML",)),
+    Case("override-nested-too-deep", args("--model.compression.budget", "[" * 100 + "]" * 100),
+         ("--model.compression.budget nests",)),
+    Case("preset-not-found", yaml_file("preset: snapkvv\n"), ("Config 'snapkvv' not found", "Did you mean")),
+    Case("preset-not-a-name", yaml_file("preset: [snapkv]\n"), ("`preset` must be a preset name or a path",)),
+    Case("config-not-found", args("--config", "no_such_method"), ("Config 'no_such_method' not found",)),
+    Case("config-without-value", args("--config"), ("--config needs a value",)),
+    Case("option-without-value", args("--model.max_new_tokens"), ("--model.max_new_tokens needs a value",)),
+    Case("group-file-missing", args("--config", "snapkv", "--trainer", "/nonexistent/trainer.yaml"),
+         ("--trainer '/nonexistent/trainer.yaml'", "is not a file")),
+    Case("group-file-not-a-mapping", group_file("trainer", "- 1\n"),
+         ("must hold a mapping of `trainer` fields",)),
+    Case("group-file-duplicate-key", group_file("trainer", "max_epochs: 1\nmax_epochs: 2\n"),
+         ("key 'max_epochs' appears twice",)),
+    # the code surface: nothing runs or writes that the config does not declare
+    Case("interpolation-in-trainer-file", group_file("trainer", "max_epochs: ${oc.env:HOME}\n"),
+         ("trainer.yaml", "does not evaluate")),
+    Case("interpolation-in-trainer-option", args("--trainer.max_epochs", "${oc.env:HOME}"),
+         ("trainer.max_epochs", "does not evaluate")),
+    Case("interpolation-in-later-config", second_config("run: {experiment: '${oc.env:HOME}'}\n"),
+         ("run.experiment = '${oc.env:HOME}'",)),
+    Case("interpolation-in-sweep-value", args("--model.compression.budget.tokens", "16,${oc.env:X}"),
+         ("--model.compression.budget.tokens", "does not evaluate")),
+    Case("yaml-tag-in-override",
+         args("--model.compression.budget", '!!python/object/apply:os.system ["touch pwned"]'),
+         ("--model.compression.budget", "is refused")),
+    Case("yaml-tag-in-sweep-value", args("--model.compression.budget.tokens", '16,!!python/name:os.system'),
+         ("value 2 of the sweep", "is refused")),
+    Case("trainer-class-path-outside-lightning",
+         args("--trainer.strategy", "{class_path: os.system, init_args: {command: touch pwned}}"),
+         ("class_path 'os.system' is refused",)),
+    Case("trainer-logger", args("--trainer.logger", "{class_path: lightning.pytorch.loggers.CSVLogger}"),
+         ("trainer.logger is not accepted",)),
+    Case("trainer-callbacks",
+         args("--trainer.callbacks", "[{class_path: lightning.pytorch.callbacks.Timer}]"),
+         ("trainer.callbacks is not accepted",)),
+    Case("trainer-default-root-dir", lambda tmp: ["--trainer.default_root_dir", str(tmp / "elsewhere")],
+         ("trainer.default_root_dir is not accepted", "--run.dir")),
+    Case("trainer-profiler", args("--trainer.profiler", "simple"), ("trainer.profiler is not accepted",)),
+    Case("trainer-plugins", args("--trainer.plugins", "[x]"), ("trainer.plugins is not accepted",)),
+    Case("imports-missing-module", yaml_file("preset: snapkv\nimports: [no_such_kvlab_plugin]\n"),
+         ("no_such_kvlab_plugin", "cannot be found")),
+    Case("imports-not-a-list", yaml_file("preset: snapkv\nimports: {a: 1}\n"), ("`imports` must be a list",)),
+    Case("imports-missing-file", yaml_file("preset: snapkv\nimports: [plugins/none.py]\n"),
+         ("none.py", "does not exist")),
 ]  # fmt: skip
 
 
@@ -237,6 +463,7 @@ def test_bad_input_exits_2_with_one_paragraph_and_leaves_the_earlier_run_intact(
     shutil.copytree(earlier_run, runs)
     before = snapshot(runs)
     extra = case.args(tmp_path)
+    inputs = set(snapshot(tmp_path))
     with pytest.raises(SystemExit) as exit_info:
         run_kvlab(tmp_path, *extra)
     err = capsys.readouterr().err
@@ -250,6 +477,7 @@ def test_bad_input_exits_2_with_one_paragraph_and_leaves_the_earlier_run_intact(
     new = set(after) - set(before)
     assert not [n for n in new if Path(n).name.startswith(("predictions", "metrics"))]
     assert not new  # every check comes before the run directory is touched
+    assert set(snapshot(tmp_path)) - {"good.jsonl"} == inputs  # nothing written anywhere else either
     assert not (tmp_path / "pwned").exists()
 
 

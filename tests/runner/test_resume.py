@@ -125,3 +125,47 @@ def test_override_suffix_names_leaves_paths_and_cuts_long_names():
     )
     long = override_suffix([(f"model.compression.k{i}", "x" * 10) for i in range(20)])
     assert len(long) == 120 and long[-9] == "~"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("--data.limit", "2"),  # another selection of samples
+        ("--data.long_prompts", "truncate_left"),  # how long prompts are built
+        ("--data.chat_template", "none"),  # how every prompt is formatted
+    ],
+    ids=["limit", "long_prompts", "chat_template"],
+)
+def test_a_resume_with_another_sample_selection_is_refused_and_leaves_the_run_intact(
+    tmp_path, data, capsys, change
+):
+    """Everything that changes which samples run or how they are built is in the fingerprint: the
+    same directory refuses it (exit 2, naming the field) and the run's files stay byte-identical."""
+    predict(tmp_path, data, "--run.method", "m")
+    run = tmp_path / "runs" / "e" / "m"
+    before = snapshot(run)
+    with pytest.raises(SystemExit) as exit_info:
+        predict(tmp_path, data, "--run.method", "m", *change)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f"data.{change[0].split('.')[1]}" in err and "holds a different run" in err
+    assert snapshot(run) == before
+
+
+def test_a_resume_reports_lines_it_cannot_count_and_never_counts_them(tmp_path, data, capsys):
+    """A line that is valid JSON but not an object, and a line of a sample that is not in the run,
+    are reported with their line numbers; the resumed metrics count only the run's samples."""
+    predict(tmp_path, data, "--run.method", "m")
+    run = tmp_path / "runs" / "e" / "m"
+    lines = (run / "predictions.jsonl").read_text().splitlines()
+    stranger = {**json.loads(lines[0]), "id": "not-in-the-dataset"}
+    edited = [lines[0], '["a", "list"]', json.dumps(stranger)]  # s1 and s2 are to be redone
+    (run / "predictions.jsonl").write_text("\n".join(edited) + "\n")
+    capsys.readouterr()
+    predict(tmp_path, data, "--run.method", "m")
+    out = capsys.readouterr().out
+    assert "predictions.jsonl line 2 is not a JSON object with an 'id'" in out
+    assert "predictions.jsonl line 3 has id 'not-in-the-dataset'" in out
+    assert "1 samples already written are skipped" in out
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["samples"] == 3  # s0 (resumed), s1 and s2: never the stranger
