@@ -413,6 +413,32 @@ def test_scbench_turns_share_their_context_and_keep_the_official_labels() -> Non
         )
 
 
+def test_scbench_mf_list_context_is_written_as_the_official_prompt_writes_it(tmp_path: Path) -> None:
+    """scbench_mf's context is a list of integers (the dataset card: ``sequence: int64``), and
+    ``create_scdq_prompt`` puts it into ``"{prefix}\\n\\n{context}"`` with ``str.format``, which writes
+    a list as Python prints it. The same list stored as that text gives the same samples; a list
+    context of another task, or a list of non-integers, is refused naming the row."""
+    row = _rows("scbench_mf", "scbench")[0]
+    assert row["context"] == [3, 88, 14, 7]  # the fixture has the Hub's shape
+    largest, smallest = DATASETS.build({"name": "scbench", "path": str(BENCHMARKS / "scbench"),
+                                        "tasks": ["scbench_mf"]}).samples()  # fmt: skip
+    first = "The largest number of the list is: "
+    assert largest.context == smallest.context == f"{first}\n\n[3, 88, 14, 7]"
+    assert largest.prompt == f"{first}\n\n[3, 88, 14, 7]What is the largest number of the list?\n\n{first}"
+    (tmp_path / "scbench_mf.jsonl").write_text(json.dumps({**row, "context": "[3, 88, 14, 7]"}) + "\n")
+    as_text = DATASETS.build({"name": "scbench", "path": str(tmp_path), "tasks": ["scbench_mf"]})
+    assert as_text.samples() == [largest, smallest]
+    mf = "'context' must be a string or a list of integers, got"
+    for task, context, refusal in [
+        ("scbench_kv", [3, 88], "'context' must be a string, got a list"),
+        ("scbench_mf", [3, 8.5, "x"], f"{mf} a list holding float, str"),
+        ("scbench_mf", None, f"{mf} nothing"),
+    ]:
+        (tmp_path / f"{task}.jsonl").write_text(json.dumps({**row, "context": context}) + "\n")
+        with pytest.raises(ConfigError, match=f"SCBench task '{task}' row 0: {refusal}"):
+            DATASETS.build({"name": "scbench", "path": str(tmp_path), "tasks": [task]})
+
+
 def test_scbench_runs_under_multi_question_one_compression_per_context(tmp_path: Path) -> None:
     from support.cli import TINY, predict
 

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from support.paths import FIXTURES
 
@@ -96,7 +97,7 @@ def _e_records(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return records
 
 
-@pytest.mark.parametrize("which", ["scorer_e", "scorer_e_one_bucket"])
+@pytest.mark.parametrize("which", ["scorer_e", "scorer_e_one_bucket", "scorer_e_eight_fractions"])
 def test_longbench_e_buckets_equal_the_official_scorer_e(which: str) -> None:
     spec = LONGBENCH[which]
     expected = {k: math.nan if v is None else v for k, v in spec["buckets"].items()}
@@ -106,6 +107,29 @@ def test_longbench_e_buckets_equal_the_official_scorer_e(which: str) -> None:
         assert (math.isnan(got[bucket]) and math.isnan(value)) or got[bucket] == value, (bucket, got)
     table = task_table(_e_records(spec), ["longbench_score"])
     assert f"| {spec['task']}_e | 0-4k |" in table and "| 8k+ |" in table
+
+
+def _official_scorer_e(spec: dict[str, Any]) -> dict[str, float]:
+    """``scorer_e`` step by step, as eval.py writes it: each row's score is the max from 0. over
+    its answers, appended to its length bucket's list; each bucket is ``round(100 * np.mean(scores), 2)``."""
+    buckets: dict[str, list[float]] = {"0-4k": [], "4-8k": [], "8k+": []}
+    for pred, answers, length in zip(spec["preds"], spec["answers"], spec["lengths"], strict=True):
+        score = 0.0
+        for answer in answers:
+            one = Sample("s", "p", answers=[answer], meta={"task": spec["task"]})
+            score = max(score, longbench_score(pred, one))
+        buckets["0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"].append(score)
+    return {key: round(100 * np.mean(scores), 2) if scores else math.nan for key, scores in buckets.items()}
+
+
+def test_longbench_e_bucket_means_are_numpys_not_a_left_to_right_sum() -> None:
+    """Eight fractional scores in 4-8k: numpy's pairwise sum gives a mean of exactly 0.63125 and
+    eval.py writes 63.12; a left-to-right sum gives 0.63125000000000009, which rounds to 63.13."""
+    spec = LONGBENCH["scorer_e_eight_fractions"]
+    eight = [r["longbench_score"] for r in _e_records(spec) if 4000 <= r["meta"]["length"] < 8000]
+    assert eight == pytest.approx([0.8, 2 / 3, 1 / 6, 8 / 9, 1 / 3, 1.0, 0.75, 4 / 9])
+    assert round(100 * sum(eight) / len(eight), 2) == 63.13  # the sum kvlab used to take
+    assert longbench_e_scores(_e_records(spec))["hotpotqa_e"] == _official_scorer_e(spec) == spec["buckets"]
 
 
 def test_kvlab_compare_lists_the_longbench_e_buckets(tmp_path: Path) -> None:

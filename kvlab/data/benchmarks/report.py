@@ -7,9 +7,11 @@ of ``predictions.jsonl`` by ``meta.task`` (and ``meta.length`` for generated sui
 bucket for LongBench-E).
 
 LongBench-E (Bai et al. 2024) reports each task in three buckets of the example's ``length``
-(words): ``0-4k`` (< 4000), ``4-8k`` (< 8000) and ``8k+``, each ``round(100 * mean, 2)`` and NaN
-when empty, as ``scorer_e`` in THUDM/LongBench ``LongBench/eval.py`` (commit 2e00731) computes
-them: :func:`longbench_e_scores`.
+(words): ``0-4k`` (< 4000), ``4-8k`` (< 8000) and ``8k+``, each ``round(100 * np.mean(scores), 2)``
+and NaN when empty, as ``scorer_e`` in THUDM/LongBench ``LongBench/eval.py`` (commit 2e00731)
+computes them: :func:`longbench_e_scores`. The mean is numpy's, not a left-to-right sum: from
+eight values on numpy adds in another order (pairwise summation), the two can differ in the last
+bit, and a bucket mean that ends in 5 at the third decimal then rounds the other way.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvlab.config.errors import ConfigError
 
@@ -56,6 +60,15 @@ def longbench_e_bucket(length: int | float) -> str:
     return "0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"
 
 
+def _scorer_e_bucket_score(scores: list[float]) -> float:
+    """A bucket's number as ``scorer_e`` writes it, ``round(100 * np.mean(scores), 2)``: numpy's
+    mean of the Python list (pairwise summation), then numpy's rounding; NaN for an empty bucket
+    (where ``np.mean`` warns and gives NaN)."""
+    if not scores:
+        return math.nan
+    return float(round(100 * np.mean(scores), 2))
+
+
 def _longbench_e(meta: dict[str, Any]) -> bool:
     task = meta.get("task")
     return meta.get("suite") == "longbench" and isinstance(task, str) and task.endswith("_e")
@@ -73,8 +86,9 @@ def _key(meta: dict[str, Any]) -> tuple[str, int | str | None]:
 def longbench_e_scores(
     predictions: str | Path | Iterable[dict[str, Any]], metric: str = "longbench_score"
 ) -> dict[str, dict[str, float]]:
-    """``{task: {"0-4k" | "4-8k" | "8k+": round(100 * mean, 2)}}`` over a run's LongBench-E records
-    (``<task>_e``), NaN for an empty bucket: ``scorer_e``'s numbers."""
+    """``{task: {"0-4k" | "4-8k" | "8k+": round(100 * np.mean(scores), 2)}}`` over a run's
+    LongBench-E records (``<task>_e``), NaN for an empty bucket: ``scorer_e``'s numbers, computed
+    as it computes them (the scores of a bucket in record order)."""
     values: dict[str, dict[str, list[float]]] = {}
     for record in _records(predictions):
         meta = record.get("meta") or {}
@@ -84,7 +98,7 @@ def longbench_e_scores(
         if record.get(metric) is not None:
             buckets[longbench_e_bucket(meta["length"])].append(float(record[metric]))
     return {
-        task: {b: round(100 * sum(v) / len(v), 2) if v else math.nan for b, v in buckets.items()}
+        task: {bucket: _scorer_e_bucket_score(scores) for bucket, scores in buckets.items()}
         for task, buckets in values.items()
     }
 

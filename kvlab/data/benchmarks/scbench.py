@@ -3,7 +3,10 @@
 SCBench (Li et al. 2025, "SCBench: A KV Cache-Centric Analysis of Long-Context Methods") ships
 each task as ``<task>.jsonl`` (``microsoft/SCBench`` on the Hub, one subset per task, split
 ``test``). Each row: ``id``, ``context`` (the shared long context) and ``multi_turns``, a list of
-``{"input", "answer"}`` (``options`` for scbench_choice_eng) asked about that context.
+``{"input", "answer"}`` (``options`` for scbench_choice_eng) asked about that context. The
+context is a string, except scbench_mf's: a list of integers (the dataset card's ``sequence:
+int64``), which ``create_scdq_prompt`` formats into its template as Python writes a list
+(``"{context}".format(context=[3, 88, 14])`` is ``[3, 88, 14]``); kvlab writes it the same way.
 
 kvlab runs SCBench's "same context, different queries" mode (``create_scdq_prompt`` of
 microsoft/MInference ``scbench/eval_utils.py``, commit 0ff346d) under the ``multi_question``
@@ -86,6 +89,22 @@ def _label(task: str, turn: dict[str, Any], where: str) -> Any:
     return [answer] if task == "scbench_qa_eng" else answer
 
 
+def _context_text(task: str, context: Any, where: str) -> str:
+    """The row's context as the task's template receives it: a string as it is; scbench_mf's list
+    of integers as ``str.format`` writes a list (``str(context)``)."""
+    if isinstance(context, str):
+        return context
+    if task == "scbench_mf" and isinstance(context, list):
+        others = sorted({type(v).__name__ for v in context if type(v) is not int})
+        if not others:
+            return str(context)
+        got = f"a list holding {', '.join(others)}"
+    else:
+        got = "nothing" if context is None else f"a {type(context).__name__}"
+    shape = "a string or a list of integers" if task == "scbench_mf" else "a string"
+    raise ConfigError(f"{where}: 'context' must be {shape}, got {got}.")
+
+
 def _strings(label: Any) -> list[str]:
     return [str(v) for v in label] if isinstance(label, list) else [str(label)]
 
@@ -114,9 +133,10 @@ class SCBenchDataset:
             rows = rows[: self.samples_per_task] if self.samples_per_task is not None else rows
             for index, row in enumerate(rows):
                 where = f"data.dataset.path: SCBench task '{task}' row {index}"
+                _context_text(task, row.get("context"), where)
                 turns = row.get("multi_turns")
-                if not isinstance(row.get("context"), str) or not isinstance(turns, list) or not turns:
-                    raise ConfigError(f"{where} needs a string 'context' and a non-empty 'multi_turns' list.")
+                if not isinstance(turns, list) or not turns:
+                    raise ConfigError(f"{where} needs a non-empty 'multi_turns' list.")
                 for t, turn in enumerate(turns):
                     if not isinstance(turn, dict) or not isinstance(turn.get("input"), str):
                         raise ConfigError(f"{where} turn {t} needs a string 'input'.")
@@ -128,8 +148,9 @@ class SCBenchDataset:
         """``create_scdq_prompt``: the context prompt and one query per turn."""
         context_template, query_template = SCBENCH_PROMPTS[task]
         turns = row["multi_turns"]
+        text = _context_text(task, row["context"], f"SCBench task '{task}'")
         if task == "scbench_mf":
-            context = context_template.format(prefix=turns[0]["input"], context=row["context"])
+            context = context_template.format(prefix=turns[0]["input"], context=text)
             queries = []
             for turn in turns:
                 found = re.findall(r"The .+ is", turn["input"])
@@ -140,7 +161,7 @@ class SCBenchDataset:
                 target = found[0].lower()[:-3]
                 queries.append(query_template.format(prefix=f"What is {target}?", input=turn["input"]))
             return context, queries
-        context = context_template.format(context=row["context"])
+        context = context_template.format(context=text)
         if task == "scbench_choice_eng":
             queries = [
                 query_template.format(
