@@ -35,8 +35,7 @@ import itertools
 from typing import Any
 
 from kvlab.config.errors import ConfigError
-from kvlab.config.loader import TEXT_FIELDS, is_sweepable, merge, reject_interpolation
-from kvlab.config.yaml_text import parse_yaml
+from kvlab.config.loader import is_sweepable, merge, parse_override
 from kvlab.runner.fingerprint import DATA_EXCLUDED, MODEL_EXCLUDED
 from kvlab.runner.run_names import short_key, split_values, value_text
 
@@ -80,9 +79,7 @@ def cli_sweep(overrides: list[tuple[str, str]]) -> list[tuple[str, list[Any]]]:
             values = []
             for number, part in enumerate(parts, start=1):
                 where = f"--{dotted} (value {number} of the sweep, {part!r})"
-                value = part if dotted in TEXT_FIELDS else parse_yaml(part, where)
-                reject_interpolation(value, where, dotted)
-                values.append(value)
+                values.append(parse_override(dotted, part, where))
             out.append((dotted, values))
     return out
 

@@ -192,14 +192,24 @@ def apply_override(cfg: dict[str, Any], dotted: str, value_text: str) -> dict[st
 
     A field that holds a name or a path (:data:`TEXT_FIELDS`) takes ``value_text`` as it is, so
     ``--run.method 0.1`` names a run ``0.1`` rather than failing as a number."""
-    if dotted in TEXT_FIELDS:
-        value: Any = value_text
-    else:
-        value = parse_yaml(value_text, f"--{dotted}")
-    reject_interpolation(value, f"--{dotted}", dotted)
+    value = parse_override(dotted, value_text, f"--{dotted}")
     for key in reversed(dotted.split(".")):
         value = {key: value}
     return merge(cfg, value)
+
+
+def parse_override(dotted: str, text: str, where: str) -> Any:
+    """The value of ``--dotted TEXT``: YAML, except that a name or path field (:data:`TEXT_FIELDS`)
+    takes the text as it is, and only ``true`` / ``false`` are booleans (YAML 1.1 would read
+    ``--model.verify off`` as ``False``). Interpolations are refused."""
+    if dotted in TEXT_FIELDS:
+        value: Any = text
+    else:
+        value = parse_yaml(text, where)
+        if isinstance(value, bool) and text.strip().lower() not in ("true", "false"):
+            value = text.strip()
+    reject_interpolation(value, where, dotted)
+    return value
 
 
 def is_override(option: str) -> bool:

@@ -71,7 +71,7 @@ def predict(tmp_path, config, *args):
     )
 
 
-def test_scorer_from_a_plugin_file_runs_end_to_end_and_is_recorded(tmp_path, monkeypatch):
+def test_scorer_from_a_plugin_file_runs_end_to_end_and_is_recorded(tmp_path, monkeypatch, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"id": f"s{i}", "prompt": "word " * 40}) + "\n" for i in range(2)))
     # a path relative to the config file that lists it
@@ -90,6 +90,10 @@ def test_scorer_from_a_plugin_file_runs_end_to_end_and_is_recorded(tmp_path, mon
         "--model.compression.importance.attention",  # snapkv's scorer role, now played by the plugin
         "{name: my_scorer, scale: 2.0}",
     )
+    # the run says what code it imports, and which config asked for it, once
+    out = capsys.readouterr().out
+    assert out.count("kvlab: imports plugin") == 1
+    assert f"kvlab: imports plugin file {PLUGIN} (listed by {config.resolve()})" in out
     scorer = IMPORTANCE.get("my_scorer")
     assert scorer.__module__ == "my_scorers" and sys.modules["my_scorers"].__file__ == str(PLUGIN)
     assert set(scorer.calls) == {0, 1}  # tiny-llama's two layers were scored by the plugin
@@ -213,3 +217,22 @@ def test_broken_entry_point_is_a_config_error(monkeypatch):
     fake_entry_points(monkeypatch, FakeEntryPoint("broken", fail))
     with pytest.raises(ConfigError, match="kvlab plugin 'broken'.*fake_pkg.broken.*kvlab.plugins"):
         plugins.load_entry_points()
+
+
+def test_a_run_names_each_plugin_and_the_preset_two_levels_up_that_listed_it(tmp_path, capsys):
+    """``imports:`` inherited from a preset's preset is announced with that file, before it runs."""
+    from kvlab.cli.predict import announce_plugins
+    from kvlab.config.loader import resolve
+
+    (tmp_path / "plugins").mkdir()
+    plugin = tmp_path / "plugins" / "extra.py"
+    plugin.write_text("RAN = True\n")
+    (tmp_path / "grand.yaml").write_text("preset: snapkv\nimports: [plugins/extra.py]\n")
+    (tmp_path / "parent.yaml").write_text(f"preset: {tmp_path / 'grand.yaml'}\n")
+    (tmp_path / "child.yaml").write_text(f"preset: {tmp_path / 'parent.yaml'}\n")
+    configs = [str(tmp_path / "child.yaml")]
+    imports = resolve(configs, [])["imports"]
+    announce_plugins(configs, imports)
+    assert capsys.readouterr().out == (
+        f"kvlab: imports plugin file {plugin} (listed by {tmp_path / 'grand.yaml'})\n"
+    )

@@ -251,7 +251,10 @@ def experiment(tmp_path_factory):
     ]
     data = ["--data.dataset", f"{{name: jsonl, path: {write_jsonl(tmp / 'd.jsonl', rows)}}}"]
     snap = ["--model.compression.budget", "{tokens: 16, window: 4}"]
-    run(tmp, "snapkv", "snapkv", *data, *snap, "--data.limit", "1")
+    run(tmp, "snapkv", "snapkv", *data, *snap)
+    for name in ("predictions.jsonl", positions.POSITIONS):  # as if killed after the first sample
+        path = tmp / "runs" / "exp" / "snapkv" / name
+        path.write_text(path.read_text().splitlines()[0] + "\n")
     run(tmp, "snapkv", "snapkv", *data, *snap)  # resumed: samples 2 and 3 only
     run(tmp, "snapkv_again", "snapkv", *data, *snap, "--data.batch_size", "3")
     run(tmp, "random", "random", *data, "--model.compression.budget", "{tokens: 16, window: 4}")

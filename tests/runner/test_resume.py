@@ -169,3 +169,21 @@ def test_a_resume_reports_lines_it_cannot_count_and_never_counts_them(tmp_path, 
     assert "1 samples already written are skipped" in out
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["samples"] == 3  # s0 (resumed), s1 and s2: never the stranger
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_files_are_created_with_the_users_umask(tmp_path, umask):
+    """``config.yaml``, ``metrics.json`` and ``run.json`` are written atomically through a temporary
+    file (``mkstemp`` makes it 0600); the result gets the mode any new file gets."""
+    import os
+
+    from kvlab.runner.files import atomic_write_text
+
+    old = os.umask(umask)
+    try:
+        path = atomic_write_text(tmp_path / "metrics.json", "{}\n")
+        plain = tmp_path / "plain.txt"
+        plain.write_text("x")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask == plain.stat().st_mode & 0o777
