@@ -2,7 +2,9 @@
 
 Every kernel module exposes ``<name>_reference`` (pure torch, runs anywhere), ``<name>_triton``
 (the Triton kernel) and a dispatcher ``<name>`` with the same signature that asks
-:func:`use_triton` which one to run. The mode is process-wide (one run, one mode):
+:func:`use_triton` which one to run. The mode belongs to the code that runs inside
+:func:`kernel_mode` (a :class:`contextvars.ContextVar`, so one run's mode never leaks into
+another's):
 
 - ``auto`` (default): Triton when triton is importable and the tensors are on a CUDA device,
   the reference otherwise (CPU tensors, no triton installed).
@@ -11,9 +13,11 @@ Every kernel module exposes ``<name>_reference`` (pure torch, runs anywhere), ``
   interpreter (``TRITON_INTERPRET=1`` set before triton is imported), which is how the tests
   run the kernels without a GPU.
 
-``KVLabModule(kernels=...)`` (YAML ``model.kernels``) sets the mode for a run; tests use
-:func:`kernel_mode`. :data:`CALLS` counts which path each kernel took, so a run (or a test) can
-check that the kernels it expects actually ran.
+``KVLabModule(kernels=...)`` (YAML ``model.kernels``) runs its prediction steps inside
+``kernel_mode(kernels)``; tests use :func:`kernel_mode` too (or :func:`set_mode`, which sets the
+mode of the current context, for an interactive session). :data:`CALLS` counts which path each
+kernel took, so a run (or a test) can check that the kernels it expects actually ran: a
+diagnostic counter, only ever added to, never read to decide anything.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cache
 from typing import Literal, get_args
 
@@ -36,34 +41,38 @@ MODES: tuple[str, ...] = get_args(Mode)
 # (kernel name, "triton" | "reference") -> number of calls in this process
 CALLS: Counter[tuple[str, str]] = Counter()
 
-_mode: Mode = "auto"
+_MODE: ContextVar[Mode] = ContextVar("kvlab_kernel_mode", default="auto")
 
 
-def set_mode(mode: Mode) -> None:
-    """Set the process-wide dispatch mode (``auto``, ``reference`` or ``triton``)."""
-    global _mode
+def check_mode(mode: str) -> Mode:
+    """``mode`` if it is one of :data:`MODES`; :class:`ConfigError` naming ``model.kernels`` otherwise."""
     if mode not in MODES:
         raise ConfigError(
             f"model.kernels must be one of {', '.join(MODES)}, got '{mode}'. Use 'auto' (Triton on "
             "CUDA tensors, the torch reference elsewhere) unless you are debugging a kernel."
         )
-    _mode = mode
+    return mode  # type: ignore[return-value]
+
+
+def set_mode(mode: Mode) -> None:
+    """Set the dispatch mode of the current context (an interactive session, a test); kvlab's own
+    runs use :func:`kernel_mode`, which restores the previous mode."""
+    _MODE.set(check_mode(mode))
 
 
 def get_mode() -> Mode:
     """The current dispatch mode."""
-    return _mode
+    return _MODE.get()
 
 
 @contextmanager
 def kernel_mode(mode: Mode) -> Iterator[None]:
     """Run a block under ``mode`` and restore the previous mode afterwards."""
-    previous = _mode
-    set_mode(mode)
+    token = _MODE.set(check_mode(mode))
     try:
         yield
     finally:
-        set_mode(previous)
+        _MODE.reset(token)
 
 
 @cache
@@ -85,9 +94,10 @@ def interpreter() -> bool:
 
 def use_triton(name: str, *tensors: torch.Tensor) -> bool:
     """Decide the path of one call of kernel ``name`` on ``tensors`` and count it in :data:`CALLS`."""
-    if _mode == "reference":
+    mode = _MODE.get()
+    if mode == "reference":
         chosen = False
-    elif _mode == "triton":
+    elif mode == "triton":
         if not triton_available():
             raise RuntimeError(
                 f"kernel mode 'triton' requested for {name} but triton is not installed; "

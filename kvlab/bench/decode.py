@@ -167,7 +167,6 @@ def run_kernels(opts: argparse.Namespace) -> None:
 
 # --- the model scenario: whole decode steps of a model, kvlab's cache vs transformers' own -------
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
-CLOCK = time.perf_counter  # set by run() from --clock
 MODEL_HEADERS = [
     "context", "cache", "kept/head", "KV MiB", "decode ms/step", "vs DynamicCache", "vs kvlab full",
 ]  # fmt: skip
@@ -186,7 +185,7 @@ class Contender:
 
 
 def _transformers_contenders(
-    loaded: Any, batch: dict[str, Any], tokens: torch.Tensor, budgets: list[float]
+    loaded: Any, batch: dict[str, Any], tokens: torch.Tensor, budgets: list[float], clock: Callable[[], float]
 ) -> list[Contender]:
     """transformers' ``DynamicCache`` + sdpa over the whole prompt (the baseline), and the same cache
     cropped to each budget's kept count (its most recent entries: uniform eviction on transformers'
@@ -205,18 +204,21 @@ def _transformers_contenders(
     out = []
     for label, kept, cache in caches:
         kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-        run = functools.partial(_transformers_decode, model, cache, kept, tokens, T)
+        run = functools.partial(_transformers_decode, model, cache, kept, tokens, T, clock)
         out.append(Contender(label, str(kept), kv, run))
     return out
 
 
-def _transformers_decode(model: Any, cache: Any, kept: int, tokens: torch.Tensor, first: int) -> float:
-    """Seconds of ``tokens.shape[1] - 1`` decode steps on ``cache`` (cropped back to ``kept`` first)."""
+def _transformers_decode(
+    model: Any, cache: Any, kept: int, tokens: torch.Tensor, first: int, clock: Callable[[], float]
+) -> float:
+    """Seconds (by ``clock``) of ``tokens.shape[1] - 1`` decode steps on ``cache`` (cropped back to
+    ``kept`` first)."""
     extra = cache.get_seq_length() - kept  # what the previous run appended
     if extra:
         cache.crop(-extra)
     with sdpa_attention(model), torch.no_grad():
-        start = CLOCK()
+        start = clock()
         for step in range(tokens.shape[1] - 1):
             position = torch.full((tokens.shape[0], 1), first + step)
             model(
@@ -225,11 +227,16 @@ def _transformers_decode(model: Any, cache: Any, kept: int, tokens: torch.Tensor
                 cache=cache,
                 use_cache=True,
             )
-        return CLOCK() - start
+        return clock() - start
 
 
 def _kvlab_contender(
-    loaded: Any, batch: dict[str, Any], tokens: torch.Tensor, method: str, budget: float | None
+    loaded: Any,
+    batch: dict[str, Any],
+    tokens: torch.Tensor,
+    method: str,
+    budget: float | None,
+    clock: Callable[[], float],
 ) -> Contender:
     """kvlab's prefill (compression inside) once; each timed run restores the compressed cache and
     decodes teacher-forced ``tokens`` through :func:`kvlab.engine.generation.decode`."""
@@ -241,9 +248,9 @@ def _kvlab_contender(
 
     def run() -> float:
         state.cache.restore(checkpoint)
-        start = CLOCK()
+        start = clock()
         decode(state, teacher_tokens=tokens)
-        return CLOCK() - start
+        return clock() - start
 
     kept = state.cache.kept_tokens().float()
     spread = f"{kept.mean():.0f}" + (
@@ -280,10 +287,11 @@ def run_model(opts: argparse.Namespace) -> None:
         gen = torch.Generator().manual_seed(T + 1)
         vocab = loaded.model.config.get_text_config().vocab_size
         tokens = torch.randint(100, vocab, (1, steps + 1), generator=gen)  # the same fed tokens everywhere
-        contenders = _transformers_contenders(loaded, batch, tokens, budgets)
-        contenders.append(_kvlab_contender(loaded, batch, tokens, "full", None))
+        clock = CLOCKS[opts.clock]
+        contenders = _transformers_contenders(loaded, batch, tokens, budgets, clock)
+        contenders.append(_kvlab_contender(loaded, batch, tokens, "full", None, clock))
         for method in methods:
-            contenders += [_kvlab_contender(loaded, batch, tokens, method, b) for b in budgets]
+            contenders += [_kvlab_contender(loaded, batch, tokens, method, b, clock) for b in budgets]
         for round_ in range(opts.repeat + 1):  # round 0 warms up; rounds interleave the contenders
             for contender in contenders:
                 seconds = contender.decode() / steps
@@ -372,8 +380,6 @@ def run(args: list[str]) -> None:
     add_threads_option(p, default=2)
     opts = p.parse_args(args)
     torch.set_num_threads(opts.threads)
-    global CLOCK
-    CLOCK = CLOCKS[opts.clock]
     if opts.model is None:
         opts.contexts, opts.budgets = opts.contexts or "4k,32k,128k", opts.budgets or "0.05,0.10,0.25"
         opts.repeat = opts.repeat or 20

@@ -42,7 +42,7 @@ import kvlab
 from kvlab.bench.common import add_threads_option, context_label, parse_list, print_table
 from kvlab.calibration.synthetic import synthetic_visual_heads
 from kvlab.engine.generation import generate, prefill
-from kvlab.engine.masking import MASKS, load_masked_model
+from kvlab.engine.masking import load_masked_model
 from kvlab.engine.prefill_plan import check_prefill_chunk
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
 from kvlab.models.base import PAD
@@ -93,7 +93,7 @@ def masked_decode(
 ):
     """(bytes, seconds per step) of the masked baseline for the kept sets in ``reports``."""
     B, T = batch["input_ids"].shape
-    loaded = load_masked_model(model_name, reports, T)
+    loaded, masks = load_masked_model(model_name, reports, T)
     cache = DynamicCache()
     with torch.no_grad():
         loaded.model(input_ids=batch["input_ids"], cache=cache, use_cache=True, logits_to_keep=1)
@@ -104,7 +104,7 @@ def masked_decode(
             loaded.model(input_ids=token, position_ids=pos, cache=cache, use_cache=True)
         seconds = (time.perf_counter() - start) / steps
     kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
-    return kv + sum(m.numel() for m in MASKS.values()), seconds
+    return kv + sum(m.numel() for m in masks.values()), seconds
 
 
 def fastest(loaded: Any, pipe: Any, batch: dict[str, Any], opts: argparse.Namespace) -> tuple[Any, float]:

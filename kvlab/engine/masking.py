@@ -8,6 +8,8 @@ decoding over the ragged cache equals decoding over this masked full cache.
 
 from __future__ import annotations
 
+import uuid
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,11 +19,14 @@ from transformers import AttentionInterface
 from kvlab.models import load_model
 
 MASKED_ATTENTION = "kvlab_masked"
-MASKS: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, T] kept mask of the prompt entries
 
 
-def masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Full K/V; at decode the evicted prompt entries (``MASKS[layer]``) are masked out.
+def masked_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, masks: dict[int, torch.Tensor],
+    **kwargs,
+):  # fmt: skip
+    """Full K/V; at decode the evicted prompt entries (``masks[layer]``, ``[B, Hkv, T]`` kept
+    masks of the prompt entries) are masked out.
 
     Shapes: query ``[B, H, q, D]``, key/value ``[B, Hkv, S, D]``; returns ``[B, q, H, D]``.
     """
@@ -30,7 +35,7 @@ def masked_attention(module, query, key, value, attention_mask, scaling=None, dr
             query, key, value, is_causal=True, scale=scaling, enable_gqa=True
         )
         return out.transpose(1, 2), None
-    keep = MASKS[module.layer_idx]
+    keep = masks[module.layer_idx]
     mask = torch.ones(*keep.shape[:2], key.shape[2], dtype=torch.bool, device=key.device)
     mask[..., : keep.shape[-1]] = keep
     group = query.shape[1] // key.shape[1]
@@ -39,12 +44,17 @@ def masked_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2), None
 
 
-def load_masked_model(model_name: str, reports: list[Any], length: int) -> Any:
+def load_masked_model(
+    model_name: str, reports: list[Any], length: int
+) -> tuple[Any, dict[int, torch.Tensor]]:
     """``model_name`` with kvpress-style masking: full K/V kept, at decode the prompt entries the
-    layer ``reports`` evicted (their selections, prompts of ``length`` tokens) are masked out."""
+    layer ``reports`` evicted (their selections, prompts of ``length`` tokens) are masked out.
+
+    Returns ``(loaded model, masks)``: the ``[B, Hkv, length]`` kept mask per layer index, bound to
+    this model's attention function (no state outside it)."""
     loaded = load_model(model_name)
-    AttentionInterface.register(MASKED_ATTENTION, masked_attention)
-    loaded.model.set_attn_implementation(MASKED_ATTENTION)
-    MASKS.clear()
-    MASKS.update({report.layer_idx: report.selection.kept_mask(length) for report in reports})
-    return loaded
+    masks = {report.layer_idx: report.selection.kept_mask(length) for report in reports}
+    name = f"{MASKED_ATTENTION}_{uuid.uuid4().hex[:12]}"  # one function per model: its own masks
+    AttentionInterface.register(name, partial(masked_attention, masks=masks))
+    loaded.model.set_attn_implementation(name)
+    return loaded, masks

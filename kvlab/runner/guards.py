@@ -23,6 +23,8 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +37,24 @@ INTERRUPTED_EXIT = 130
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 
-# the run of the command in progress: its directory and whether Lightning saw a KeyboardInterrupt
-_state: dict[str, Any] = {"run_dir": None, "interrupted": False}
+
+
+@dataclass
+class CommandState:
+    """What :func:`guarded` needs to know of the command in progress: the run directory it writes
+    (for the messages) and whether Lightning saw a ``KeyboardInterrupt``."""
+
+    run_dir: Path | None = None
+    interrupted: bool = False
+
+
+#: the state of the command that :func:`guarded` runs in this context (a fresh one per command)
+_COMMAND: ContextVar[CommandState | None] = ContextVar("kvlab_command", default=None)
+
+
+def command_state() -> CommandState:
+    """The running command's :class:`CommandState` (a throwaway one outside :func:`guarded`)."""
+    return _COMMAND.get() or CommandState()
 
 
 def writable(directory: Path) -> bool:
@@ -75,7 +93,7 @@ def make_run_dir(run_dir: str | Path) -> Path:
     """Check (:func:`check_run_dir_writable`) and create ``run_dir``; returns it as a Path."""
     run_dir = Path(run_dir)
     check_run_dir_writable(run_dir)
-    _state["run_dir"] = run_dir
+    command_state().run_dir = run_dir
     with translate_os_errors(run_dir):
         run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
@@ -83,11 +101,12 @@ def make_run_dir(run_dir: str | Path) -> Path:
 
 def os_error_message(exc: OSError, run_dir: Path | None = None) -> str | None:
     """The one-paragraph message of a disk-full, permission or file-in-the-way ``OSError`` (else None)."""
-    path = exc.filename or run_dir or _state["run_dir"]
+    known = command_state().run_dir
+    path = exc.filename or run_dir or known
     where = f" {path}" if path else ""
     resume = (
         " Finished samples are kept: run the same command again to resume."
-        if (run_dir or _state["run_dir"]) is not None
+        if (run_dir or known) is not None
         else ""
     )
     if exc.errno in _DISK_FULL:
@@ -126,12 +145,12 @@ class RunGuard(Callback):
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
-        _state["run_dir"] = self.run_dir
+        command_state().run_dir = self.run_dir
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Lightning calls this before turning a KeyboardInterrupt into ``sys.exit(1)``."""
         if isinstance(exception, KeyboardInterrupt):
-            _state["interrupted"] = True
+            command_state().interrupted = True
 
 
 def interrupt_message(run_dir: Path | None) -> str:
@@ -152,19 +171,22 @@ def interrupt_message(run_dir: Path | None) -> str:
 def guarded(command: Callable[[list[str]], None], args: list[str]) -> None:
     """Run a ``kvlab`` command: OS errors of :func:`translate_os_errors` become :class:`ConfigError`
     (exit status 2 in ``main``); Ctrl-C prints :func:`interrupt_message` and exits with status 130."""
-    _state.update(run_dir=None, interrupted=False)
+    state = CommandState()
+    token = _COMMAND.set(state)
     try:
         with translate_os_errors():
             command(args)
     except KeyboardInterrupt:
         _interrupted()
     except SystemExit as exc:
-        if exc.code == 1 and _state["interrupted"]:  # Lightning's exit after a KeyboardInterrupt
+        if exc.code == 1 and state.interrupted:  # Lightning's exit after a KeyboardInterrupt
             _interrupted()
         raise
+    finally:
+        _COMMAND.reset(token)
 
 
 def _interrupted() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning leaves SIGINT ignored
-    print(f"kvlab: {interrupt_message(_state['run_dir'])}", file=sys.stderr)
+    print(f"kvlab: {interrupt_message(command_state().run_dir)}", file=sys.stderr)
     sys.exit(INTERRUPTED_EXIT)

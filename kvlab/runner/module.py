@@ -18,7 +18,7 @@ from kvlab.engine.generation import GenerationResult
 from kvlab.engine.prefill_plan import check_prefill_chunk, chunked_vlm_message
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.engine.verify import verify_engine
-from kvlab.kernels.dispatch import set_mode as set_kernel_mode
+from kvlab.kernels.dispatch import check_mode, kernel_mode
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
 from kvlab.metrics.reference import ReferenceStore
 from kvlab.metrics.tasks import (
@@ -68,7 +68,8 @@ class KVLabModule(L.LightningModule):
         inspect_layers: layers whose kept image patches are drawn (negative: from the end);
             default ``[0, -1]``.
         kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``reference`` (torch everywhere,
-            for debugging) or ``triton``; sets :mod:`kvlab.kernels.dispatch` for the run.
+            for debugging) or ``triton``: every prediction step runs inside
+            :func:`kvlab.kernels.dispatch.kernel_mode` of it (no process-wide setting).
         device_map: spread the model over several devices (accelerate): ``auto``, ``balanced``,
             ``balanced_low_0``, ``sequential`` or a module name -> device mapping; each layer's
             cache lives on its layer's device. Lightning then does not move the model (it is
@@ -124,6 +125,7 @@ class KVLabModule(L.LightningModule):
         self.verify = verify
         #: seconds the first-batch check took (None until it ran); added to the first record
         self.verify_seconds: float | None = None
+        self.verify_reported = False  # whether a record carries verify_seconds yet
         self.model_name = model
         self.pipeline = load_pipeline(compression)
         self.pipeline.bind_model(model)  # a calibration artefact of another model fails here, before loading
@@ -143,7 +145,7 @@ class KVLabModule(L.LightningModule):
         self.run_dir: str | None = None
         self.task_metrics: tuple[str, ...] = DEFAULT_TASK_METRICS
         self.inspector: Inspector | None = None
-        set_kernel_mode(kernels)
+        self.kernels = check_mode(kernels)  # the mode of this run's prediction steps (kernel_mode)
         validate_device_map(device_map)
         self.device_map = device_map
         self.loaded: LoadedModel | None = None
@@ -226,7 +228,13 @@ class KVLabModule(L.LightningModule):
             self.inspector.finish()
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
-        """One batch -> one prediction record per sample (written by the prediction writer)."""
+        """One batch -> one prediction record per sample (written by the prediction writer), with
+        the kernels of this run's ``model.kernels`` (the mode is the step's, not the process's)."""
+        with kernel_mode(self.kernels):
+            return self.predict_batch(batch, batch_idx)
+
+    def predict_batch(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
+        """:meth:`predict_step`'s work: verify (first batch), run the protocol, build the records."""
         if self.verify == "first_batch" and self.verify_seconds is None:
             self.verify_engine(batch)
         cuda_devices = self._cuda_devices()
@@ -256,9 +264,9 @@ class KVLabModule(L.LightningModule):
         for record, extra in zip(records, run.extras, strict=True):
             record["protocol"] = self.protocol.registry_name
             record.update(extra)
-        if self.verify_seconds is not None and not getattr(self, "_verify_reported", False):
+        if self.verify_seconds is not None and not self.verify_reported:
             records[0]["verify_seconds"] = self.verify_seconds
-            self._verify_reported = True
+            self.verify_reported = True
         for record in records:
             record["kv_bytes_allocated"] = result.kv_bytes_allocated
             if peak is not None:

@@ -288,7 +288,7 @@ def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
     item = retrieval_samples(1, 60)
     result = run(loaded, budgeted_pipeline(preset, tokens=40), item)
     T = int(result.prompt_lengths[0])
-    reference = load_masked_model("tiny-qwen2", result.reports, T)  # full K/V, evicted entries masked
+    reference, _ = load_masked_model("tiny-qwen2", result.reports, T)  # full K/V, evicted entries masked
     ids = batch_of(loaded, item)["input_ids"]
     cache = DynamicCache()
     with torch.no_grad():

@@ -288,11 +288,18 @@ def test_cache_decode_through_the_kernels_equals_the_reference_path():
     assert dispatch.CALLS == {("compact_kv", "triton"): 1, ("ragged_decode_attention", "triton"): 1}
 
 
-def test_module_kernels_argument_sets_the_mode_and_rejects_unknown_values():
+def test_module_kernels_argument_is_the_mode_of_its_steps_alone_and_rejects_unknown_values(monkeypatch):
+    """``model.kernels`` is the run's: its prediction steps run under it, and building the module
+    or finishing a step leaves the mode of the surrounding code as it was."""
     from kvlab.runner.module import KVLabModule
 
-    KVLabModule(model="tiny-qwen2", kernels="reference")
-    assert dispatch.get_mode() == "reference"
+    with dispatch.kernel_mode("auto"):
+        module = KVLabModule(model="tiny-qwen2", kernels="reference")
+        assert dispatch.get_mode() == "auto"  # building a module sets nothing process-wide
+        seen = []
+        monkeypatch.setattr(module, "predict_batch", lambda batch, index: seen.append(dispatch.get_mode()))
+        module.predict_step({}, 0)
+        assert seen == ["reference"] and dispatch.get_mode() == "auto"
     with pytest.raises(ConfigError, match="model.kernels"):
         KVLabModule(model="tiny-qwen2", kernels="cuda")
 
