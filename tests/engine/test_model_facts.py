@@ -1,0 +1,164 @@
+"""Model facts through the model: what the engine gives a component is what the model computed, only
+what a component declared, and a model that cannot provide a declared fact is refused before it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from support import e2e
+from support.presets import retrieval_samples
+
+from kvlab.compression.importance import ImportanceScorer
+from kvlab.config.capabilities import Capabilities
+from kvlab.config.errors import ConfigError
+from kvlab.models.builtin import MODELS
+from kvlab.models.facts import ModelFacts, fact_refusal, language_model
+from kvlab.pipeline import Pipeline
+
+NODE = {"budget": {"tokens": 24, "window": 4}, "importance": {"key_norm": {}}}
+
+
+@dataclass
+class Probe(ImportanceScorer):
+    """Key-norm scores; records what each layer's context gives of the model facts (unregistered)."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        chunked_prefill=True, model_facts=("projections", "queries_before_rotation", "rotary")
+    )
+    seen: dict[int, Any] = field(default_factory=dict)
+
+    def score(self, ctx):
+        cos, sin = ctx.facts.rotary(ctx.model_positions())
+        self.seen[ctx.layer_idx] = (
+            ctx.queries_before_rotation(),
+            cos,
+            sin,
+            ctx.facts.projections,
+            ctx.facts.provided,
+        )
+        return -ctx.keys.float().norm(dim=-1)
+
+
+@dataclass
+class Undeclared(ImportanceScorer):
+    """Declares no model fact and tries to read one."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(chunked_prefill=True)
+    errors: list[str] = field(default_factory=list)
+
+    def score(self, ctx):
+        try:
+            ctx.facts.rotary(ctx.model_positions())
+        except ConfigError as error:
+            self.errors.append(str(error))
+        return -ctx.keys.float().norm(dim=-1)
+
+
+def pipeline_with(scorer: ImportanceScorer) -> Pipeline:
+    pipeline = Pipeline.from_config(NODE)
+    pipeline.importance["probe"] = scorer  # a second role, not in any registry
+    return pipeline
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_facts_are_what_the_model_computed(model):
+    """Queries before rotation equal the layer's ``q_proj`` output (Qwen2's bias included), rotary
+    equals the model's rotary module, projections are the layer's own parameters."""
+    loaded = e2e.kvlab_model(model)
+    lm = language_model(loaded.model)
+    projected: dict[int, torch.Tensor] = {}
+
+    def keep_first(idx: int):  # the first call of each layer is the prefill's
+        def hook(module, inputs, out) -> None:
+            projected.setdefault(idx, out)
+
+        return hook
+
+    hooks = [
+        layer.self_attn.q_proj.register_forward_hook(keep_first(idx)) for idx, layer in enumerate(lm.layers)
+    ]
+    probe = Probe()
+    try:
+        result = e2e.run(loaded, pipeline_with(probe), retrieval_samples(2, 20), 2)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(probe.seen) == list(range(loaded.info.num_layers))
+    valid = result.prompt_lengths  # [B]
+    B, T = 2, int(valid.max())
+    positions = (torch.arange(T)[None] - (T - valid[:, None])).clamp(min=0)  # left padding at 0
+    want_cos, want_sin = lm.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    for idx, (queries, cos, sin, weights, provided) in probe.seen.items():
+        H, D = loaded.info.num_heads, loaded.info.head_dim
+        expected = projected[idx].view(B, T, H, D).transpose(1, 2)
+        torch.testing.assert_close(queries, expected.float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cos, want_cos)
+        torch.testing.assert_close(sin, want_sin)
+        attention = lm.layers[idx].self_attn
+        assert weights.o.data_ptr() == attention.o_proj.weight.data_ptr()  # a view, not a copy
+        assert weights.q.shape == (H * D, attention.q_proj.in_features)
+        assert (weights.q_bias is not None) == (model == "tiny-qwen2")
+        assert provided == ("projections", "queries_before_rotation", "rotary")
+
+
+def test_undeclared_facts_are_neither_computed_nor_readable():
+    loaded = e2e.kvlab_model("tiny-llama")
+    probe = Undeclared()
+    pipeline = pipeline_with(probe)
+    assert pipeline.capabilities.model_facts == {}
+    e2e.run(loaded, pipeline, retrieval_samples(1, 20), 1)
+    assert len(probe.errors) == loaded.info.num_layers
+    assert "model fact 'rotary'" in probe.errors[0] and "Capabilities(model_facts=" in probe.errors[0]
+
+
+def test_a_model_without_the_fact_is_refused_before_it_loads_naming_component_fact_and_fix():
+    """tiny-qwen2-vl's rotary embedding is 3-D (M-RoPE): refused at bind time, from its config, and
+    again from the loaded model before the prefill forward."""
+    pipeline = pipeline_with(Probe())
+    with pytest.raises(ConfigError) as error:
+        pipeline.bind_model("tiny-qwen2-vl")
+    message = str(error.value)
+    for fragment in (
+        "model.compression.importance.probe (Probe)",
+        "'queries_before_rotation'",
+        "tiny-qwen2-vl cannot provide",
+        "3-D (M-RoPE",
+        "--config snapkv",
+    ):
+        assert fragment in message
+    pipeline.bind_model("tiny-qwen2")  # a 1-D rotary embedding is accepted
+    loaded = e2e.kvlab_model("tiny-qwen2-vl")
+    with pytest.raises(ConfigError, match="3-D"):
+        ModelFacts.of(loaded.model, "tiny-qwen2-vl", pipeline.capabilities.model_facts, loaded.info.head_dim)
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2}}, "rope_type dynamic"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+         "partial_rotary_factor 0.5"),
+        ({"rope_parameters": None}, "no rotary embedding"),
+    ],
+)  # fmt: skip
+def test_rotary_refusals_read_the_config(change, fragment):
+    config = MODELS.get("tiny-llama")().config()
+    for key, value in change.items():
+        setattr(config, key, value)
+    assert fragment in fact_refusal(config, "rotary")
+    assert fact_refusal(config, "projections") is None  # checked on the modules, not the config
+
+
+def test_projections_are_refused_on_a_layer_without_separate_linears():
+    loaded = e2e.kvlab_model("tiny-llama")
+    attention = language_model(loaded.model).layers[0].self_attn
+    saved = attention.o_proj
+    try:
+        del attention.o_proj
+        with pytest.raises(ConfigError, match="layer 0's attention has no separate"):
+            ModelFacts.of(loaded.model, "tiny-llama", {"projections": "x (probe)"}, loaded.info.head_dim)
+    finally:
+        attention.o_proj = saved
