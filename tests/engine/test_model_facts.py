@@ -9,13 +9,17 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from support import e2e
+from support.attention_variants import CONFIGS, build, prompts, tokenizer
 from support.presets import retrieval_samples
 
+import kvlab
 from kvlab.compression.importance import ImportanceScorer
 from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
+from kvlab.engine.generation import generate
 from kvlab.models.builtin import MODELS
 from kvlab.models.facts import ModelFacts, fact_refusal, language_model
+from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 
 NODE = {"budget": {"tokens": 24, "window": 4}, "importance": {"key_norm": {}}}
@@ -63,11 +67,19 @@ def pipeline_with(scorer: ImportanceScorer) -> Pipeline:
     return pipeline
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def load(model: str):
+    """A built-in tiny model, or a tiny family of ``support.attention_variants`` wrapped for kvlab."""
+    if model in CONFIGS:
+        return kvlab.wrap_model(build(model), tokenizer(), name=model)
+    return e2e.kvlab_model(model)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "gemma3-text"])
 def test_facts_are_what_the_model_computed(model):
-    """Queries before rotation equal the layer's ``q_proj`` output (Qwen2's bias included), rotary
-    equals the model's rotary module, projections are the layer's own parameters."""
-    loaded = e2e.kvlab_model(model)
+    """Queries before rotation equal the layer's projected queries (Qwen2's bias, Gemma 3's query norm
+    included), rotary equals the model's rotary module (Gemma 3: one per layer type, its sliding
+    layers compressed within their window), projections are the layer's own parameters."""
+    loaded = load(model)
     lm = language_model(loaded.model)
     projected: dict[int, torch.Tensor] = {}
 
@@ -77,24 +89,33 @@ def test_facts_are_what_the_model_computed(model):
 
         return hook
 
+    def query_module(attention):  # the last step before RoPE: the query norm, else the projection
+        return getattr(attention, "q_norm", attention.q_proj)
+
     hooks = [
-        layer.self_attn.q_proj.register_forward_hook(keep_first(idx)) for idx, layer in enumerate(lm.layers)
+        query_module(layer.self_attn).register_forward_hook(keep_first(i))
+        for i, layer in enumerate(lm.layers)
     ]
     probe = Probe()
+    pipeline = pipeline_with(probe)
+    pipeline.sliding_layers = "compress"  # the probe also sees Gemma 3's sliding layers
+    rows = [row[:20] for row in prompts()]  # 20, 17 and 9 tokens: left padding
     try:
-        result = e2e.run(loaded, pipeline_with(probe), retrieval_samples(2, 20), 2)
+        result = generate(loaded, pipeline, collate_ids(loaded, rows), max_new_tokens=2)
     finally:
         for hook in hooks:
             hook.remove()
     assert sorted(probe.seen) == list(range(loaded.info.num_layers))
     valid = result.prompt_lengths  # [B]
-    B, T = 2, int(valid.max())
+    B, T, H, D = len(rows), int(valid.max()), loaded.info.num_heads, loaded.info.head_dim
     positions = (torch.arange(T)[None] - (T - valid[:, None])).clamp(min=0)  # left padding at 0
-    want_cos, want_sin = lm.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    layer_types = getattr(lm.config, "layer_types", None)
     for idx, (queries, cos, sin, weights, provided) in probe.seen.items():
-        H, D = loaded.info.num_heads, loaded.info.head_dim
-        expected = projected[idx].view(B, T, H, D).transpose(1, 2)
+        out = projected[idx]
+        expected = out if out.dim() == 4 else out.view(B, T, H, D).transpose(1, 2)
         torch.testing.assert_close(queries, expected.float(), atol=1e-5, rtol=1e-5)
+        per_type = (layer_types[idx],) if layer_types and model == "gemma3-text" else ()
+        want_cos, want_sin = lm.rotary_emb(torch.zeros(1), positions, *per_type)
         torch.testing.assert_close(cos, want_cos)
         torch.testing.assert_close(sin, want_sin)
         attention = lm.layers[idx].self_attn
@@ -102,6 +123,8 @@ def test_facts_are_what_the_model_computed(model):
         assert weights.q.shape == (H * D, attention.q_proj.in_features)
         assert (weights.q_bias is not None) == (model == "tiny-qwen2")
         assert provided == ("projections", "queries_before_rotation", "rotary")
+    if model == "gemma3-text":  # the two layer types rotate differently: the test tells them apart
+        assert not torch.allclose(probe.seen[0][1], probe.seen[1][1])
 
 
 def test_undeclared_facts_are_neither_computed_nor_readable():
