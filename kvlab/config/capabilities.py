@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
 #: A model fact a component may declare in ``Capabilities(model_facts=...)``.
-ModelFact = Literal["rotary", "queries_before_rotation", "projections"]
+ModelFact = Literal["rotary", "queries_before_rotation", "projections", "hidden_states"]
 
 #: What each model fact is (the sentence refusals and ``kvlab list`` use).
 MODEL_FACTS: dict[str, str] = {
     "rotary": "the layer's rotary embedding at any position (cos, sin)",
     "queries_before_rotation": "the layer's queries before the rotary embedding",
     "projections": "the layer's q/k/v/o projection weights",
+    "hidden_states": "the layer's attention input (the normed hidden states of every prompt position)",
 }
 assert set(MODEL_FACTS) == set(get_args(ModelFact))
 
@@ -51,7 +52,8 @@ class Capabilities:
             (the engine then has the attention function record them, ``run.take_decode_attention()``).
         model_facts: the model facts the component reads (names of :data:`MODEL_FACTS`), sorted:
             the engine provides them in ``LayerContext.facts`` only when a component declares them,
-            and refuses a model that cannot provide one before it runs.
+            and refuses a model that cannot provide one before it runs. ``hidden_states`` covers
+            every prompt position, so a component reading it declares ``chunked_prefill=False``.
     """
 
     chunked_prefill: bool = True
@@ -65,6 +67,11 @@ class Capabilities:
         if unknown:
             raise ValueError(f"unknown model facts {unknown}; known: {', '.join(MODEL_FACTS)}")
         object.__setattr__(self, "model_facts", tuple(sorted(set(self.model_facts))))
+        if "hidden_states" in self.model_facts and self.chunked_prefill:
+            raise ValueError(
+                "a component reading the model fact hidden_states reads every prompt position's, which a "
+                "chunked prefill does not keep: declare chunked_prefill=False"
+            )
 
     def describe(self) -> str:
         """The capabilities that hold, e.g. ``chunked_prefill, decode_attention`` (``none``); model

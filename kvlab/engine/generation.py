@@ -17,6 +17,7 @@ positions for the whole sequence (given a mask) or ignore left padding (without 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -239,7 +240,8 @@ def prefill(
         facts=facts,
     )
     positions = sample_positions(valid).clamp(min=0)  # [B, T]; padding gets 0, as in transformers
-    with compression_session(session):
+    capturing = facts.capturing() if facts is not None else contextlib.nullcontext()
+    with compression_session(session), capturing:
         start = time.perf_counter()
         if chunk is None:
             out = model(

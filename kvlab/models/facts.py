@@ -26,12 +26,21 @@ The facts, for a layer of ``H`` query heads, ``Hkv`` KV heads, head dim ``D`` an
   (and the q/k/v biases when the layer has them). Detached views of the parameters, never
   copies: a component reads them and must not write them. Refused for a layer without separate
   ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` linears (e.g. a fused ``qkv_proj``).
+- ``hidden_states``: :attr:`LayerFacts.hidden_states`, the layer's attention input ``[B, T, E]``
+  in the model's dtype (the hidden states after the layer's input norm, every prompt position,
+  padding included), captured during the prefill forward by a forward pre-hook on each layer's
+  attention module that exists only while a prefill whose pipeline declares the fact runs
+  (:meth:`ModelFacts.capturing`). Every prompt position: a component reading it declares
+  ``chunked_prefill=False``; under ``schedule: global`` each waiting layer holds its own until it
+  is compressed (one more ``[B, T, E]`` per layer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -96,6 +105,7 @@ class LayerFacts:
         model: the model's name (for messages).
         rotary_table: the layer's rotary embedding (``rotary`` / ``queries_before_rotation``), or None.
         weights: the layer's projections (``projections``), or None.
+        inputs: the layer's attention input ``[B, T, E]`` of this prefill (``hidden_states``), or None.
 
     A fact that was not declared raises a :class:`~kvlab.config.errors.ConfigError` naming the
     declaration to add: the engine computes or keeps only what components ask for.
@@ -105,6 +115,7 @@ class LayerFacts:
     model: str = ""
     rotary_table: RotaryTable | None = None
     weights: Projections | None = None
+    inputs: torch.Tensor | None = None
 
     def _require(self, fact: str) -> None:
         if fact not in self.provided:
@@ -141,6 +152,17 @@ class LayerFacts:
         self._require("projections")
         assert self.weights is not None
         return self.weights
+
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        """The layer's attention input of this prefill, ``[B, T, E]`` in the model's dtype (read-only)."""
+        self._require("hidden_states")
+        if self.inputs is None:
+            raise RuntimeError(
+                "the model fact hidden_states was declared but no prefill forward captured it for this layer "
+                "(its attention module was not called with hidden_states)"
+            )
+        return self.inputs
 
 
 def _rope_parameters(text: Any) -> list[Mapping[str, Any] | None]:
@@ -238,9 +260,13 @@ class ModelFacts:
 
     Attributes:
         layers: one :class:`LayerFacts` per decoder layer, in layer order.
+        attention: each decoder layer's attention module, when ``hidden_states`` is declared (its
+            forward pre-hook captures them, :meth:`capturing`); empty otherwise.
     """
 
     layers: tuple[LayerFacts, ...]
+    attention: tuple[torch.nn.Module, ...] = ()
+    _captured: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, model: torch.nn.Module, name: str, readers: Mapping[str, str], head_dim: int) -> ModelFacts:
@@ -279,8 +305,40 @@ class ModelFacts:
                     why = f"layer {idx}'s attention has no separate q_proj/k_proj/v_proj/o_proj linears"
                     raise ConfigError(refusal_message(readers, name, "projections", why))
             out.append(LayerFacts(provided=provided, model=name, rotary_table=table, weights=weights))
-        return cls(tuple(out))
+        attention = ()
+        if "hidden_states" in readers:
+            attention = tuple(getattr(layer, "self_attn", layer) for layer in layers)
+        return cls(tuple(out), attention)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Within the block (the prefill forward, every layer compressed inside it), each layer's
+        attention input is captured when ``hidden_states`` is declared (a forward pre-hook per
+        attention module, removed on exit with what it captured); nothing is hooked otherwise."""
+        self._captured.clear()
+
+        def capture(idx: int):
+            def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+                hidden = kwargs.get("hidden_states", args[0] if args else None)
+                if torch.is_tensor(hidden):
+                    self._captured[idx] = hidden.detach()
+
+            return hook
+
+        handles = [
+            module.register_forward_pre_hook(capture(idx), with_kwargs=True)
+            for idx, module in enumerate(self.attention)
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._captured.clear()  # the layers' contexts hold what they need; decoding holds nothing
 
     def layer(self, layer_idx: int) -> LayerFacts:
-        """The facts of decoder layer ``layer_idx``."""
-        return self.layers[layer_idx]
+        """The facts of decoder layer ``layer_idx`` (with its captured attention input, if declared)."""
+        facts = self.layers[layer_idx]
+        if not self.attention:
+            return facts
+        return dataclasses.replace(facts, inputs=self._captured.get(layer_idx))

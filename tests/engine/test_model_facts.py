@@ -30,7 +30,8 @@ class Probe(ImportanceScorer):
     """Key-norm scores; records what each layer's context gives of the model facts (unregistered)."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(
-        chunked_prefill=True, model_facts=("projections", "queries_before_rotation", "rotary")
+        chunked_prefill=False,
+        model_facts=("hidden_states", "projections", "queries_before_rotation", "rotary"),
     )
     seen: dict[int, Any] = field(default_factory=dict)
 
@@ -42,6 +43,7 @@ class Probe(ImportanceScorer):
             sin,
             ctx.facts.projections,
             ctx.facts.provided,
+            ctx.facts.hidden_states,
         )
         return -ctx.keys.float().norm(dim=-1)
 
@@ -92,10 +94,19 @@ def test_facts_are_what_the_model_computed(model):
     def query_module(attention):  # the last step before RoPE: the query norm, else the projection
         return getattr(attention, "q_norm", attention.q_proj)
 
+    normed: dict[int, torch.Tensor] = {}
+
+    def keep_input(idx: int):  # the attention's input: the layer's input norm's output
+        def hook(module, inputs, out) -> None:
+            normed.setdefault(idx, out)
+
+        return hook
+
     hooks = [
         query_module(layer.self_attn).register_forward_hook(keep_first(i))
         for i, layer in enumerate(lm.layers)
     ]
+    hooks += [layer.input_layernorm.register_forward_hook(keep_input(i)) for i, layer in enumerate(lm.layers)]
     probe = Probe()
     pipeline = pipeline_with(probe)
     pipeline.sliding_layers = "compress"  # the probe also sees Gemma 3's sliding layers
@@ -110,7 +121,7 @@ def test_facts_are_what_the_model_computed(model):
     B, T, H, D = len(rows), int(valid.max()), loaded.info.num_heads, loaded.info.head_dim
     positions = (torch.arange(T)[None] - (T - valid[:, None])).clamp(min=0)  # left padding at 0
     layer_types = getattr(lm.config, "layer_types", None)
-    for idx, (queries, cos, sin, weights, provided) in probe.seen.items():
+    for idx, (queries, cos, sin, weights, provided, hidden) in probe.seen.items():
         out = projected[idx]
         expected = out if out.dim() == 4 else out.view(B, T, H, D).transpose(1, 2)
         torch.testing.assert_close(queries, expected.float(), atol=1e-5, rtol=1e-5)
@@ -122,7 +133,9 @@ def test_facts_are_what_the_model_computed(model):
         assert weights.o.data_ptr() == attention.o_proj.weight.data_ptr()  # a view, not a copy
         assert weights.q.shape == (H * D, attention.q_proj.in_features)
         assert (weights.q_bias is not None) == (model == "tiny-qwen2")
-        assert provided == ("projections", "queries_before_rotation", "rotary")
+        assert provided == ("hidden_states", "projections", "queries_before_rotation", "rotary")
+        assert torch.equal(hidden, normed[idx])  # [B, T, E], the prefill's
+        assert not attention._forward_pre_hooks  # the capture hook is gone after the prefill
     if model == "gemma3-text":  # the two layer types rotate differently: the test tells them apart
         assert not torch.allclose(probe.seen[0][1], probe.seen[1][1])
 
@@ -185,3 +198,8 @@ def test_projections_are_refused_on_a_layer_without_separate_linears():
             ModelFacts.of(loaded.model, "tiny-llama", {"projections": "x (probe)"}, loaded.info.head_dim)
     finally:
         attention.o_proj = saved
+
+
+def test_hidden_states_need_every_prompt_position():
+    with pytest.raises(ValueError, match="declare chunked_prefill=False"):
+        Capabilities(chunked_prefill=True, model_facts=("hidden_states",))
