@@ -5,6 +5,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     decode,
     decode_prefixkv,
     diversity,
+    expected_attention,
     hybridkv,
     importance,
     merge,

@@ -11,6 +11,11 @@ largest recent window a component observes, and the last chunk). The helpers say
 need: the window helpers the last ``W`` queries, :meth:`LayerContext.cumulative_attention` all of
 them (refused otherwise, see ``docs/scaling.md``).
 
+Model facts (:attr:`LayerContext.facts`, :mod:`kvlab.models.facts`): the rotary embedding at any
+position, the queries before rotation (:meth:`LayerContext.queries_before_rotation`), the layer's
+projection weights; a frozen view holding only what the pipeline's components declared in
+``Capabilities(model_facts=...)`` (empty otherwise: reading an undeclared fact raises).
+
 Image blocks (Gemma 3, :attr:`LayerContext.image_blocks`): the model lets the tokens of one image
 attend to each other in both directions, and every attention helper here applies the same mask as
 the model's prefill attention (``causal | same image block``), so scorers read the attention the
@@ -32,6 +37,7 @@ from kvlab.cache.state import RunState
 from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.window_scores import REFERENCE_BLOCK_ELEMENTS, window_attention_scores
+from kvlab.models.facts import LayerFacts
 
 
 @dataclass
@@ -76,6 +82,12 @@ class LayerContext:
             others); None otherwise.
         routes: inside a route's branch, the route's decision for every layer decided so far in
             this run, by layer index (all of them under ``schedule: global``).
+        prompt_valid: the padding mask the model's positions were counted from, ``[B, T]`` bool;
+            None: :attr:`valid`. :meth:`restricted` sets it (the tokens a sliding layer's next
+            query can see are fewer than the prompt, whose positions are unchanged).
+        facts: the model facts the pipeline's components declared, for this layer
+            (:class:`~kvlab.models.facts.LayerFacts`: rotary embedding, projection weights; set by
+            the engine, empty when no component declares one).
     """
 
     layer_idx: int
@@ -96,6 +108,8 @@ class LayerContext:
     route: RouteDecision | None = None
     routed_heads: torch.Tensor | None = None
     routes: Mapping[int, RouteDecision] = field(default_factory=dict)
+    prompt_valid: torch.Tensor | None = None
+    facts: LayerFacts = field(default_factory=LayerFacts)
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -126,7 +140,8 @@ class LayerContext:
     def restricted(self, valid: torch.Tensor) -> LayerContext:
         """This context with only the tokens of ``valid [B, T]`` left valid (a copy: the same tensors
         and run state, its own memoised helpers, which depend on ``valid``)."""
-        return dataclasses.replace(self, valid=valid, _memo={})
+        prompt_valid = self.valid if self.prompt_valid is None else self.prompt_valid
+        return dataclasses.replace(self, valid=valid, prompt_valid=prompt_valid, _memo={})
 
     @contextlib.contextmanager
     def in_branch(
@@ -164,6 +179,17 @@ class LayerContext:
     def positions(self) -> torch.Tensor:
         """Position of each token within its own sample, ``[B, T]`` (see :func:`sample_positions`)."""
         return sample_positions(self.valid)
+
+    def model_positions(self) -> torch.Tensor:
+        """The position the model gave each token, ``[B, T]`` long: its position in its own prompt
+        (:attr:`prompt_valid`), padding at 0, as the engine's ``position_ids``."""
+        valid = self.valid if self.prompt_valid is None else self.prompt_valid
+        return sample_positions(valid).clamp(min=0)
+
+    @property
+    def prompt_lengths(self) -> torch.Tensor:
+        """Prompt tokens per sample, ``[B]`` long (:attr:`prompt_valid`; the next token's position)."""
+        return (self.valid if self.prompt_valid is None else self.prompt_valid).sum(-1)
 
     @property
     def candidates(self) -> torch.Tensor:
@@ -231,6 +257,21 @@ class LayerContext:
                 "queries, or set model.prefill_chunk to null."
             )
         return self.queries[:, :, held - count :]
+
+    def queries_before_rotation(self) -> torch.Tensor:
+        """The held queries before the rotary embedding, ``[B, H, Tq, D]`` fp32 (positions as
+        :attr:`queries`), memoised.
+
+        Each query is rotated back at the position the model gave it (:meth:`model_positions`)
+        by :meth:`~kvlab.models.facts.LayerFacts.queries_before_rotation`;
+        needs the model fact ``queries_before_rotation`` declared (``Capabilities(model_facts=...)``).
+        """
+        if "queries_before_rotation" not in self._memo:
+            positions = self.model_positions()[:, self.query_start :]
+            self._memo["queries_before_rotation"] = self.facts.queries_before_rotation(
+                self.queries, positions
+            )
+        return self._memo["queries_before_rotation"]
 
     def window_attention(self, window: int) -> torch.Tensor:
         """Attention probabilities of the last ``window`` queries over all keys, ``[B, H, W, T]`` fp32.

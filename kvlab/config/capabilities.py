@@ -6,6 +6,12 @@ sets ``capabilities`` with the kind's default; a component that differs declares
 ``capabilities = Capabilities(...)`` on its class. The pipeline reads them in one walk over its
 components (:meth:`kvlab.pipeline.spec.Pipeline.walk`), and ``kvlab list`` prints them
 (:meth:`kvlab.config.registry.Registry.describe`).
+
+Model facts (:data:`MODEL_FACTS`) are what a component may read of the model beyond one layer's
+keys, values and queries: the rotary embedding at any position, the queries before rotation, the
+layer's projection weights. A component names the ones it reads in ``Capabilities(model_facts=...)``;
+the engine provides only those (``LayerContext.facts``), and a model that cannot provide one is
+refused before it runs (:mod:`kvlab.models.facts`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
+
+#: A model fact a component may declare in ``Capabilities(model_facts=...)``.
+ModelFact = Literal["rotary", "queries_before_rotation", "projections", "hidden_states"]
+
+#: What each model fact is (the sentence refusals and ``kvlab list`` use).
+MODEL_FACTS: dict[str, str] = {
+    "rotary": "the layer's rotary embedding at any position (cos, sin)",
+    "queries_before_rotation": "the layer's queries before the rotary embedding",
+    "projections": "the layer's q/k/v/o projection weights",
+    "hidden_states": "the layer's attention input (the normed hidden states of every prompt position)",
+}
+assert set(MODEL_FACTS) == set(get_args(ModelFact))
 
 
 @dataclass(frozen=True)
@@ -32,16 +50,35 @@ class Capabilities:
             pipeline runs on every layer under ``schedule: global`` before any is compressed.
         decode_attention: a decode policy that reads each decode step's attention probabilities
             (the engine then has the attention function record them, ``run.take_decode_attention()``).
+        model_facts: the model facts the component reads (names of :data:`MODEL_FACTS`), sorted:
+            the engine provides them in ``LayerContext.facts`` only when a component declares them,
+            and refuses a model that cannot provide one before it runs. ``hidden_states`` covers
+            every prompt position, so a component reading it declares ``chunked_prefill=False``.
     """
 
     chunked_prefill: bool = True
     needs_all_layers: bool = False
     observes_layers: bool = False
     decode_attention: bool = False
+    model_facts: tuple[ModelFact, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [fact for fact in self.model_facts if fact not in MODEL_FACTS]
+        if unknown:
+            raise ValueError(f"unknown model facts {unknown}; known: {', '.join(MODEL_FACTS)}")
+        object.__setattr__(self, "model_facts", tuple(sorted(set(self.model_facts))))
+        if "hidden_states" in self.model_facts and self.chunked_prefill:
+            raise ValueError(
+                "a component reading the model fact hidden_states reads every prompt position's, which a "
+                "chunked prefill does not keep: declare chunked_prefill=False"
+            )
 
     def describe(self) -> str:
-        """The capabilities that hold, e.g. ``chunked_prefill, decode_attention`` (``none``)."""
-        held = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
+        """The capabilities that hold, e.g. ``chunked_prefill, decode_attention`` (``none``); model
+        facts as ``model_facts=rotary+queries_before_rotation``."""
+        held = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is True]
+        if self.model_facts:
+            held.append("model_facts=" + "+".join(self.model_facts))
         return ", ".join(held) or "none"
 
 

@@ -47,3 +47,7 @@ PREFIXKV = (
     'Wang et al. 2024, "PrefixKV: Adaptive Prefix KV Cache is What Vision Instruction-Following Models '
     'Need for Efficient Generation"'
 )
+EXPECTED_ATTENTION = (
+    'Devoto et al. 2025, "Expected Attention: KV Cache Compression by Estimating Attention from Future '
+    'Queries Distribution"'
+)

@@ -111,7 +111,7 @@ class DecodeTime(Protocol):
         as a left-padded prompt per sample, which is exact when every head of a sample holds
         the same number of entries (uniform head allocation) and the scorers need no query older
         than the recent window (the ``chunked_prefill`` scorers). Modality allocators, routes,
-        merging selectors and evicting decode policies are refused.
+        merging selectors, evicting decode policies and components reading model facts are refused.
         """
         where = f"{WHERE} = decode_time"
         if not pipeline.compresses or pipeline.budget is None:
@@ -149,6 +149,15 @@ class DecodeTime(Protocol):
                     f"{where}: model.compression.{slot} = {name} is not supported ({why}); use `{allowed}` "
                     f"there, or `model.protocol: query_aware`."
                 )
+        readers = pipeline.capabilities.model_facts
+        if readers:
+            fact, who = next(iter(readers.items()))
+            raise ConfigError(
+                f"{where}: {who} reads the model fact '{fact}', which decode-time compression does not "
+                "provide (it scores the cache's entries, kept prompt and generated tokens alike, without the "
+                "positions and inputs the prefill had). Use `model.protocol: query_aware`, or a component "
+                "reading no model facts."
+            )
         observers = []
         for role, scorer in [*pipeline.importance.items(), *pipeline.diversity.items()]:
             kind = "importance" if role in pipeline.importance else "diversity"

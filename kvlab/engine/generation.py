@@ -17,6 +17,7 @@ positions for the whole sequence (given a mask) or ignore left padding (without 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,7 @@ from kvlab.engine.prefill_plan import (
 from kvlab.engine.schedule import check_prefill_done
 from kvlab.engine.session import CompressionSession, compression_session
 from kvlab.models.base import LoadedModel
+from kvlab.models.facts import ModelFacts
 from kvlab.models.placement import input_device
 from kvlab.pipeline import LayerReport, Pipeline
 
@@ -199,10 +201,14 @@ def prefill(
 
     Raises:
         ConfigError: a ``prefill_chunk`` the pipeline refuses
-            (:func:`~kvlab.engine.prefill_plan.check_prefill_chunk`), or any with a vision-language model.
+            (:func:`~kvlab.engine.prefill_plan.check_prefill_chunk`), or any with a vision-language
+            model; a model fact a component declares that the model cannot provide
+            (:meth:`~kvlab.models.facts.ModelFacts.of`), before the forward.
     """
     model, info = loaded.model, loaded.info
     pipeline.bind_model(info.name)
+    readers = pipeline.capabilities.model_facts  # only what a component declared is collected
+    facts = ModelFacts.of(model, info.name, readers, info.head_dim) if readers else None
     if prefill_chunk is not None:
         check_prefill_chunk(pipeline, prefill_chunk)
         if info.vision_language:
@@ -231,9 +237,11 @@ def prefill(
         if pipeline.schedule == "global"
         else None,
         block_elements=block_elements,
+        facts=facts,
     )
     positions = sample_positions(valid).clamp(min=0)  # [B, T]; padding gets 0, as in transformers
-    with compression_session(session):
+    capturing = facts.capturing() if facts is not None else contextlib.nullcontext()
+    with compression_session(session), capturing:
         start = time.perf_counter()
         if chunk is None:
             out = model(

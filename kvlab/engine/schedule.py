@@ -45,6 +45,7 @@ def layer_context(
         run=session.run,
         sliding_window=sliding_window,
         image_blocks=session.run.image_blocks_on(key.device),
+        facts=session.layer_facts(layer_idx),
         **blocks,
     )
 

@@ -23,6 +23,7 @@ import torch
 from kvlab.cache.cache import CompressedCache
 from kvlab.cache.state import RunState
 from kvlab.compression.context import LayerContext
+from kvlab.models.facts import LayerFacts, ModelFacts
 from kvlab.pipeline import LayerReport, Pipeline
 
 _SESSION: contextvars.ContextVar[CompressionSession | None] = contextvars.ContextVar(
@@ -54,6 +55,8 @@ class CompressionSession:
             and the scorers' attention helpers hold at once; None: their defaults
             (:data:`~kvlab.engine.prefill_attention.PREFILL_BLOCK_ELEMENTS`,
             :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`, 64 MiB of fp32 each).
+        facts: the model facts the pipeline's components declared (:class:`~kvlab.models.facts.ModelFacts`),
+            None when none declares one.
     """
 
     run: RunState
@@ -65,6 +68,7 @@ class CompressionSession:
     global_queries: int | None = None
     pending: dict[int, tuple[LayerContext, float]] = field(default_factory=dict, repr=False)
     block_elements: int | None = None
+    facts: ModelFacts | None = None
     _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -76,6 +80,10 @@ class CompressionSession:
     def valid(self) -> torch.Tensor:
         """``[B, T]`` bool prompt padding mask (``run.valid``)."""
         return self.run.valid
+
+    def layer_facts(self, layer_idx: int) -> LayerFacts:
+        """The declared model facts of layer ``layer_idx`` (an empty view when none is declared)."""
+        return self.facts.layer(layer_idx) if self.facts is not None else LayerFacts()
 
     def hold_queries(self, layer_idx: int, query: torch.Tensor) -> None:
         """Keep the last :attr:`held_queries` queries of layer ``layer_idx`` seen so far (chunked

@@ -1,22 +1,35 @@
-"""A model's attention shape read from its config alone (no weights): what artefacts are checked against."""
+"""A model's config and attention shape read without weights: what artefacts and model facts are
+checked against before the model loads."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from kvlab.models import hub
 from kvlab.models.builtin import MODELS
 from kvlab.models.info import model_info
 
 
+def model_config(model: str) -> Any | None:
+    """The HF config of a built-in model or of a local directory, read without weights; None when
+    unknown (a Hub id is not fetched here) or unreadable (the model is reported when it loads)."""
+    try:
+        if model in MODELS:
+            return MODELS.get(model)().config()
+        if hub.local_dir(model) is not None:
+            return hub.load_config(model)
+    except Exception:  # the model itself is reported when it loads; what needs the config is checked again
+        return None
+    return None
+
+
 def model_shape(model: str) -> dict[str, int]:
     """``num_layers`` / ``num_heads`` / ``num_kv_heads`` of a built-in model or of a local directory's
     config, read without weights; empty when unknown (a Hub id is not fetched here)."""
+    config = model_config(model)
+    if config is None:
+        return {}
     try:
-        if model in MODELS:
-            config = MODELS.get(model)().config()
-        elif hub.local_dir(model) is not None:
-            config = hub.load_config(model)
-        else:
-            return {}
         info = model_info(config, model)
     except Exception:  # the model itself is reported when it loads; the shape is checked there again
         return {}

@@ -5,7 +5,8 @@ Every component declares its :class:`~kvlab.config.capabilities.Capabilities` on
 slots, the route rule and its parts, then every branch's), and :class:`PipelineCapabilities`
 summarises what the engine must know: which components compare layers (``schedule: global``),
 which cannot run after a chunked prefill, whether a component reads every prompt query after
-the scorers ran, whether the decode policy reads the decode attention.
+the scorers ran, whether the decode policy reads the decode attention, which model facts the
+components read (:mod:`kvlab.models.facts`).
 """
 
 from __future__ import annotations
@@ -43,12 +44,24 @@ class PipelineCapabilities:
             the scorers ran (e.g. the ``h2o`` decode policy's seed): ``schedule: global`` then keeps
             every query of a waiting layer.
         decode_attention: the decode policy reads each decode step's attention.
+        fact_readers: the parts that declare model facts (``model_facts``).
     """
 
     comparing_layers: tuple[Part, ...]
     unchunked: tuple[Part, ...]
     reads_all_queries: bool
     decode_attention: bool
+    fact_readers: tuple[Part, ...] = ()
+
+    @property
+    def model_facts(self) -> dict[str, str]:
+        """Each model fact a part reads -> the first such part, as ``<YAML field> (<name>)`` (the
+        engine provides exactly these facts; a model lacking one is refused naming that part)."""
+        readers: dict[str, str] = {}
+        for part in self.fact_readers:
+            for fact in part.component.capabilities.model_facts:
+                readers.setdefault(fact, f"{part.field} ({part.name})")
+        return readers
 
     @classmethod
     def of(cls, parts: list[Part]) -> PipelineCapabilities:
@@ -59,4 +72,5 @@ class PipelineCapabilities:
             unchunked=unchunked,
             reads_all_queries=any(p.kind == "slot" for p in unchunked),
             decode_attention=any(p.component.capabilities.decode_attention for p in parts),
+            fact_readers=tuple(p for p in parts if p.component.capabilities.model_facts),
         )

@@ -92,7 +92,8 @@ from kvlab.compression.selectors import SELECTORS, Selector
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import merge
 from kvlab.config.registry import to_plain
-from kvlab.models.shape import model_shape
+from kvlab.models.facts import check_config_facts
+from kvlab.models.shape import model_config, model_shape
 from kvlab.pipeline.capabilities import Part, PipelineCapabilities
 from kvlab.pipeline.execution import LayerExecution
 from kvlab.pipeline.routed import RoutedExecution
@@ -253,10 +254,17 @@ class Pipeline(LayerExecution, RoutedExecution):
     def bind_model(self, model: str) -> None:
         """Tell components that load per-model artefacts which model runs; fails fast on a mismatch.
 
-        Called before the model loads (``KVLabModule``) and again by ``generate`` (idempotent).
+        Also refuses a model whose config cannot provide a model fact a component reads
+        (:func:`~kvlab.models.facts.check_config_facts`; a model whose config is not readable
+        here is checked when it loads, before the prefill). Called before the model loads
+        (``KVLabModule``) and again by ``generate`` (idempotent).
         """
         if getattr(self, "_bound_model", None) == model:
             return
+        readers = self.capabilities.model_facts
+        config = model_config(model) if readers else None
+        if config is not None:
+            check_config_facts(config, model, readers)
         shape = model_shape(model)  # read from the model's config, no weights; {} when unknown
         for part in self.walk():
             part.component.bind_model(model, shape)

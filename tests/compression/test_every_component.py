@@ -59,6 +59,7 @@ NEEDS: dict[tuple[str, str], Any] = {
         "mixer": {"extrinsic": "attention", "intrinsic": ["value_norm"], "diversity": ["mean_key_diversity"]},
     },
     ("layer allocator", "prefix_threshold"): {"schedule": "global"},
+    ("importance scorer", "expected_attention"): {"model": TEXT_MODEL},  # Qwen2-VL's 3-D rotary: refused
     ("layer allocator", "prefix_calibrated"): {
         "budget": {"ratio": 0.5, "window": 1, "sinks": 1},  # as calibrated (its shipped artefact)
         "allocate": {"layer": {"interpolate": "linear"}},

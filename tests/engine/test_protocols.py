@@ -82,6 +82,12 @@ def test_protocol_nodes_and_config_errors():
         ({"name": "decode_time", "interval": 64, "ratio": 0.5}, "david", {}, "route"),
         (
             {"name": "decode_time", "interval": 64, "ratio": 0.5},
+            "expected_attention",
+            {},
+            r"importance.expected \(expected_attention\) reads the model fact 'queries_before_rotation'",
+        ),
+        (
+            {"name": "decode_time", "interval": 64, "ratio": 0.5},
             "knorm",
             {"importance": {"heavy": {"name": "cumulative_attention"}}, "mixer": {"name": "weighted_sum"}},
             "importance.heavy",
