@@ -38,7 +38,6 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
-
 @dataclass
 class CommandState:
     """What :func:`guarded` needs to know of the command in progress: the run directory it writes
