@@ -13,7 +13,12 @@ entry points when the command starts, a config's top-level ``imports:`` before i
 built (the key is kvlab's, removed before LightningCLI sees the config, and written back into the
 run's ``config.yaml``).
 
-Bad configuration exits with status 2 and a one-paragraph message, before any model loads.
+Every ``--model.*``, ``--data.*``, ``--trainer.*``, ``--run.*`` and ``--seed_everything`` option
+is merged by kvlab into one resolved config per run; only LightningCLI's flags (``--print_config``,
+``--help``) reach it directly. Each run's config is validated in one stage
+(:func:`check_run_config`, then the samples against the model's tokenizer in
+:meth:`KVLabCLI.before_predict`) before anything is written: bad configuration exits with status
+2 and a one-paragraph message, before any model loads and before the run directory is touched.
 """
 
 from __future__ import annotations
