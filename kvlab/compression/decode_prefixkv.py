@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.cache.state import RunState
-from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
+from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy, evict_rows_of_layers
 from kvlab.config import papers
 
 
@@ -125,10 +125,5 @@ class FixedIndexEvict(DecodePolicy):
             arrival = rows.order[..., : K + D]
             candidate = layer.slot_valid() & (arrival >= rows.index[..., None])
             victim = arrival.masked_fill(~candidate, torch.iinfo(torch.long).max).argmin(-1)
-            pending.append((layer, rows, victim, evict, layer.evict_flags(evict, rows.kept)))
-        if not pending:
-            return
-        device = pending[0][4].device
-        flags = torch.stack([f.to(device) for *_, f in pending]).tolist()  # the step's one host read
-        for (layer, rows, victim, evict, _), layer_flags in zip(pending, flags, strict=True):
-            layer.evict_rows(victim, evict, rows.kept, [rows.order], flags=layer_flags)
+            pending.append((layer, victim, evict, rows.kept, [rows.order]))
+        evict_rows_of_layers(pending)
