@@ -30,6 +30,12 @@ attention updates them (:meth:`ScoredEviction.update`), and, when it differs fro
 post-prefill size, each row's capacity (:meth:`ScoredEviction.capacity`). ``h2o`` accumulates
 (here); ``tova`` replaces the scores by the step's attention (:mod:`kvlab.compression.tova`).
 
+**What was evicted.** Under ``model.record_positions`` the engine asks the policy to record what
+it evicts (:meth:`DecodePolicy.record_evictions`, before the first step) and reads it back
+after decoding (:meth:`DecodePolicy.evicted_positions`: per step and layer, the position each
+(sample, KV head) evicted), so ``positions.jsonl`` holds the cache as it was at each sample's
+last token (:mod:`kvlab.engine.decode_positions`). ``none`` never evicts and records nothing.
+
 The cache only stores K/V: a policy keeps its per-entry bookkeeping itself, per batch, in the
 run state (a pipeline and its policy serve many batches). Other eviction rules, e.g. a victim
 picked by index or by age rather than by score, fit the same hooks (PrefixKV's fixed index,
@@ -54,6 +60,21 @@ from kvlab.config.capabilities import Capabilities, Component
 from kvlab.config.registry import Registry
 
 
+@dataclass
+class EvictionRecord:
+    """What a decode policy evicted, step by step (``model.record_positions``).
+
+    Attributes:
+        steps: one mapping per :meth:`DecodePolicy.after_step` call, in order: layer index ->
+            ``[B, Hkv]`` long, the position each (sample, KV head) evicted in that step, in the
+            padded batch's coordinates (a prompt token its index ``t < T``, the i-th decoded token
+            ``T + i``), -1 where the row evicted nothing. A layer that evicted nothing in a step may
+            be left out.
+    """
+
+    steps: list[dict[int, torch.Tensor]] = field(default_factory=list)
+
+
 class DecodePolicy(Component):
     """Base class: override :meth:`after_step` (and :meth:`on_compress` / :meth:`start` when needed).
 
@@ -74,6 +95,15 @@ class DecodePolicy(Component):
     def after_step(self, run: RunState, step: int) -> None:
         """Called after every decode step; ``run.cache`` holds the step's token."""
         raise NotImplementedError
+
+    def record_evictions(self, run: RunState) -> None:
+        """Record from now on what :meth:`after_step` evicts (``model.record_positions``; called after
+        the prefill, before :meth:`start`). A policy that never evicts has nothing to record."""
+        return None
+
+    def evicted_positions(self, run: RunState) -> EvictionRecord | None:
+        """What the policy evicted since :meth:`record_evictions` (None: it never evicts)."""
+        return None
 
 
 DECODE_POLICIES: Registry[DecodePolicy] = Registry("decode policy", "model.compression.decode")
@@ -196,10 +226,12 @@ class ScoredLayer:
 @dataclass
 class ScoredEvictionState:
     """A scored policy's state in one run: each layer's prefill seeds ``(scores, positions, budget)``
-    until :meth:`ScoredEviction.start` turns them into :class:`ScoredLayer` s."""
+    until :meth:`ScoredEviction.start` turns them into :class:`ScoredLayer` s; the eviction record
+    when asked for one."""
 
     seeds: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     layers: dict[int, ScoredLayer] = field(default_factory=dict)
+    record: EvictionRecord | None = None
 
 
 @dataclass
@@ -303,9 +335,16 @@ class ScoredEviction(DecodePolicy):
         """The batch's :class:`ScoredEntries` per layer index (after :meth:`start`)."""
         return {layer_idx: scored.entries for layer_idx, scored in self.state(run).layers.items()}
 
+    def record_evictions(self, run: RunState) -> None:
+        self.state(run).record = EvictionRecord()
+
+    def evicted_positions(self, run: RunState) -> EvictionRecord | None:
+        return self.state(run).record
+
     def after_step(self, run: RunState, step: int) -> None:
         state = self.state(run)
         attention = run.take_decode_attention()  # by layer: [B, Hkv, G, 1, slots]
+        evicted: dict[int, torch.Tensor] = {}
         pending = []
         for layer_idx, layer in enumerate(run.cache.layers):
             scored = state.layers[layer_idx]
@@ -313,13 +352,19 @@ class ScoredEviction(DecodePolicy):
             slots = tracked.arrive(layer)
             self.update(tracked, attention[layer_idx], layer)
             victim = tracked.lowest(layer, self.recent)
+            if state.record is not None:  # the victim's position, read before it is overwritten
+                evicted[layer_idx] = tracked.positions.gather(-1, victim[..., None])[..., 0]
             if step >= scored.growth:  # every row is at capacity: one entry out of every row
                 layer.evict_one(victim)
                 tracked.evict(victim, slots - 1)
                 continue
             rows = layer.slot_valid().sum(-1) > scored.capacity  # [B, Hkv]
+            if state.record is not None:
+                evicted[layer_idx] = torch.where(rows, evicted[layer_idx], -1)
             pending.append((layer, victim, rows, scored.physical, (tracked.scores, tracked.positions)))
         evict_rows_of_layers(pending)
+        if state.record is not None:
+            state.record.steps.append(evicted)
 
 
 @DECODE_POLICIES.register("h2o")
