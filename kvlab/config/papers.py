@@ -47,3 +47,4 @@ PREFIXKV = (
     'Wang et al. 2024, "PrefixKV: Adaptive Prefix KV Cache is What Vision Instruction-Following Models '
     'Need for Efficient Generation"'
 )
+TOVA = 'Oren et al. 2024, "Transformers are Multi-State RNNs" (TOVA, arXiv 2401.06104)'
