@@ -468,8 +468,14 @@ def _held(layer, seen, b, h, pad, T, length):
     [
         {"budget": {"tokens": 24, "window": 4}, "decode": {"name": "h2o"}},
         {"budget": {"ratio": 0.4, "window": 4}, "decode": {"name": "fixed_index_evict", "distance": 3}},
+        # the 82-token sample is kept whole and grows to 84 entries first (rows evicting apart)
+        {
+            "budget": {"tokens": 84, "window": 0},
+            "importance": {"attention": {"name": "tova"}},
+            "decode": {"name": "tova"},
+        },
     ],
-    ids=["h2o", "fixed_index_evict"],
+    ids=["h2o", "fixed_index_evict", "tova"],
 )
 def test_decode_policy_evictions_are_in_the_final_positions(compression, monkeypatch):
     """A padded batch whose samples stop at different steps: each sample's recorded final set is what
@@ -488,8 +494,9 @@ def test_decode_policy_evictions_are_in_the_final_positions(compression, monkeyp
     batch = loaded.processor.collate(samples)
     valid = batch["attention_mask"].bool()
     T, lengths = valid.shape[1], valid.sum(-1).tolist()
+    assert lengths == [215, 82]
     scorer = {"attention": {"name": "window_attention"}}
-    pipeline = Pipeline.from_config({**compression, "importance": scorer})
+    pipeline = Pipeline.from_config({"importance": scorer, **compression})
     given: dict[int, list] = {}  # id(layer) -> [(first position, keys [B, Hkv, q, D])]
     update = CompressedLayer.update
 
