@@ -223,13 +223,17 @@ class ScoredLayer:
     growth: int
 
 
+#: one layer's prefill seed: ``(scores [B, Hkv, K'], positions [B, Hkv, K'], budget [B], lengths [B])``
+Seed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class ScoredEvictionState:
-    """A scored policy's state in one run: each layer's prefill seeds ``(scores, positions, budget)``
-    until :meth:`ScoredEviction.start` turns them into :class:`ScoredLayer` s; the eviction record
-    when asked for one."""
+    """A scored policy's state in one run: each layer's prefill seeds ``(scores [B, Hkv, K'],
+    positions [B, Hkv, K'], budget [B], lengths [B])`` until :meth:`ScoredEviction.start` turns them
+    into :class:`ScoredLayer` s; the eviction record when asked for one."""
 
-    seeds: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    seeds: dict[int, Seed] = field(default_factory=dict)
     layers: dict[int, ScoredLayer] = field(default_factory=dict)
     record: EvictionRecord | None = None
 
