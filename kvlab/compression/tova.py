@@ -5,8 +5,11 @@ The paper reads a decoder as a multi-state RNN whose state is the KV cache, and 
 state to a fixed size (Sec. 3, the TOVA policy, Fig. 2): at each decoding step it takes the
 softmax-normalised attention of the current query to every token in the state, the current
 token included, and drops the token with the lowest score, one per step. The score is taken per
-layer, averaged over its heads, so the heads of a layer keep the same tokens (kvpress'
-``TOVAPress``, reviewed by one of the paper's authors, averages over heads the same way). kvlab
+layer, averaged over its heads, so the heads of a layer keep the same tokens. The paper's release
+(``schwartz-lab-NLP/TOVA``, ``src/tova_cache.py``, ``TOVACache.reduce``) applies it after every
+forward, the prompt's included: a layer holding more than ``cache_size`` keys keeps the
+``cache_size`` with the highest last-query attention averaged over all query heads, the same
+indices for every KV head; a shorter prompt is kept and the cache grows to ``cache_size``. kvlab
 splits it in its two places:
 
 - the prompt, compressed at prefill: the ``tova`` importance scorer scores each prompt token by
@@ -20,8 +23,8 @@ splits it in its two places:
   its size).
 
 Choices where kvpress' ``TOVAPress`` (0.5.x) and the paper differ, resolved for the paper
-(``docs/methods/tova.md``): kvpress gives the last prompt token the highest score so it is never
-pruned; the paper lets it compete, so the preset protects nothing (``budget.window: 0``) and the
+(``docs/methods/tova.md``): kvpress gives the last prompt token more than the highest score so it
+is never pruned; the paper lets it compete, so the preset protects nothing (``budget.window: 0``) and the
 last token keeps or loses its place by its own attention weight. kvpress compresses once, at
 prefill, to a ratio of the prompt (``compression_ratio``) and appends every decoded token; the
 paper drops one token per step at a fixed size, as the decode policy does. A prompt shorter than
