@@ -1,7 +1,8 @@
 """TOVA (Oren et al. 2024): the prefill scorer against the formula on lists (fp64), the decode policy
 against a naive list simulation of the paper's policy (a prompt kept whole growing to its budget,
 ragged heads, a padded batch), and the preset end to end: a budget holding the prompt and every
-generated token is the full cache; a chunked prefill keeps the same positions."""
+generated token is the full cache; a chunked prefill keeps the same positions; on a tiny model each
+layer's prefill keeps the naive top of the score on the queries and keys it saw."""
 
 import torch
 from naive.context import LENGTHS, make_ctx, sample_lists
@@ -119,3 +120,28 @@ def test_tova_keeps_the_same_positions_after_a_chunked_prefill():
     for a, b in zip(whole.reports, chunked.reports, strict=True):
         assert torch.equal(a.selection.indices, b.selection.indices)
         assert torch.equal(a.selection.counts, b.selection.counts)
+
+
+def test_tova_on_a_tiny_model_keeps_the_top_of_the_last_querys_head_mean():
+    """Every layer of a prefill keeps the ``budget`` positions of highest naive TOVA score on the
+    queries and keys the layer saw (nothing protected: the last token competes too), the same for
+    every KV head, as the paper's ``TOVACache.reduce`` does with the prompt."""
+    loaded = kvlab_model("tiny-qwen2")
+    budget = 24
+    pipeline = budgeted_pipeline("tova", tokens=budget)
+    seen = []
+    compress = pipeline.compress
+
+    def spy(ctx, record_scores=False):
+        seen.append((ctx.queries[0].double().tolist(), ctx.keys[0].double().tolist(), ctx.scaling))
+        return compress(ctx, record_scores=record_scores)
+
+    pipeline.compress = spy
+    result = e2e.run(loaded, pipeline, retrieval_samples(1, 30), 1)
+    n = int(result.prompt_lengths[0])
+    assert n > budget and len(seen) == len(result.reports)
+    for report, (q, k, scaling) in zip(result.reports, seen, strict=True):
+        scores = naive_tova_scores(q, k, scaling)
+        want = sorted(sorted(range(n), key=lambda t: (-scores[t], t))[:budget])
+        for h in range(len(k)):
+            assert report.selection.kept_positions(0, h) == want
