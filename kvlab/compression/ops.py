@@ -1,6 +1,7 @@
-"""Small tensor operations shared by scorers: GQA reduction and 1-D pooling over tokens.
+"""Small tensor operations shared by scorers: GQA reduction, the layer-wide head mean and 1-D pooling
+over tokens.
 
-Both reduce, so both compute in fp32 whatever the scores' dtype: a 16-bit mean or pooled sum
+All reduce, so all compute in fp32 whatever the scores' dtype: a 16-bit mean or pooled sum
 rounds near-equal scores to ties, and a tie decides by position which token is kept.
 """
 
@@ -27,6 +28,14 @@ def reduce_groups(scores: torch.Tensor, num_kv_heads: int, how: GqaReduce = "mea
     if how == "max":
         return grouped.amax(2)
     return grouped.sum(2)
+
+
+def layer_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Mean over every query head of the layer, ``[B, H, T]`` -> ``[B, Hkv, T]`` fp32, the same row for
+    each KV head (methods that keep one token set per layer: TOVA; not a reduction within a GQA
+    group, which :func:`reduce_groups` does)."""
+    shared = scores.float().mean(1, keepdim=True)  # [B, 1, T]
+    return shared.expand(-1, num_kv_heads, -1).contiguous()
 
 
 def pool_tokens(scores: torch.Tensor, pool: Pool, kernel: int) -> torch.Tensor:

@@ -51,3 +51,4 @@ EXPECTED_ATTENTION = (
     'Devoto et al. 2025, "Expected Attention: KV Cache Compression by Estimating Attention from Future '
     'Queries Distribution"'
 )
+TOVA = 'Oren et al. 2024, "Transformers are Multi-State RNNs" (TOVA, arXiv 2401.06104)'

@@ -1,4 +1,5 @@
-"""The positions decode-time compression removes and keeps (``model.record_positions`` under ``decode_time``).
+"""The positions removed and kept during generation (``model.record_positions``): ``decode_time``'s
+compressions and a decode policy's per-step evictions.
 
 :class:`EvictionLog` follows every layer's entries through the compressions of one batch's
 :class:`~kvlab.engine.decode_time.DecodeTimeCompressor`: it holds, for each slot of each layer's
@@ -12,6 +13,11 @@ positions only for sliding-window layers, which the tests use as an independent 
 
 Per sample (:meth:`EvictionLog.samples`) it gives what each compression that preceded the
 sample's last token removed, and what the sample's cache held when its last token was chosen.
+A decode policy that evicts during generation (``h2o``, ``tova``, ``fixed_index_evict``) records
+the position it evicts from each (sample, KV head) at every step
+(:class:`~kvlab.compression.decode.EvictionRecord`); :meth:`EvictionLog.policy_samples` turns that
+into the same per-sample record: the positions held when the last token was chosen (the evictions
+themselves, one per step, are not listed).
 Shapes: B samples, L layers, Hkv KV heads, K prompt slots, n positions of one sample.
 """
 
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.compression.decode import EvictionRecord
 from kvlab.pipeline import LayerReport
 
 
@@ -63,18 +70,21 @@ class EvictionLog:
         reports: the prefill's layer reports, each with its ``selection`` in the batch's padded
             prompt coordinates (the layer's prompt slots, in ascending position order).
         valid: ``[B, T]`` bool, the prompt padding mask of the prefill.
+        merged: accept selections that merged evicted entries into kept ones (a decode policy's
+            evictions name the kept token's position; ``decode_time`` refuses merging).
     """
 
-    def __init__(self, reports: Sequence[LayerReport], valid: torch.Tensor):
+    def __init__(self, reports: Sequence[LayerReport], valid: torch.Tensor, merged: bool = False):
         valid = valid.bool().cpu()
         B, T = valid.shape
         #: ``[B]`` long, each sample's prompt length
         self.prompt_lengths = valid.sum(-1)
+        self._padded = T
         pad = (T - self.prompt_lengths)[:, None, None]
         self._slots: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, K] long, -1 on an empty slot
         for report in reports:
             selection = report.selection
-            if selection is None or selection.keys is not None:
+            if selection is None or (selection.keys is not None and not merged):
                 raise RuntimeError(
                     f"model.record_positions: layer {report.layer_idx} has no plain selection to follow "
                     "through decode-time compression"
@@ -131,6 +141,45 @@ class EvictionLog:
             final = self._mask(held, layers, b, length, held_step, last)
             out.append(DecodePositions(evictions, last, final))
         return out
+
+    def policy_samples(self, record: EvictionRecord, produced: Sequence[int]) -> list[DecodePositions]:
+        """Per sample, its :class:`DecodePositions` after a decode policy's per-step evictions.
+
+        ``record``: what the policy evicted at each step (positions in the padded batch's
+        coordinates, -1 for none); ``produced[b]``: the tokens sample ``b`` chose, its stop token
+        included. Its ``final`` is what it held when its last token was chosen: the prefill's kept
+        positions and its ``produced[b] - 1`` fed tokens, less what the policy evicted after each
+        fed token but the last (the eviction after the last fed token came after the last token
+        was computed, as :meth:`samples` leaves out a compression at that point). ``evictions``
+        is empty.
+        """
+        layers = sorted(self._slots)
+        T = self._padded
+        evicted = {layer: self._evicted(record, layer) for layer in layers}  # [steps, B, Hkv]
+        out = []
+        for b, count in enumerate(produced):
+            length, last = int(self.prompt_lengths[b]), max(int(count) - 1, 0)
+            final = self._mask(self._prefill, layers, b, length, 0, last)  # [L, Hkv, length + last]
+            for i, layer in enumerate(layers):
+                victims = evicted[layer][: max(last - 1, 0), b]  # [steps before the last fed token, Hkv]
+                heads = torch.arange(victims.shape[1]).expand_as(victims)
+                # in the sample's own coordinates: prompt t -> t - padding, generated T + i -> length + i
+                own = torch.where(victims < T, victims - (T - length), victims - T + length)
+                hit = victims >= 0
+                final[i, heads[hit], own[hit]] = False
+            out.append(DecodePositions([], last, final))
+        return out
+
+    def _evicted(self, record: EvictionRecord, layer: int) -> torch.Tensor:
+        """``[steps, B, Hkv]`` long on the host: the positions layer ``layer`` evicted at each step of
+        ``record`` (padded batch coordinates, -1 for none), read in one copy."""
+        B, Hkv = self._slots[layer].shape[:2]
+        steps = [step.get(layer) for step in record.steps]
+        device = next((v.device for v in steps if v is not None), torch.device("cpu"))
+        none = torch.full((B, Hkv), -1, dtype=torch.long, device=device)
+        if not steps:
+            return none.cpu()[None][:0]
+        return torch.stack([none if v is None else v.long().to(device) for v in steps]).cpu()
 
     @staticmethod
     def _mask(

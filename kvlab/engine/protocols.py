@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvlab.config.registry import Registry, to_plain
-from kvlab.engine.decode_positions import DecodePositions
+from kvlab.engine.decode_positions import DecodePositions, EvictionLog
 from kvlab.engine.generation import GenerationResult, decode, generation_result, prefill
 from kvlab.models.base import LoadedModel
 from kvlab.pipeline import Pipeline
@@ -62,8 +62,9 @@ class ProtocolResult:
             compressed the whole prompt.
         context_groups: ``multi_question``: the samples that shared one compressed context (the
             indices of each context's samples, in batch order); None otherwise.
-        decode_positions: ``decode_time`` run with ``record_positions``: per sample, the positions
-            each decode-time compression removed and those held at its last token
+        decode_positions: a run with ``record_positions`` whose cache changed during generation
+            (``decode_time``'s compressions, or a decode policy that evicts): per sample, the
+            positions each decode-time compression removed and those held at its last token
             (:class:`~kvlab.engine.decode_positions.DecodePositions`); None otherwise.
     """
 
@@ -106,8 +107,8 @@ class Protocol:
         ``max_new_tokens`` is the limit of samples without their own ``max_new_tokens``;
         ``teacher_tokens [B, S]`` feed these tokens instead of greedy choices (exactly S steps).
         ``record_positions``: also follow what happens to the kept positions after the prefill
-        (``decode_time``'s :attr:`ProtocolResult.decode_positions`; the prefill's own selections
-        are always in the layer reports).
+        (:attr:`ProtocolResult.decode_positions`: ``decode_time``'s compressions, a decode
+        policy's evictions; the prefill's own selections are always in the layer reports).
         """
         raise NotImplementedError
 
@@ -166,7 +167,16 @@ class QueryAware(Protocol):
             loaded, pipeline, batch, steps, record_scores=record_scores, prefill_chunk=prefill_chunk
         )
         uniform = bool((limits == steps).all())
+        policy = pipeline.decode_policy
+        if record_positions:  # before decoding starts: the policy records what it evicts
+            policy.record_evictions(state.session.run)
         decoded = decode(state, steps, return_logits, teacher_tokens, limits=None if uniform else limits)
         result = generation_result(state, decoded)
         result.tokens = cut_at_limits(result.tokens, limits, teacher_tokens)
-        return ProtocolResult(result, [{} for _ in result.tokens])
+        record = policy.evicted_positions(state.session.run) if record_positions else None
+        positions = None
+        if record is not None:  # the sample's tokens, its stop token included (as decode_time counts)
+            produced = [min(len(row) + 1, int(limits[b])) for b, row in enumerate(result.tokens)]
+            log = EvictionLog(state.session.reports, state.session.valid, merged=True)
+            positions = log.policy_samples(record, produced)
+        return ProtocolResult(result, [{} for _ in result.tokens], decode_positions=positions)

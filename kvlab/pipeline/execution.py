@@ -105,10 +105,10 @@ class LayerExecution:
             ctx = within_window(ctx)
             if self.sliding_layers == "window":
                 selection, report = self._keep_all(ctx)
-                self.decode_policy.on_compress(ctx, selection)
+                self.decode_policy.on_compress(ctx, selection, report.budget)
                 return selection, report
         selection, report = self._select(ctx, record_scores)
-        self.decode_policy.on_compress(ctx, selection)
+        self.decode_policy.on_compress(ctx, selection, report.budget)
         return selection, report
 
     def _keep_all(self, ctx: LayerContext) -> tuple[Selection, LayerReport]:

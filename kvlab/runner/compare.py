@@ -129,8 +129,8 @@ def positions_overlap(runs: list[Run]) -> list[list[str]]:
     of runs that recorded kept positions, whatever their protocols
     (:func:`kvlab.runner.positions.mean_jaccard`): the kept sets after the prefill, over the prompt
     positions both runs compressed (the context, when one compressed the context alone), and the
-    same at the end of generation (``decode_time``'s evictions included). A pair with nothing
-    comparable gets ``n/a`` and the reason."""
+    same at the end of generation (``decode_time``'s and evicting decode policies' evictions
+    included). A pair with nothing comparable gets ``n/a`` and the reason."""
     recorded = {r.method: read_positions(r.path) for r in runs if r.path is not None}
     recorded = {k: v for k, v in recorded.items() if v}
     names = sorted(recorded)

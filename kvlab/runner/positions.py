@@ -106,8 +106,10 @@ class KeptPositions:
         context_id: ``multi_question``: the sample's context.
         context_shared_by: ``multi_question``: the ids of every sample answered from the same
             compressed context (their rows hold the same mask).
-        evictions: ``decode_time``: what each compression before the sample's last token removed.
-        final: ``decode_time``: ``[L, H, T + final_step]``, the positions held at the last token.
+        evictions: ``decode_time``: what each compression before the sample's last token removed
+            (empty under a decode policy that evicts: one eviction per step is not listed).
+        final: ``decode_time`` or a decode policy that evicts: ``[L, H, T + final_step]``, the
+            positions held at the last token.
         final_step: generated tokens in the cache when the last token was chosen.
     """
 
@@ -152,9 +154,9 @@ class KeptPositions:
         return np.flatnonzero(self.mask()[layer, head]).tolist()
 
     def at_end(self) -> PackedMask:
-        """The prompt's kept mask at the end of generation, ``[L, H, Tc]``: the positions
-        ``decode_time`` held at the sample's last token, else the prefill's (decode policies'
-        evictions are not recorded)."""
+        """The prompt's kept mask at the end of generation, ``[L, H, Tc]``: the positions held at
+        the sample's last token after ``decode_time``'s compressions or a decode policy's
+        evictions, else the prefill's (nothing was evicted after it)."""
         if self.final is None:
             return self.context
         n = int(self.context_tokens)

@@ -11,7 +11,7 @@ from support.presets import retrieval_samples
 from kvlab.cache.cache import CompressedCache
 from kvlab.cache.selection import Selection
 from kvlab.cache.state import RunState
-from kvlab.compression.decode import DECODE_POLICIES, H2OEntries
+from kvlab.compression.decode import DECODE_POLICIES, ScoredEntries
 from kvlab.engine.attention import kvlab_attention
 from kvlab.engine.generation import decode, generate, prefill
 from kvlab.engine.session import CompressionSession, compression_session
@@ -73,11 +73,10 @@ def test_h2o_decode_matches_naive_simulation():
     layer.update(keys, values)
     layer.compress(Selection(indices=indices, counts=lengths))
     seeds = torch.rand(B, HKV, K, generator=gen)
-    mask = torch.arange(K) < lengths[..., None]
     policy = DECODE_POLICIES.build({"name": "h2o", "recent": 2})
     run = RunState(cache=cache, valid=torch.ones(B, T, dtype=torch.bool), modality=torch.zeros(B, T))
     session = CompressionSession(run, pipeline=None)
-    policy.seed(run, 0, seeds[mask], indices[mask])
+    policy.seed(run, 0, seeds, indices)  # the selection's layout: slot s is the s-th kept entry
     run.want_decode_attention(policy, policy.capabilities.decode_attention)  # as the engine's start_decoding
     policy.start(run)
     attention = torch.nn.Module()
@@ -163,7 +162,7 @@ def test_h2o_scores_live_in_the_policy_state_not_in_the_cache():
     for layer_idx, layer in enumerate(state.cache.layers):
         tensors = {name for name, value in vars(layer).items() if torch.is_tensor(value)}
         assert tensors <= STORAGE, f"the cache holds more than K/V and offsets: {tensors - STORAGE}"
-        assert isinstance(entries[layer_idx], H2OEntries)
+        assert isinstance(entries[layer_idx], ScoredEntries)
         assert entries[layer_idx].scores.shape[:2] == layer.lengths.shape
     assert not any(torch.is_tensor(value) for value in vars(state.cache).values())
 

@@ -445,6 +445,118 @@ def test_decode_time_positions_equal_the_cache_positions_of_sliding_layers(monke
 
 
 # ---------------------------------------------------------------------------------------------
+# decode policies that evict: the recorded final sets against the cache's own entries
+
+
+def _held(layer, seen, b, h, pad, T, length):
+    """The positions (sample ``b``'s own coordinates) of the entries the cache holds for (b, h), found
+    by matching each stored key to the one key the layer was given for that position."""
+    keys = torch.cat([layer.segment(b, h)[0], layer.decode_keys[b, h, : layer.decode_length]])
+    table = [
+        (p, given[b, h, i])
+        for start, given in seen
+        for i, p in enumerate(range(start, start + given.shape[2]))
+        if p >= pad
+    ]
+    held = []
+    for key in keys:
+        match = [p for p, ref in table if torch.equal(ref, key)]
+        assert len(match) == 1
+        held.append(match[0] - pad if match[0] < T else length + match[0] - T)
+    return sorted(held)
+
+
+@pytest.mark.parametrize(
+    "compression",
+    [
+        {"budget": {"tokens": 24, "window": 4}, "decode": {"name": "h2o"}},
+        {"budget": {"ratio": 0.4, "window": 4}, "decode": {"name": "fixed_index_evict", "distance": 3}},
+        # the 82-token sample is kept whole and grows to 84 entries first (rows evicting apart)
+        {
+            "budget": {"tokens": 84, "window": 0},
+            "importance": {"attention": {"name": "tova"}},
+            "decode": {"name": "tova"},
+        },
+    ],
+    ids=["h2o", "fixed_index_evict", "tova"],
+)
+def test_decode_policy_evictions_are_in_the_final_positions(compression, monkeypatch):
+    """A padded batch whose samples stop at different steps: each sample's recorded final set is what
+    the cache held (read from its stored keys) when its last token was computed; the cache after
+    generation is that set less the one eviction after the last fed token; prompt positions the
+    decode evicted are absent."""
+    from dataclasses import replace
+
+    from kvlab.cache.layer import CompressedLayer
+    from kvlab.compression.decode import DecodePolicy
+
+    loaded = e2e.kvlab_model("tiny-qwen2")
+    samples = SyntheticRetrieval(num_samples=2, context_words=40, seed=5).samples()
+    samples = [replace(samples[0], max_new_tokens=8), replace(samples[1], max_new_tokens=5)]
+    samples[1].prompt = samples[1].prompt[-150:]  # shorter: left padding in the batch
+    batch = loaded.processor.collate(samples)
+    valid = batch["attention_mask"].bool()
+    T, lengths = valid.shape[1], valid.sum(-1).tolist()
+    assert lengths == [215, 82]
+    scorer = {"attention": {"name": "window_attention"}}
+    pipeline = Pipeline.from_config({"importance": scorer, **compression})
+    given: dict[int, list] = {}  # id(layer) -> [(first position, keys [B, Hkv, q, D])]
+    update = CompressedLayer.update
+
+    def spy_update(layer, key_states, value_states, *args, **kwargs):
+        given.setdefault(id(layer), []).append((layer.cumulative_length, key_states.detach().clone()))
+        return update(layer, key_states, value_states, *args, **kwargs)
+
+    def held_now(cache):  # [b][layer][head] -> positions
+        return [
+            [
+                [_held(layer, given[id(layer)], b, h, T - lengths[b], T, lengths[b]) for h in range(2)]
+                for layer in cache.layers
+            ]
+            for b in range(2)
+        ]
+
+    before_step, caches = [], []  # what each step's forward read (the step's token in), by step
+    after_step = type(pipeline.decode_policy).after_step
+
+    def spy_step(policy, run, step):
+        before_step.append(held_now(run.cache))
+        caches.append(run.cache)
+        return after_step(policy, run, step)
+
+    monkeypatch.setattr(CompressedLayer, "update", spy_update)
+    monkeypatch.setattr(type(pipeline.decode_policy), "after_step", spy_step)
+    assert isinstance(pipeline.decode_policy, DecodePolicy)
+    out, kept = protocol_rows("query_aware", pipeline, samples, steps=8)
+    assert [len(t) for t in out.result.tokens] == [8, 5] and len(before_step) == 7
+    prefill = kept_masks(out.result.reports, batch["attention_mask"], out.result.prompt_lengths)
+    evicted_prompt = 0
+    for b, s in enumerate(samples):
+        row = kept[s.id]
+        last = len(out.result.tokens[b]) - 1
+        assert row.final_step == last and row.evictions == [] and row.final.tokens == lengths[b] + last
+        final = row.final.mask()
+        for layer in range(final.shape[0]):
+            for h in range(2):
+                want = before_step[last - 1][b][layer][h]  # the cache the last token was computed from
+                assert np.flatnonzero(final[layer, h]).tolist() == want
+                prompt_kept = set(np.flatnonzero(prefill[b][layer, h]).tolist())
+                gone = prompt_kept - set(want)
+                assert set(want) - set(range(lengths[b], lengths[b] + last)) <= prompt_kept
+                evicted_prompt += len(gone)
+        assert np.array_equal(row.at_end().mask(), final[..., : lengths[b]])
+    assert evicted_prompt > 0  # the decode evicted prompt positions, and they are absent
+    end = held_now(caches[-1])  # the cache after generation: the longest sample's last eviction in it
+    final = kept[samples[0].id].final.mask()
+    h2o = compression["decode"]["name"] == "h2o"  # evicts from every head at every step
+    for layer in range(final.shape[0]):
+        for h in range(2):
+            recorded = set(np.flatnonzero(final[layer, h]).tolist())
+            gone = recorded - set(end[0][layer][h])
+            assert set(end[0][layer][h]) <= recorded and (len(gone) == 1 if h2o else len(gone) <= 1)
+
+
+# ---------------------------------------------------------------------------------------------
 # end to end: every protocol's side file, and kvlab compare across protocols
 
 

@@ -52,7 +52,7 @@ READ_OPS = {
 READ_METHODS = ("tolist", "numpy", "cpu")
 #: decode policy -> host reads it needs per decode step, on top of greedy decoding's stop check
 #: (PrefixKV's rule reads every layer's eviction decisions once: the decode region's new length)
-POLICY_READS = {"none": 0, "h2o": 0, "fixed_index_evict": 1}
+POLICY_READS = {"none": 0, "h2o": 0, "tova": 1, "fixed_index_evict": 1}
 
 
 def _bool_index(indices) -> bool:
