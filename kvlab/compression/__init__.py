@@ -7,6 +7,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     diversity,
     hybridkv,
     importance,
+    lagkv,
     merge,
     mixers,
     modality,

@@ -47,3 +47,6 @@ PREFIXKV = (
     'Wang et al. 2024, "PrefixKV: Adaptive Prefix KV Cache is What Vision Instruction-Following Models '
     'Need for Efficient Generation"'
 )
+LAGKV = (
+    'Liang et al. 2025, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important"'
+)
