@@ -50,3 +50,4 @@ PREFIXKV = (
 LAGKV = (
     'Liang et al. 2025, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important"'
 )
+CURDKV = 'Sengupta et al. 2025, "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition"'

@@ -61,6 +61,20 @@ CASES: dict[str, Case] = {
         },
         27,
     ),
+    # CURPress with its defaults (kv_product, local windows of 16, no projection) and kv_avg; kvpress
+    # scores its 4 sinks 1.0 and has no recent window: budget.sinks 4, window 0
+    "cur": Case(
+        "CURPress",
+        {"num_sinks": 4},
+        {"budget": {"tokens": 20, "window": 0, "sinks": 4}, "importance": {"cur": {}}},
+        20,
+    ),
+    "cur_kv_avg": Case(
+        "CURPress",
+        {"num_sinks": 4, "leverage_type": "kv_avg"},
+        {"budget": {"tokens": 33, "window": 0, "sinks": 4}, "importance": {"cur": {"leverage": "kv_avg"}}},
+        33,
+    ),
 }
 
 
