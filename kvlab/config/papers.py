@@ -51,3 +51,7 @@ LAGKV = (
     'Liang et al. 2025, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important"'
 )
 CURDKV = 'Sengupta et al. 2025, "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition"'
+CHUNKKV = (
+    'Liu et al. 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM '
+    'Inference"'
+)

@@ -36,6 +36,8 @@ class Case:
     args: dict[str, Any]
     kvlab: dict[str, Any]
     kept: int
+    wraps: str | None = None  # the ScorerPress a wrapping press (ChunkKVPress) scores with
+    ratio: float | None = None  # the compression ratio, when it is not ``ratio_for(kept)``
 
 
 def ratio_for(kept: int) -> float:
@@ -74,6 +76,33 @@ CASES: dict[str, Case] = {
         {"num_sinks": 4, "leverage_type": "kv_avg"},
         {"budget": {"tokens": 33, "window": 0, "sinks": 4}, "importance": {"cur": {"leverage": "kv_avg"}}},
         33,
+    ),
+    # ChunkKVPress around KnormPress: 11 chunks of 5 (4 kept: ratio 1 - 4.5 / 11) or 5 of 11 (2 kept);
+    # kvpress sums the scores over the heads (every head keeps the same chunks) and keeps whole
+    # chunks only, so the budget is whole chunks, with no sinks or window
+    "chunkkv": Case(
+        "ChunkKVPress",
+        {"chunk_length": 5},
+        {
+            "budget": {"tokens": 20, "window": 0},
+            "importance": {"key_norm": {}},
+            "select": {"name": "chunkkv", "chunk": 5, "heads": "shared"},
+        },
+        20,
+        wraps="KnormPress",
+        ratio=1 - 4.5 / 11,
+    ),
+    "chunkkv_11": Case(
+        "ChunkKVPress",
+        {"chunk_length": 11},
+        {
+            "budget": {"tokens": 22, "window": 0},
+            "importance": {"key_norm": {}},
+            "select": {"name": "chunkkv", "chunk": 11, "heads": "shared"},
+        },
+        22,
+        wraps="KnormPress",
+        ratio=1 - 2.5 / 5,
     ),
 }
 
