@@ -8,7 +8,8 @@ import pytest
 import torch
 from naive.chunkkv import naive_chunkkv
 from naive.context import make_ctx, sample_ctx
-from support import kvpress_cases
+from support import e2e, kvpress_cases
+from support.presets import budgeted_compression, retrieval_samples
 
 from kvlab.cache.state import RunState
 from kvlab.compression.selectors import SELECTORS
@@ -98,3 +99,14 @@ def test_chunkkv_keeps_what_kvpress_keeps(case):
     """kvpress 0.5.5's ChunkKVPress around KnormPress on tiny-llama (tests/fixtures/kvpress/)."""
     want = kvpress_cases.recorded()["cases"][case]["kept"]
     assert kvpress_cases.kvlab_kept(kvpress_cases.CASES[case], kvpress_cases.prompt_states()) == want
+
+
+def test_chunkkv_reuse_through_the_model():
+    """The chunkkv preset with reuse_layers 1 on tiny-qwen2 (3 layers): layer 1 keeps layer 0's
+    positions, layer 2 selects anew."""
+    node = budgeted_compression("chunkkv", tokens=40)
+    node["select"]["reuse_layers"] = 1
+    result = e2e.run(e2e.kvlab_model("tiny-qwen2"), Pipeline.from_config(node), retrieval_samples(), 2)
+    first, second, third = (report.selection.indices for report in result.reports)
+    assert torch.equal(second, first)
+    assert not torch.equal(third, first)
