@@ -28,7 +28,9 @@ class ReusedScores:
     scores: torch.Tensor | None = None
 
 
-def chunk_keep(scores: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor, chunk: int, shared: bool):
+def chunk_keep(
+    scores: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor, chunk: int, shared: bool
+) -> torch.Tensor:
     """The kept tokens ``[B, Hkv, T]`` bool of ChunkKV's selection (see :class:`ChunkKVSelector`).
 
     Args:
