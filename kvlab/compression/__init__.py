@@ -2,12 +2,15 @@
 
 from kvlab.compression import (  # noqa: F401  (imported for their registrations)
     allocators,
+    chunkkv,
+    cur,
     decode,
     decode_prefixkv,
     diversity,
     expected_attention,
     hybridkv,
     importance,
+    lagkv,
     merge,
     mixers,
     modality,

@@ -52,3 +52,11 @@ EXPECTED_ATTENTION = (
     'Queries Distribution"'
 )
 TOVA = 'Oren et al. 2024, "Transformers are Multi-State RNNs" (TOVA, arXiv 2401.06104)'
+LAGKV = (
+    'Liang et al. 2025, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important"'
+)
+CURDKV = 'Sengupta et al. 2025, "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition"'
+CHUNKKV = (
+    'Liu et al. 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM '
+    'Inference"'
+)
