@@ -15,4 +15,5 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     retrieval,
     routing,
     selectors,
+    two_stage,
 )

@@ -201,7 +201,8 @@ class Pipeline(LayerExecution, RoutedExecution):
         return [*self.importance, *self.diversity]
 
     def _check_roles(self) -> None:
-        """The mixer's and the head allocator's roles exist; every scorer has a part in the mix."""
+        """The roles the mixer, the head allocator and the selector name exist; every scorer has a
+        part in the mix."""
         self.mixer.check_roles(list(self.importance), list(self.diversity), f"{WHERE}.mixer")
         signal = self.head_allocator.signal
         if signal != "mixed" and signal not in self.roles:
@@ -210,6 +211,14 @@ class Pipeline(LayerExecution, RoutedExecution):
                 f"({', '.join(self.roles) or 'no scorers'}).{did_you_mean(signal, self.roles)} Write "
                 "`signal: mixed` (the mixed score) or the key of the scorer to allocate from."
             )
+        for role in self.selector.scorer_roles():
+            if role not in self.roles:
+                roles = ", ".join(self.roles) or "no scorers"
+                raise ConfigError(
+                    f"{WHERE}.select ({self.selector.registry_name}) ranks by the role '{role}', which is "
+                    f"not a scorer's role ({roles}).{did_you_mean(role, self.roles)} Name the key of a "
+                    "scorer under model.compression.importance or .diversity."
+                )
 
     def walk(self, where: str = WHERE) -> list[Part]:
         """Every component with its YAML field: the scorers by role, the slots, the route rule and
