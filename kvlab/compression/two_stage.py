@@ -1,10 +1,10 @@
 """Two-stage selection: a share of each head's budget by one scorer's ranking, the rest by the final score.
 
 A method that trusts one signal for part of the budget and a refined one for the rest (CriticalKV,
-Feng et al. 2025, Sec. 4: the first stage keeps the highest-attention entries, the second ranks
-the remaining ones by the output-perturbation bound) cannot be written as one score: which
-entries the first stage takes depends on each head's count, known only after the head
-allocator. The ``two_stage`` selector does it after allocation, reading the first stage's scorer
+Feng et al. 2025, its two-stage selection algorithm: the first stage keeps the highest-attention
+entries, the second ranks the remaining ones by the output-perturbation bound) cannot be written
+as one score: which entries the first stage takes depends on each head's count, known only after
+the head allocator. The ``two_stage`` selector does it after allocation, reading the first stage's scorer
 by its role from :attr:`LayerContext.role_scores <kvlab.compression.context.LayerContext.role_scores>`.
 
 Shapes: B batch, Hkv KV heads, T padded prompt length.

@@ -51,3 +51,6 @@ EXPECTED_ATTENTION = (
     'Devoto et al. 2025, "Expected Attention: KV Cache Compression by Estimating Attention from Future '
     'Queries Distribution"'
 )
+CRITICALKV = (
+    'Feng et al. 2025, "Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective"'
+)

@@ -11,4 +11,5 @@ the papers' formulas (never from kvlab's code), and the random contexts they are
 - :mod:`naive.hybridkv`: HybridKV's text-centric sparsity, top-down budgets, text-prior keep.
 - :mod:`naive.retrieval`: chunk retrieval's choice of chunks by mean keys.
 - :mod:`naive.expected_attention`: Expected Attention's query statistics, future rotation and scores.
+- :mod:`naive.criticalkv`: CriticalKV's projected value norm and second-stage score.
 """
