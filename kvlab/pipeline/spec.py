@@ -28,7 +28,8 @@ namespace for both; the mixer and a head allocator's ``signal`` refer to scorers
 key set to ``null`` removes a scorer inherited from a preset. Lists are refused (their order
 used to decide roles). Settings have one source: the recent window is ``budget.window``; a
 component restating it (``window_attention.window``, ``ncar.window``, ``h2o.recent``) takes it
-from there and refuses a different value (``budget_settings`` on the component class).
+from there and refuses a different value (``budget_settings`` on the component class); a scorer
+restating a layer allocator's parameter takes it from the allocator (``layer_allocator_settings``).
 
 One layer's compression (:meth:`~kvlab.pipeline.execution.LayerExecution.compress`):
 
@@ -110,6 +111,7 @@ from kvlab.pipeline.validation import (
     check_sliding_layers,
     keyed_by_role,
     take_budget_settings,
+    take_layer_allocator_settings,
 )
 
 
@@ -191,6 +193,11 @@ class Pipeline(LayerExecution, RoutedExecution):
             schedule=schedule,
             sliding_layers=sliding_layers,
         )
+        for role, scorer in [*importance.items(), *diversity.items()]:
+            kind = "importance" if role in importance else "diversity"
+            take_layer_allocator_settings(
+                scorer, f"{WHERE}.{kind}.{role}", pipeline.layer_allocator, f"{WHERE}.allocate.layer"
+            )
         pipeline._check_roles()
         pipeline._check_schedule()
         return pipeline
