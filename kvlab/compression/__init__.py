@@ -7,6 +7,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     decode_prefixkv,
     diversity,
     expected_attention,
+    fastv,
     hybridkv,
     importance,
     merge,

@@ -54,3 +54,7 @@ EXPECTED_ATTENTION = (
 CRITICALKV = (
     'Feng et al. 2025, "Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective"'
 )
+FASTV = (
+    'Chen et al. 2024, "An Image is Worth 1/2 Tokens After Layer 2: Plug-and-Play Inference Acceleration '
+    'for Large Vision-Language Models"'
+)
