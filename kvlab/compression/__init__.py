@@ -3,11 +3,13 @@
 from kvlab.compression import (  # noqa: F401  (imported for their registrations)
     allocators,
     chunkkv,
+    criticalkv,
     cur,
     decode,
     decode_prefixkv,
     diversity,
     expected_attention,
+    fastv,
     hybridkv,
     importance,
     lagkv,
@@ -19,4 +21,5 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     routing,
     selectors,
     tova,
+    two_stage,
 )

@@ -88,6 +88,10 @@ class LayerContext:
         facts: the model facts the pipeline's components declared, for this layer
             (:class:`~kvlab.models.facts.LayerFacts`: rotary embedding, projection weights; set by
             the engine, empty when no component declares one).
+        role_scores: every scorer's score by role (``[B, Hkv, T]`` each, as the scorer returned it),
+            set by the pipeline once the layer is scored, before allocation and selection (a
+            selector ranking part of the budget by one scorer reads it: ``two_stage``); empty
+            before scoring and outside a pipeline.
     """
 
     layer_idx: int
@@ -110,6 +114,7 @@ class LayerContext:
     routes: Mapping[int, RouteDecision] = field(default_factory=dict)
     prompt_valid: torch.Tensor | None = None
     facts: LayerFacts = field(default_factory=LayerFacts)
+    role_scores: Mapping[str, torch.Tensor] = field(default_factory=dict)
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property

@@ -158,6 +158,37 @@ class WeightedSumMixer(Mixer):
         return total
 
 
+@MIXERS.register("product")
+@dataclass
+class ProductMixer(Mixer):
+    """``s = prod_r (s_r + offset_r)`` over every scorer's role r (importance then diversity).
+
+    ``offsets`` maps roles to the constant added to their score before the product (0 for a role
+    it does not name). A score weighted by a norm is this mix: CriticalKV's second stage
+    ``(a_t + epsilon) ||W_o v_t||_1`` is ``offsets: {attention: epsilon}`` over an ``attention``
+    and a ``projected_value_norm`` role (``docs/methods/criticalkv.md``). A single score with no
+    offset passes through unchanged.
+    """
+
+    offsets: dict[str, float] = field(default_factory=dict)
+
+    def check_roles(self, importance: Sequence[str], diversity: Sequence[str], where: str) -> None:
+        _unknown_roles(
+            list(self.offsets), [*importance, *diversity], f"{where}.offsets", "importance or diversity"
+        )
+        for role, offset in self.offsets.items():
+            if isinstance(offset, bool) or not isinstance(offset, int | float):
+                raise ConfigError(f"{where}.offsets.{role} must be a number, got {offset!r}.")
+
+    def mix(self, scores: Mapping[str, torch.Tensor], ctx: LayerContext) -> torch.Tensor:
+        total: torch.Tensor | None = None
+        for role, score in scores.items():
+            part = score.float() + float(self.offsets.get(role, 0.0))
+            total = part if total is None else total * part
+        assert total is not None, "a pipeline with a mixer has at least one scorer"
+        return total
+
+
 def head_redundancy(ctx: LayerContext) -> torch.Tensor:
     """MixKV's per-head key redundancy r̄ (Eq. 4 of the paper), ``[B, Hkv]`` fp32 in [0, 1].
 

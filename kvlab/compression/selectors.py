@@ -29,6 +29,12 @@ class Selector(Component):
         """
         raise NotImplementedError
 
+    def scorer_roles(self) -> tuple[str, ...]:
+        """The scorer roles this selector ranks by besides its ``scores`` (read from
+        :attr:`LayerContext.role_scores <kvlab.compression.context.LayerContext.role_scores>`); the
+        pipeline refuses a config where one is not a scorer's role. None by default."""
+        return ()
+
 
 SELECTORS: Registry[Selector] = Registry("selector", "model.compression.select")
 

@@ -88,8 +88,11 @@ class Component:
 
     ``budget_settings`` maps a parameter that restates a budget setting to that setting (e.g.
     ``{"window": "window"}``): the pipeline fills it from the budget when it is unset and refuses
-    a config where the two differ. ``capabilities``: see :class:`Capabilities`; a component whose
-    capabilities depend on its parameters sets them on the instance in ``__post_init__``.
+    a config where the two differ. ``layer_allocator_settings`` does the same for a parameter that
+    restates one of the layer allocator's (e.g. ``{"layer": "layer"}``: FastV's scorer ranks at the
+    layer before the first one its layer allocator compresses). ``capabilities``: see
+    :class:`Capabilities`; a component whose capabilities depend on its parameters sets them on
+    the instance in ``__post_init__``.
     ``paper``: the paper the component follows (a constant of :mod:`kvlab.config.papers`), None
     for kvlab's own plumbing (``topk``, ``uniform``).
     """
@@ -97,6 +100,7 @@ class Component:
     registry_name: str = ""
     paper: ClassVar[str | None] = None
     budget_settings: ClassVar[dict[str, str]] = {}
+    layer_allocator_settings: ClassVar[dict[str, str]] = {}
     capabilities: ClassVar[Capabilities] = Capabilities()
 
     def bind_model(self, model: str, shape: Mapping[str, int] | None = None) -> None:

@@ -134,6 +134,7 @@ class LayerExecution:
 
         protected = self._protect(ctx)  # [B, T]
         scores, mixed = self._score(ctx)  # by role, and mixed [B, Hkv, T]
+        ctx.role_scores = scores  # a selector may rank by one role (two_stage)
 
         candidates = (valid & ~protected)[:, None, :]
         candidate_scores = mixed.masked_fill(~candidates, float("-inf"))

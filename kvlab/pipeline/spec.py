@@ -28,7 +28,8 @@ namespace for both; the mixer and a head allocator's ``signal`` refer to scorers
 key set to ``null`` removes a scorer inherited from a preset. Lists are refused (their order
 used to decide roles). Settings have one source: the recent window is ``budget.window``; a
 component restating it (``window_attention.window``, ``ncar.window``, ``h2o.recent``) takes it
-from there and refuses a different value (``budget_settings`` on the component class).
+from there and refuses a different value (``budget_settings`` on the component class); a scorer
+restating a layer allocator's parameter takes it from the allocator (``layer_allocator_settings``).
 
 One layer's compression (:meth:`~kvlab.pipeline.execution.LayerExecution.compress`):
 
@@ -110,6 +111,7 @@ from kvlab.pipeline.validation import (
     check_sliding_layers,
     keyed_by_role,
     take_budget_settings,
+    take_layer_allocator_settings,
 )
 
 
@@ -191,6 +193,11 @@ class Pipeline(LayerExecution, RoutedExecution):
             schedule=schedule,
             sliding_layers=sliding_layers,
         )
+        for role, scorer in [*importance.items(), *diversity.items()]:
+            kind = "importance" if role in importance else "diversity"
+            take_layer_allocator_settings(
+                scorer, f"{WHERE}.{kind}.{role}", pipeline.layer_allocator, f"{WHERE}.allocate.layer"
+            )
         pipeline._check_roles()
         pipeline._check_schedule()
         return pipeline
@@ -201,7 +208,8 @@ class Pipeline(LayerExecution, RoutedExecution):
         return [*self.importance, *self.diversity]
 
     def _check_roles(self) -> None:
-        """The mixer's and the head allocator's roles exist; every scorer has a part in the mix."""
+        """The roles the mixer, the head allocator and the selector name exist; every scorer has a
+        part in the mix."""
         self.mixer.check_roles(list(self.importance), list(self.diversity), f"{WHERE}.mixer")
         signal = self.head_allocator.signal
         if signal != "mixed" and signal not in self.roles:
@@ -210,6 +218,14 @@ class Pipeline(LayerExecution, RoutedExecution):
                 f"({', '.join(self.roles) or 'no scorers'}).{did_you_mean(signal, self.roles)} Write "
                 "`signal: mixed` (the mixed score) or the key of the scorer to allocate from."
             )
+        for role in self.selector.scorer_roles():
+            if role not in self.roles:
+                roles = ", ".join(self.roles) or "no scorers"
+                raise ConfigError(
+                    f"{WHERE}.select ({self.selector.registry_name}) ranks by the role '{role}', which is "
+                    f"not a scorer's role ({roles}).{did_you_mean(role, self.roles)} Name the key of a "
+                    "scorer under model.compression.importance or .diversity."
+                )
 
     def walk(self, where: str = WHERE) -> list[Part]:
         """Every component with its YAML field: the scorers by role, the slots, the route rule and

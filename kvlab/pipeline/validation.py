@@ -115,6 +115,36 @@ def take_budget_settings(component: Any, where: str, budget: Budget | None) -> N
             )
 
 
+def take_layer_allocator_settings(component: Any, where: str, allocator: Any, allocator_where: str) -> None:
+    """Fill the parameters ``component`` restates from the layer allocator; refuse a value that differs.
+
+    ``component.layer_allocator_settings`` maps a parameter to a parameter of the layer allocator
+    (one source per setting, as :func:`take_budget_settings`). An unset (None) parameter takes the
+    allocator's value; a set one must equal it. An allocator without that parameter leaves a set
+    value alone and refuses an unset one (nothing says what it should be).
+    """
+    for param, setting in component.layer_allocator_settings.items():
+        own = getattr(component, param)
+        name = allocator.registry_name
+        if not hasattr(allocator, setting):
+            if own is None:
+                raise ConfigError(
+                    f"{where}.{param} restates {allocator_where}.{setting}, which the layer allocator "
+                    f"'{name}' does not have: use a layer allocator with `{setting}` (e.g. the one of "
+                    f"the component's method), or set {where}.{param}."
+                )
+            continue
+        value = getattr(allocator, setting)
+        if own is None:
+            setattr(component, param, value)
+        elif own != value:
+            raise ConfigError(
+                f"{where}.{param} = {own} differs from {allocator_where}.{setting} = {value}: the "
+                f"setting is made once, on the layer allocator ('{name}'), and {where.rsplit('.', 1)[-1]} "
+                f"reads it from there. Remove `{param}` from {where} (or make it equal)."
+            )
+
+
 def check_shared_budget(branch: dict[str, Any], where: str) -> None:
     """A per-head route's branch may not change the layer budget its heads share."""
     allocate = branch.get("allocate")

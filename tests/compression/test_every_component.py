@@ -60,6 +60,9 @@ NEEDS: dict[tuple[str, str], Any] = {
     },
     ("layer allocator", "prefix_threshold"): {"schedule": "global"},
     ("importance scorer", "expected_attention"): {"model": TEXT_MODEL},  # Qwen2-VL's 3-D rotary: refused
+    # FastV's K is its layer allocator's; K = 1 so that the two-layer tiny VLM evicts at all
+    ("importance scorer", "fastv_attention"): {"allocate": {"layer": {"name": "fastv", "layer": 1}}},
+    ("layer allocator", "fastv"): {"allocate": {"layer": {"layer": 1}}},
     ("layer allocator", "prefix_calibrated"): {
         "budget": {"ratio": 0.5, "window": 1, "sinks": 1},  # as calibrated (its shipped artefact)
         "allocate": {"layer": {"interpolate": "linear"}},

@@ -5,10 +5,12 @@ the papers' formulas (never from kvlab's code), and the random contexts they are
   batches, one sample as lists, building a component, comparing scores with lists.
 - :mod:`naive.attention`: list maths (dot, norm, softmax), attention of one query, SnapKV's
   window scores and H2O's accumulated attention with pooling and GQA reduction.
-- :mod:`naive.budgets`: the stable top-k rank, SnapKV's kept positions, PyramidKV's layer totals
-  (KVCache-Factory's and kvpress' formulas).
+- :mod:`naive.budgets`: the stable top-k rank, SnapKV's kept positions, a two-stage selection,
+  PyramidKV's layer totals (KVCache-Factory's and kvpress' formulas).
 - :mod:`naive.prefixkv`: PrefixKV's layer importance, global prefix sizes and decode rule.
 - :mod:`naive.hybridkv`: HybridKV's text-centric sparsity, top-down budgets, text-prior keep.
 - :mod:`naive.retrieval`: chunk retrieval's choice of chunks by mean keys.
 - :mod:`naive.expected_attention`: Expected Attention's query statistics, future rotation and scores.
+- :mod:`naive.criticalkv`: CriticalKV's projected value norm and second-stage score.
+- :mod:`naive.fastv`: FastV's received attention at layer K - 1 and the tokens kept from layer K on.
 """

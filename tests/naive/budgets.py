@@ -1,5 +1,5 @@
-"""Naive budgets and selection: the stable top-k rank, SnapKV's kept positions, and PyramidKV's
-layer totals as KVCache-Factory and kvpress compute them."""
+"""Naive budgets and selection: the stable top-k rank, SnapKV's kept positions, a two-stage
+selection, and PyramidKV's layer totals as KVCache-Factory and kvpress compute them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,19 @@ def naive_rank(scores: list[float], count: int) -> list[int]:
     """Stable top-``count``: highest first, ties to the lower index; returned ascending."""
     order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
     return sorted(order[:count])
+
+
+def naive_two_stage_keep(
+    first: list[float], final: list[float], fixed: list[int], count: int, share: float
+) -> list[int]:
+    """One head's kept positions: every ``fixed`` one, then of the other positions ``c`` (``final``
+    finite), ``floor(share * f)`` by ``first`` and the rest of ``f = count - len(fixed)`` by ``final``."""
+    free = count - len(fixed)
+    others = [t for t in range(len(final)) if t not in fixed and abs(final[t]) != float("inf")]
+    stage1 = [others[j] for j in naive_rank([first[t] for t in others], int(share * free))]
+    rest = [t for t in others if t not in stage1]
+    stage2 = [rest[j] for j in naive_rank([final[t] for t in rest], free - len(stage1))]
+    return sorted(fixed + stage1 + stage2)
 
 
 def naive_snapkv_keep(scores: list[float], n: int, window: int, budget: int) -> list[int]:

@@ -2,6 +2,7 @@
 and a per-sample budget that holds (or whose overshoot is recorded) on short prompts."""
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from kvlab.config.loader import resolve
 from kvlab.data.sample import Sample
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.pipeline import Pipeline
+from kvlab.pipeline.validation import take_layer_allocator_settings
 
 MIXKV = {
     "budget": {"tokens": 24, "window": 8},
@@ -282,3 +284,26 @@ def test_capabilities_are_declared_once_and_read_in_one_walk():
     online = Pipeline.from_config(resolve(["prefixkv_online"], [])["model"]["compression"])
     assert [p.name for p in online.capabilities.comparing_layers] == ["prefix_threshold"]
     assert online.needs_all_layers
+
+
+def test_a_setting_restated_from_the_layer_allocator_is_taken_and_a_different_one_refused():
+    """``layer_allocator_settings``: one source for a setting a scorer shares with the layer allocator."""
+
+    @dataclass
+    class Reader:  # a scorer restating the allocator's `beta` as its own `steps`
+        steps: int | None = None
+        layer_allocator_settings = {"steps": "beta"}
+
+    pyramid = LAYER_ALLOCATORS.build({"name": "pyramid", "beta": 7})
+    taken = Reader()
+    take_layer_allocator_settings(taken, "importance.r", pyramid, "allocate.layer")
+    assert taken.steps == 7
+    take_layer_allocator_settings(Reader(steps=7), "importance.r", pyramid, "allocate.layer")  # equal: fine
+    with pytest.raises(ConfigError, match=r"importance.r.steps = 5 differs from allocate.layer.beta = 7"):
+        take_layer_allocator_settings(Reader(steps=5), "importance.r", pyramid, "allocate.layer")
+    uniform = LAYER_ALLOCATORS.build({"name": "uniform"})
+    with pytest.raises(ConfigError, match=r"restates allocate.layer.beta, which the layer allocator 'un"):
+        take_layer_allocator_settings(Reader(), "importance.r", uniform, "allocate.layer")
+    explicit = Reader(steps=3)
+    take_layer_allocator_settings(explicit, "importance.r", uniform, "allocate.layer")
+    assert explicit.steps == 3

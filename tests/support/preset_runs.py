@@ -15,6 +15,7 @@ from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
 from kvlab.pipeline import Pipeline
 from support import e2e
 from support.paths import FIXTURES
+from support.presets import fit_layers
 
 RECORD = FIXTURES / "preset_selections.json"
 TEXT_MODELS = ("tiny-llama", "tiny-qwen2")
@@ -42,8 +43,9 @@ def preset_samples(vlm: bool) -> list:
 
 
 def preset_compression(name: str, model: str, visual_heads) -> dict:
-    """The preset's ``model.compression`` with a token budget lowered to :data:`TOKEN_BUDGET`
-    and SparseMM's artefact replaced by ``visual_heads(info)`` (a path)."""
+    """The preset's ``model.compression`` with a token budget lowered to :data:`TOKEN_BUDGET`,
+    SparseMM's artefact replaced by ``visual_heads(info)`` (a path) and a first compressed layer
+    (FastV's K) lowered to fit the tiny model (:func:`~support.presets.fit_layers`)."""
     node = resolve([name], [])["model"]["compression"]
     budget = node.get("budget") or {}
     if "tokens" in budget and budget.get("window", 0) < TOKEN_BUDGET:
@@ -51,7 +53,7 @@ def preset_compression(name: str, model: str, visual_heads) -> dict:
     head = (node.get("allocate") or {}).get("head") or {}
     if head.get("name") == "sparsemm":
         head["artefact"] = visual_heads(e2e.kvlab_model(model).info)
-    return node
+    return fit_layers(node, model)
 
 
 def preset_run(name: str, model: str, visual_heads) -> dict:

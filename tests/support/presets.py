@@ -17,15 +17,25 @@ def visual_heads_artefact(model: str) -> str:
     return synthetic_visual_heads(kvlab_model(model).info, tempfile.mkdtemp(prefix="kvlab-vh-"))
 
 
+def fit_layers(node: dict, model: str) -> dict:
+    """``node`` with a layer allocator's first compressed layer (``allocate.layer.layer``, FastV's K)
+    lowered to the model's last layer: the tiny models have two or three layers."""
+    layer = (node.get("allocate") or {}).get("layer") or {}
+    if "layer" in layer:
+        layer["layer"] = min(layer["layer"], kvlab_model(model).info.num_layers - 1)
+    return node
+
+
 def budgeted_compression(name: str, model: str = "tiny-qwen2", **budget) -> dict:
-    """The preset's compression node; ``budget`` fields are merged in (``tokens`` replaces a ratio)."""
+    """The preset's compression node; ``budget`` fields are merged in (``tokens`` replaces a ratio);
+    a first compressed layer is lowered to fit ``model`` (:func:`fit_layers`)."""
     node = resolve([name], [])["model"]["compression"]
     if budget:
         node["budget"] = merge(node["budget"], budget)
     head = node.get("allocate", {}).get("head", {})
     if head.get("name") == "sparsemm":
         head["artefact"] = visual_heads_artefact(model)
-    return node
+    return fit_layers(node, model)
 
 
 def budgeted_pipeline(name: str, model: str = "tiny-qwen2", **budget) -> Pipeline:
