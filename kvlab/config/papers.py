@@ -59,6 +59,7 @@ CURDKV = 'Sengupta et al. 2025, "Value-Guided KV Compression for LLMs via Approx
 CHUNKKV = (
     'Liu et al. 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM '
     'Inference"'
+)
 CRITICALKV = (
     'Feng et al. 2025, "Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective"'
 )
