@@ -51,3 +51,8 @@ EXPECTED_ATTENTION = (
     'Devoto et al. 2025, "Expected Attention: KV Cache Compression by Estimating Attention from Future '
     'Queries Distribution"'
 )
+KIVI = 'Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"'
+TURBOQUANT = (
+    'Zandieh et al. 2025, "TurboQuant: Online Vector Quantization with Near-optimal Distortion Rate" '
+    "(arXiv 2504.19874)"
+)
