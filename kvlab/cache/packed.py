@@ -203,6 +203,7 @@ def packed_decode_attention(
     decode_length: int,
     scaling: float,
     max_prompt_length: int | None = None,
+    chunk: int = CHUNK_SEGMENTS,
     **options: Any,
 ) -> torch.Tensor:
     """Attention of ``query [B, H, q, D]`` over a quantized layer -> ``[B, H, q, D]`` (query dtype).
@@ -210,7 +211,7 @@ def packed_decode_attention(
     Arguments as :func:`kvlab.kernels.decode_attention.ragged_decode_attention`, the flat prompt
     buffers replaced by ``packed`` (``starts / lengths``: the layer's logical segments; ``options``:
     the keyword arguments of ``ragged_decode_attention``). A plain call on CPU (no attention
-    variant) attends each body run in chunks of at most :data:`CHUNK_SEGMENTS` segments
+    variant) attends each body run in chunks of at most ``chunk`` segments
     dequantized into the cache dtype, the residual runs in place and the decode entries, merged by
     log-sum-exp (:func:`_merge`); any other call attends :meth:`PackedPrompt.dense` through
     ``ragged_decode_attention``.
@@ -233,8 +234,8 @@ def packed_decode_attention(
     for run in body_runs.runs:
         if not run.length:
             continue
-        for first in range(0, run.count, CHUNK_SEGMENTS):
-            count = min(CHUNK_SEGMENTS, run.count - first)
+        for first in range(0, run.count, chunk):
+            count = min(chunk, run.count - first)
             base = run.row + (first + torch.arange(count, device=device)) * run.stride
             rows = (base[:, None] + torch.arange(run.length, device=device)).flatten()
             keys = packed.keys.dequantize_rows(rows).to(query.dtype).view(count, 1, run.length, D)
