@@ -15,9 +15,11 @@ import torch
 from support.e2e import kvlab_model, run
 from support.preset_runs import preset_models, preset_samples
 from support.presets import budgeted_compression
+from support.questions import QUESTIONS
 
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names, resolve
+from kvlab.engine.protocols import build_protocol
 from kvlab.pipeline import Pipeline
 
 PRESETS = [name for name in preset_names() if resolve([name], [])["model"].get("compression")]
@@ -92,3 +94,24 @@ def test_int8_codes_stay_close_to_the_unquantized_run():
     assert result.tokens == plain.tokens
     scale = float(plain.step_logits.abs().max())
     assert float((result.step_logits - plain.step_logits).abs().max()) < 0.02 * scale
+
+
+@pytest.mark.parametrize("protocol", ["query_agnostic", "multi_question"])
+def test_context_protocols_keep_the_same_entries_and_charge_the_codes(protocol):
+    """A compressed, quantized context answers questions appended in full precision; each sample is
+    charged its context's codes and residual plus its question's entries."""
+    loaded = kvlab_model("tiny-qwen2")
+    batch = loaded.processor.collate(list(QUESTIONS))
+    node = budgeted_compression("snapkv", "tiny-qwen2", tokens=24, window=4)
+    plain = build_protocol(protocol).run(loaded, Pipeline.from_config(node), batch, 3).result
+    node["quantize"] = {"name": "kivi", "bits": 2, "group": 4, "residual": 4}
+    packed = build_protocol(protocol).run(loaded, Pipeline.from_config(node), batch, 3).result
+    assert torch.equal(packed.kept, plain.kept)
+    assert bool((packed.kv_bytes_kept < plain.kv_bytes_kept).all())
+
+
+def test_decode_time_compression_refuses_a_quantizer():
+    node = budgeted_compression("snapkv", "tiny-qwen2", tokens=24, window=4)
+    node["quantize"] = {"name": "kivi"}
+    with pytest.raises(ConfigError, match="model.compression.quantize"):
+        build_protocol({"name": "decode_time", "target_size": 16}).check(Pipeline.from_config(node))
