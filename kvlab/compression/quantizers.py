@@ -33,7 +33,7 @@ import torch
 
 from kvlab.cache.packed import PackedCodes, PackedPrompt
 from kvlab.config import papers
-from kvlab.config.capabilities import Component
+from kvlab.config.capabilities import Capabilities, Component
 from kvlab.config.registry import Registry
 
 
@@ -42,8 +42,11 @@ class Quantizer(Component):
     :class:`~kvlab.cache.packed.PackedCodes`; :meth:`pack` is the cache's entry point.
 
     ``row_group``: the body of each segment is a multiple of it (KIVI's per-channel key groups).
-    ``residual``: newest entries of each segment kept in full precision.
+    ``residual``: newest entries of each segment kept in full precision. Capabilities: the kind's
+    default (a quantizer reads only the kept entries, so it runs under every prefill schedule).
     """
+
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     residual: int = 0
 
@@ -175,8 +178,10 @@ def _check_bits(bits: int, allowed: tuple[int, ...], name: str) -> None:
 @QUANTIZERS.register("kivi")
 @dataclass
 class KIVI(Quantizer):
-    """KIVI: keys per channel in groups of ``group`` tokens, values per token in groups of
-    ``group`` channels, asymmetric ``bits``-bit; the newest ``residual`` tokens stay full precision."""
+    """KIVI: keys per channel, values per token, asymmetric ``bits``-bit codes in groups.
+
+    Keys: a scale and zero point per channel for every ``group`` tokens; values: per ``group``
+    channels of a token; the newest ``residual`` tokens stay full precision."""
 
     paper: ClassVar[str] = papers.KIVI
     bits: int = 2
@@ -202,8 +207,10 @@ class KIVI(Quantizer):
 @QUANTIZERS.register("per_token")
 @dataclass
 class PerToken(Quantizer):
-    """Keys and values per token: asymmetric ``bits``-bit codes, a scale and zero point per
-    ``group`` channels; the newest ``residual`` tokens stay full precision."""
+    """Keys and values per token: asymmetric int8 / int4 / int2 codes in channel groups.
+
+    A scale and zero point per ``group`` channels of a token; the newest ``residual`` tokens stay
+    full precision."""
 
     bits: int = 8
     group: int = 32
@@ -357,9 +364,11 @@ def turbo_quantize(x: torch.Tensor, bits: int, seed: int, sketch: bool) -> Rotat
 @QUANTIZERS.register("turboquant")
 @dataclass
 class TurboQuant(Quantizer):
-    """TurboQuant: seeded random rotation + per-coordinate Lloyd-Max codebook, ``bits`` per
-    coordinate; keys spend one bit on the QJL residual sign sketch (unbiased inner products),
-    values use all ``bits`` for MSE; the newest ``residual`` tokens stay full precision."""
+    """TurboQuant: seeded rotation, Lloyd-Max codes per coordinate, QJL sketch on keys.
+
+    ``bits`` per coordinate; keys spend one of them on the 1-bit sign sketch of the residual
+    (unbiased inner products), values use all for MSE; the newest ``residual`` tokens stay full
+    precision."""
 
     paper: ClassVar[str] = papers.TURBOQUANT
     bits: int = 3
