@@ -12,14 +12,18 @@ import functools
 
 import pytest
 import torch
+from support.attention_variants import build, prompts, tokenizer
 from support.e2e import kvlab_model, run
 from support.preset_runs import preset_models, preset_samples
 from support.presets import budgeted_compression
 from support.questions import QUESTIONS
 
+import kvlab
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names, resolve
+from kvlab.engine.generation import generate
 from kvlab.engine.protocols import build_protocol
+from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 
 PRESETS = [name for name in preset_names() if resolve([name], [])["model"].get("compression")]
@@ -115,3 +119,19 @@ def test_decode_time_compression_refuses_a_quantizer():
     node["quantize"] = {"name": "kivi"}
     with pytest.raises(ConfigError, match="model.compression.quantize"):
         build_protocol({"name": "decode_time", "target_size": 16}).check(Pipeline.from_config(node))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3-text"])
+def test_sliding_window_layers_attend_their_window_over_the_codes(family):
+    """Sliding-window layers (and Gemma 2's soft-capping) read the dequantized entries with their
+    window mask: 8-bit codes keep the unquantized run's entries and, nearly, its logits."""
+    node = {"budget": {"tokens": 8, "window": 2}, "importance": {"attention": {"name": "window_attention"}}}
+    loaded = kvlab.wrap_model(build(family), tokenizer(), name=family)
+    batch = collate_ids(loaded, prompts())
+    plain = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=3, return_logits=True)
+    node["quantize"] = {"name": "per_token", "bits": 8, "group": 8}
+    packed = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=3, return_logits=True)
+    assert torch.equal(packed.kept, plain.kept)
+    assert bool((packed.kv_bytes_kept < plain.kv_bytes_kept).all())
+    difference = float((packed.step_logits - plain.step_logits).abs().max())
+    assert 0 < difference < 0.02 * float(plain.step_logits.abs().max())
