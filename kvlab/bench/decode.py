@@ -25,7 +25,10 @@ prompt per context, the same teacher-forced tokens everywhere), in one run:
 - ``DynamicCache, last p kept``: the same cache cropped to each budget's kept count (uniform
   eviction on transformers' own cache: what a framework that evicts inside ``DynamicCache`` gets);
 - ``kvlab full`` and each ``--methods`` preset at each budget (kvlab's prefill, compression
-  inside, then :func:`kvlab.engine.generation.decode`; AdaKV gives ragged heads).
+  inside, then :func:`kvlab.engine.generation.decode`; AdaKV gives ragged heads);
+- with ``--quantize '{name: kivi, bits: 2}'``, each preset at each budget again with its kept
+  entries stored as codes (``model.compression.quantize``, ``docs/methods/quantization.md``):
+  the same kept counts in fewer ``KV MiB``, decode dequantizing chunk by chunk.
 
 Every contender is prefilled once; its cache is then cropped back (transformers) or restored
 from a checkpoint (kvlab) before each timed run. A warm-up round is excluded, and the rounds
@@ -49,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import yaml
 from transformers import DynamicCache
 
 import kvlab
@@ -237,11 +241,15 @@ def _kvlab_contender(
     method: str,
     budget: float | None,
     clock: Callable[[], float],
+    quantize: dict[str, Any] | None = None,
 ) -> Contender:
     """kvlab's prefill (compression inside) once; each timed run restores the compressed cache and
-    decodes teacher-forced ``tokens`` through :func:`kvlab.engine.generation.decode`."""
+    decodes teacher-forced ``tokens`` through :func:`kvlab.engine.generation.decode`. ``quantize``:
+    a ``model.compression.quantize`` node, the kept entries stored as codes."""
     T = batch["input_ids"].shape[1]
-    overrides = {} if budget is None else {"budget.tokens": kept_count(budget, T)}
+    overrides: dict[str, Any] = {} if budget is None else {"budget.tokens": kept_count(budget, T)}
+    if quantize is not None:
+        overrides["quantize"] = quantize
     pipeline = kvlab.load_pipeline(method, overrides)
     state = prefill(loaded, pipeline, batch, decode_capacity=tokens.shape[1])
     checkpoint = state.cache.checkpoint()
@@ -257,6 +265,8 @@ def _kvlab_contender(
         "" if kept.min() == kept.max() else f" ({kept.min():.0f}..{kept.max():.0f})"
     )
     label = f"kvlab {method}" + ("" if budget is None else f" {budget:.0%}")
+    if quantize is not None:
+        label += " " + ", ".join(f"{key}={value}" for key, value in quantize.items())
     return Contender(label, spread, state.cache.kv_bytes(), run)
 
 
@@ -280,6 +290,7 @@ def run_model(opts: argparse.Namespace) -> None:
     """The model table: per context, every contender's decode step, timed in interleaved rounds."""
     loaded = kvlab.load_model(opts.model)
     budgets, methods = parse_list(opts.budgets, float), [m for m in opts.methods.split(",") if m]
+    quantize = yaml.safe_load(opts.quantize) if opts.quantize else None
     steps = opts.steps
     rows, verdicts = [], []
     for T in parse_list(opts.contexts, int):
@@ -292,6 +303,10 @@ def run_model(opts: argparse.Namespace) -> None:
         contenders.append(_kvlab_contender(loaded, batch, tokens, "full", None, clock))
         for method in methods:
             contenders += [_kvlab_contender(loaded, batch, tokens, method, b, clock) for b in budgets]
+            if quantize is not None:
+                contenders += [
+                    _kvlab_contender(loaded, batch, tokens, method, b, clock, quantize) for b in budgets
+                ]
         for round_ in range(opts.repeat + 1):  # round 0 warms up; rounds interleave the contenders
             for contender in contenders:
                 seconds = contender.decode() / steps
@@ -364,6 +379,12 @@ def run(args: list[str]) -> None:
     )
     p.add_argument("--methods", default="snapkv,adakv", help="--model: presets timed at every budget")
     p.add_argument("--steps", type=int, default=16, help="--model: decode steps timed per run")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        help="--model: also time every preset and budget with this quantizer (a YAML node, e.g. "
+        "'{name: kivi, bits: 2}')",
+    )
     p.add_argument(
         "--clock",
         choices=list(CLOCKS),

@@ -2,7 +2,8 @@
 
 :class:`ByteAccounting` is a mixin of :class:`~kvlab.cache.layer.CompressedLayer`; the cache sums
 it over layers (:meth:`kvlab.cache.cache.CompressedCache.kv_bytes`). ``kv_bytes`` is exactly the
-buffers the layer holds (prompt and decode regions, offsets) plus the device part of an offloaded
+buffers the layer holds (prompt and decode regions, offsets; a quantized prompt region's codes,
+scales and full-precision residual) plus the device part of an offloaded
 store; nothing is padded, so memory falls with the kept entries.
 """
 
@@ -29,6 +30,8 @@ class ByteAccounting:
             ]
         )
         on_device = self.offloaded.device_bytes() if self.offloaded is not None else 0
+        if self.compressed and self.packed is not None:  # codes, scales, residual (kvlab.cache.packed)
+            on_device += self.packed.nbytes()
         return on_device + sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def offloaded_bytes(self) -> int:
@@ -36,12 +39,17 @@ class ByteAccounting:
         return self.offloaded.offloaded_bytes() if self.offloaded is not None else 0
 
     def prompt_kv_bytes(self) -> int:
-        """Bytes of the kept prompt K/V alone (no decode region, no offsets)."""
+        """Bytes of the kept prompt K/V alone (no decode region, no offsets; a quantized layer's
+        codes, their parameters and its full-precision residual, :meth:`PackedPrompt.nbytes`)."""
         if not self.compressed:
             return 0
+        if self.packed is not None:
+            return self.packed.nbytes()
         return sum(t.numel() * t.element_size() for t in (self.prompt_keys, self.prompt_values))
 
     def segment(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kept prompt keys and values ``[n, D]`` of one (sample, head)."""
+        """Kept prompt keys and values ``[n, D]`` of one (sample, head) (dequantized when the layer
+        holds codes)."""
         start, n = int(self.starts[b, h]), int(self.lengths[b, h])
-        return self.prompt_keys[start : start + n], self.prompt_values[start : start + n]
+        keys, values = (self.prompt_keys, self.prompt_values) if self.packed is None else self.packed.dense()
+        return keys[start : start + n], values[start : start + n]

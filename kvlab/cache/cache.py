@@ -79,6 +79,20 @@ class CompressedCache(Cache):
         """Bytes of the kept prompt K/V over all layers."""
         return sum(layer.prompt_kv_bytes() for layer in self.layers)
 
+    def kept_bytes(self, kept: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """``[B]`` bytes of the kept prompt entries of each batch row, given ``kept [L, B, Hkv]`` (the
+        compressed layers' counts, :meth:`kept_tokens`): a layer's entries at ``2 * head_dim`` numbers
+        of its dtype, or a quantized layer's codes, parameters and residual
+        (:meth:`~kvlab.cache.packed.PackedPrompt.sample_bytes`)."""
+        layers = [layer for layer in self.layers if layer.compressed]
+        total = torch.zeros(kept.shape[1], dtype=torch.long, device=kept.device)
+        for layer, counts in zip(layers, kept, strict=True):
+            if layer.packed is not None:
+                total += layer.packed.sample_bytes().to(kept.device)
+            else:
+                total += counts.sum(-1) * (2 * head_dim * layer.dtype.itemsize)
+        return total
+
     def kept_tokens(self) -> torch.Tensor:
         """``[L, B, Hkv]`` kept prompt tokens per layer and head (compressed layers only), on the
         first compressed layer's device (layers may sit on different devices, see the module docstring)."""

@@ -50,6 +50,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.cache.accounting import ByteAccounting
 from kvlab.cache.checkpoint import Checkpoints
+from kvlab.cache.packed import PackedPrompt, packed_decode_attention
 from kvlab.cache.selection import OffloadedStore, Selection
 from kvlab.cache.slots import SlotLayout
 from kvlab.kernels.compaction import compact_kv
@@ -85,6 +86,7 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
         self.pending_valid: torch.Tensor | None = None  # [B, q] bool for the next append (expect_block)
         self.shares_buffers = False  # a checkpoint references this layer's buffers (copy before writing)
         self.offloaded: OffloadedStore | None = None  # K/V kept outside this cache (retrieval)
+        self.packed: PackedPrompt | None = None  # the prompt region as codes (a quantizer's), see packed.py
 
     def segment_runs(self) -> SegmentRuns:
         """The strided views of the flat prompt buffers decode attention reads
@@ -154,6 +156,12 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
             source_keys, source_values, indices, selection.counts
         )
         self.max_prompt_length = int(self.lengths.max()) if self.lengths.numel() else 0
+        self.packed = None
+        if selection.quantizer is not None:  # the codes replace the flat buffers (kvlab.cache.packed)
+            self.packed = selection.quantizer.pack(
+                self.prompt_keys, self.prompt_values, self.starts, self.lengths
+            )
+            self.prompt_keys = self.prompt_values = None
         self.decode_keys = keys.new_empty(B, Hkv, self.decode_capacity, D)
         self.decode_values = values.new_empty(B, Hkv, self.decode_capacity, D)
         self.decode_length = 0
@@ -257,6 +265,13 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
                 raise RuntimeError("a sliding-window layer was compressed without its positions")
             if window is not None:
                 query_positions = self.new_positions[:, -query.shape[2] :]
+        if self.packed is not None:
+            return packed_decode_attention(
+                query, self.packed, self.starts, self.lengths, self.decode_keys, self.decode_values,
+                self.decode_length, scaling, self.max_prompt_length, sliding_window=window, softcap=softcap,
+                sinks=sinks, prompt_positions=self.prompt_positions, decode_positions=self.decode_positions,
+                query_positions=query_positions, decode_valid=self.decode_valid,
+            )  # fmt: skip
         return ragged_decode_attention(
             query,
             self.prompt_keys,

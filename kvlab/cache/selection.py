@@ -9,9 +9,12 @@ consumes it, and a store of K/V kept outside the cache (:class:`OffloadedStore`,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from kvlab.cache.packed import EntryQuantizer
 
 
 @dataclass
@@ -27,6 +30,8 @@ class Selection:
         offloaded: optional store of K/V kept outside the compressed cache (a retrieve
             selector: full K/V of some heads off the accelerator, fetched per decode step); the
             layer hands its decode attention to it (:class:`OffloadedStore`).
+        quantizer: optional step storing the kept entries as codes (``model.compression.quantize``,
+            :class:`~kvlab.cache.packed.EntryQuantizer`); the layer packs them after compaction.
     """
 
     indices: torch.Tensor
@@ -34,6 +39,7 @@ class Selection:
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     offloaded: OffloadedStore | None = None
+    quantizer: EntryQuantizer | None = None
 
     def mask(self) -> torch.Tensor:
         """``[B, Hkv, K]`` bool, True on real entries."""

@@ -65,6 +65,12 @@ class SlotLayout:
         ``rows`` index ``prompt_keys`` / ``prompt_values`` (clamped to a real row where
         ``valid`` is False, so gathering through them never fails).
         """
+        if self.packed is not None:
+            raise RuntimeError(
+                "this layer stores its prompt entries as codes (model.compression.quantize), which have no "
+                "slot layout: decode policies that rescore or move entries and decode-time compression are "
+                "refused with a quantizer when the config is validated"
+            )
         K = self.prompt_slots
         slot = torch.arange(K, device=self.lengths.device)
         valid = slot < self.lengths[..., None]

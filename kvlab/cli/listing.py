@@ -41,6 +41,7 @@ ORDER = (
     "model.compression.route.rule",
     "model.compression.route.rule.metric",
     "model.compression.decode",
+    "model.compression.quantize",
     "model.protocol",
     "model.model",
     "data.dataset",

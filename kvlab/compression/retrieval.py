@@ -63,6 +63,7 @@ class RetrieveSelector(Selector):
     """
 
     paper: ClassVar[str | None] = papers.HYBRIDKV
+    offloads: ClassVar[bool] = True
 
     chunk: int = 8
     local: Literal["none", "protected"] = "none"

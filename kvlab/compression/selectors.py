@@ -8,6 +8,7 @@ for them (merge selectors write merged entries there).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -18,7 +19,13 @@ from kvlab.config.registry import Registry
 
 
 class Selector(Component):
-    """Base class: override :meth:`select`."""
+    """Base class: override :meth:`select`.
+
+    ``offloads``: the selector keeps K/V outside the compressed cache (a ``Selection.offloaded``
+    store, the ``retrieve`` selector), which a quantizer does not reach (the pipeline refuses the two).
+    """
+
+    offloads: ClassVar[bool] = False
 
     def select(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> Selection:
         """Pick ``counts[b, h]`` tokens per (sample, head).

@@ -67,3 +67,8 @@ FASTV = (
     'Chen et al. 2024, "An Image is Worth 1/2 Tokens After Layer 2: Plug-and-Play Inference Acceleration '
     'for Large Vision-Language Models"'
 )
+KIVI = 'Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"'
+TURBOQUANT = (
+    'Zandieh et al. 2025, "TurboQuant: Online Vector Quantization with Near-optimal Distortion Rate" '
+    "(arXiv 2504.19874)"
+)

@@ -112,7 +112,7 @@ def _sample_result(
     entries plus its question part's, prefilled uncompressed."""
     info, cache, session = loaded.info, state.cache, state.session
     rows = split.rows
-    per_token = info.head_dim * 2 * cache.layers[0].prompt_keys.element_size()  # one head, one layer
+    per_token = info.head_dim * 2 * cache.layers[0].dtype.itemsize  # one head, one layer
     whole = info.num_kv_heads * info.num_layers * per_token
     questions = torch.tensor([len(q) for q in split.questions], dtype=torch.long)
     sample_kept = kept[:, rows.to(kept.device)].cpu()  # [L, B, Hkv]
@@ -128,7 +128,7 @@ def _sample_result(
         kept=sample_kept,
         prompt_lengths=split.lengths.cpu(),
         kv_bytes_full=(split.lengths.cpu() * whole),
-        kv_bytes_kept=sample_kept.sum(dim=(0, 2)) * per_token + questions * whole,
+        kv_bytes_kept=cache.kept_bytes(kept, info.head_dim).cpu()[rows.cpu()] + questions * whole,
         kv_bytes_allocated=cache.kv_bytes(),
         prefill_seconds=state.seconds - session.compression_seconds + seconds["extend"],
         compression_seconds=session.compression_seconds,

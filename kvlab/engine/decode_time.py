@@ -149,6 +149,13 @@ class DecodeTime(Protocol):
                     f"{where}: model.compression.{slot} = {name} is not supported ({why}); use `{allowed}` "
                     f"there, or `model.protocol: query_aware`."
                 )
+        if pipeline.quantizer is not None:
+            raise ConfigError(
+                f"{where}: model.compression.quantize ({pipeline.quantizer.registry_name}) stores the kept "
+                "entries as packed codes, which decode-time compression cannot rescore and rewrite at every "
+                "step. Use `model.protocol: query_aware` (or query_agnostic), or remove "
+                "model.compression.quantize."
+            )
         readers = pipeline.capabilities.model_facts
         if readers:
             fact, who = next(iter(readers.items()))

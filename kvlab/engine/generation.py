@@ -423,7 +423,7 @@ def generation_result(state: PrefillState, decoded: DecodeResult) -> GenerationR
     info, cache, session = state.loaded.info, state.cache, state.session
     kept = cache.kept_tokens()  # [L, B, Hkv]
     lengths = session.valid.sum(-1)
-    bytes_per_token = info.head_dim * 2 * cache.layers[0].prompt_keys.element_size()
+    bytes_per_token = info.head_dim * 2 * cache.layers[0].dtype.itemsize
     full = lengths * info.num_kv_heads * info.num_layers * bytes_per_token
     stops = set(stop_tokens(state.loaded, lengths.device).tolist())
     return GenerationResult(
@@ -431,7 +431,7 @@ def generation_result(state: PrefillState, decoded: DecodeResult) -> GenerationR
         kept=kept.cpu(),
         prompt_lengths=lengths.cpu(),
         kv_bytes_full=full.cpu(),
-        kv_bytes_kept=(kept.sum(dim=(0, 2)) * bytes_per_token).cpu(),
+        kv_bytes_kept=cache.kept_bytes(kept, info.head_dim).cpu(),
         kv_bytes_allocated=cache.kv_bytes(),
         prefill_seconds=state.seconds - session.compression_seconds,
         compression_seconds=session.compression_seconds,

@@ -9,6 +9,7 @@ observed). Routed pipelines go through :class:`~kvlab.pipeline.routed.RoutedExec
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -106,10 +107,16 @@ class LayerExecution:
             if self.sliding_layers == "window":
                 selection, report = self._keep_all(ctx)
                 self.decode_policy.on_compress(ctx, selection, report.budget)
-                return selection, report
+                return self._quantized(selection), report
         selection, report = self._select(ctx, record_scores)
         self.decode_policy.on_compress(ctx, selection, report.budget)
-        return selection, report
+        return self._quantized(selection), report
+
+    def _quantized(self, selection: Selection) -> Selection:
+        """``selection`` carrying the pipeline's quantizer (step 8), which the cache applies."""
+        if self.quantizer is None:
+            return selection
+        return dataclasses.replace(selection, quantizer=self.quantizer)
 
     def _keep_all(self, ctx: LayerContext) -> tuple[Selection, LayerReport]:
         """Keep every valid token of the layer (the full cache)."""

@@ -19,6 +19,7 @@ Schema of ``model.compression`` (every field optional; no scorer at all means th
     select: {name: topk}
     decode: {name: none}                             # decode-time policy
     sliding_layers: window                           # or compress (sliding-window layers, below)
+    quantize: {name: kivi, bits: 2, group: 32, residual: 128}   # optional: kept entries as codes
     route:                                           # optional: per-layer branches (see routing.py)
       rule: {name: latch, metric: {name: ncar}, before: decoupled, after: unified}
       branches: {decoupled: {allocate: {modality: {name: decoupled}}}, unified: {}}
@@ -41,7 +42,9 @@ One layer's compression (:meth:`~kvlab.pipeline.execution.LayerExecution.compres
 5. the modality allocator may split each head's budget by modality (text / vision groups):
    the top candidates of each group are taken within the group (see modality.py);
 6. the selector picks the tokens (protected ones always in);
-7. the decode policy sees the selection (e.g. to seed decode-time scores).
+7. the decode policy sees the selection (e.g. to seed decode-time scores);
+8. the quantizer, when ``quantize`` is set, rides on the selection: the cache stores the kept
+   entries (merged ones included) as codes (:mod:`kvlab.compression.quantizers`).
 
 With ``route``, each branch is the parent node with the branch's fields merged over it (the
 preset rules of ``kvlab.config.loader.merge``: lists and renamed components replaced whole); the rule
@@ -88,6 +91,7 @@ from kvlab.compression.decode import DecodePolicy
 from kvlab.compression.diversity import DIVERSITY, DiversityScorer
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.compression.mixers import MIXERS, Mixer
+from kvlab.compression.quantizers import Quantizer
 from kvlab.compression.routing import ROUTE_RULES, RouteRule
 from kvlab.compression.selectors import SELECTORS, Selector
 from kvlab.config.errors import ConfigError, did_you_mean
@@ -104,8 +108,10 @@ from kvlab.pipeline.validation import (
     WHERE,
     build_component,
     build_decode_policy,
+    build_quantizer,
     check_branch_node,
     check_fields,
+    check_quantizer,
     check_route_node,
     check_schedule,
     check_sliding_layers,
@@ -137,6 +143,7 @@ class Pipeline(LayerExecution, RoutedExecution):
     sliding_layers: str = "window"
     route_rule: RouteRule | None = None
     branches: dict[str, Pipeline] = field(default_factory=dict)
+    quantizer: Quantizer | None = None
 
     @classmethod
     def from_config(cls, node: Any) -> Pipeline:
@@ -192,6 +199,7 @@ class Pipeline(LayerExecution, RoutedExecution):
             decode_policy=build_decode_policy(node.get("decode") or "none", budget),
             schedule=schedule,
             sliding_layers=sliding_layers,
+            quantizer=build_quantizer(node.get("quantize")),
         )
         for role, scorer in [*importance.items(), *diversity.items()]:
             kind = "importance" if role in importance else "diversity"
@@ -200,6 +208,8 @@ class Pipeline(LayerExecution, RoutedExecution):
             )
         pipeline._check_roles()
         pipeline._check_schedule()
+        if pipeline.quantizer is not None:
+            check_quantizer(pipeline.quantizer, pipeline.walk())
         return pipeline
 
     @property
@@ -234,7 +244,8 @@ class Pipeline(LayerExecution, RoutedExecution):
         parts += [Part(f"{where}.diversity.{role}", c, "scorer") for role, c in self.diversity.items()]
         slots = {"mixer": self.mixer, "allocate.layer": self.layer_allocator,
                  "allocate.head": self.head_allocator, "allocate.modality": self.modality_allocator,
-                 "select": self.selector, "decode": self.decode_policy}  # fmt: skip
+                 "select": self.selector, "decode": self.decode_policy,
+                 "quantize": self.quantizer}  # fmt: skip
         parts += [Part(f"{where}.{name}", c, "slot") for name, c in slots.items() if c is not None]
         if self.route_rule is not None:
             parts.append(Part(f"{where}.route.rule", self.route_rule, "route"))

@@ -12,19 +12,20 @@ from typing import Any
 
 from kvlab.compression.budget import Budget
 from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
+from kvlab.compression.quantizers import QUANTIZERS, Quantizer
 from kvlab.config.errors import ConfigError, did_you_mean
 
 WHERE = "model.compression"
 FIELDS = (
     "budget", "importance", "diversity", "mixer", "allocate", "select", "decode", "schedule", "route",
-    "sliding_layers",
+    "sliding_layers", "quantize",
 )  # fmt: skip
 SLIDING_LAYERS = ("window", "compress")
 SCHEDULES = ("layerwise", "global")
 ROUTE_FIELDS = ("rule", "branches")
 ALLOCATE_FIELDS = ("layer", "head", "modality")
 #: fields of the parent only (a route's branches may not set them)
-PARENT_ONLY = ("decode", "schedule", "sliding_layers")
+PARENT_ONLY = ("decode", "schedule", "sliding_layers", "quantize")
 ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -162,6 +163,34 @@ def build_component(registry: Any, node: Any, where: str, budget: Budget | None)
     component = registry.build(node, where)
     take_budget_settings(component, where, budget)
     return component
+
+
+def build_quantizer(node: Any) -> Quantizer | None:
+    """The quantizer of ``model.compression.quantize`` (None when absent or null)."""
+    return QUANTIZERS.build(node, f"{WHERE}.quantize") if node is not None else None
+
+
+def check_quantizer(quantizer: Quantizer, parts: list[Any]) -> None:
+    """Refuse what a quantized prompt region cannot serve, naming the field: a decode policy that
+    rescores or moves entries (codes have no slot layout to write into) and a selector keeping K/V
+    outside the cache (the retrieved entries would bypass the quantizer)."""
+    name = quantizer.registry_name
+    for part in parts:
+        component = part.component
+        if part.field.endswith(".decode") and component.registry_name != "none":
+            raise ConfigError(
+                f"{WHERE}.quantize ({name}) stores the kept prompt entries as packed codes, which have no "
+                f"slot layout a decode policy can rescore or move entries in, so {part.field} = "
+                f"{component.registry_name} cannot run with it. Use `decode: {{name: none}}` (decoded tokens "
+                f"are appended in full precision) or remove {WHERE}.quantize."
+            )
+        if getattr(component, "offloads", False):
+            raise ConfigError(
+                f"{WHERE}.quantize ({name}) quantizes what the cache keeps, but {part.field} = "
+                f"{component.registry_name} keeps K/V in a store outside the cache (fetched per decode "
+                "step), which the quantizer does not reach, so the memory figures would mix coded and "
+                f"full-precision entries. Use an evicting or merging selector, or remove {WHERE}.quantize."
+            )
 
 
 def build_decode_policy(node: Any, budget: Budget | None) -> DecodePolicy:

@@ -217,6 +217,18 @@ def test_bench_decode_model_table(capsys):
     assert "min of 1 interleaved rounds" in out and "- 128: kvlab full " in out  # fastest round; targets
 
 
+def test_bench_decode_model_table_times_packed_entries(capsys):
+    from kvlab.cli.main import main
+
+    main(["bench", "decode", "--model", "tiny-llama", "--contexts", "128", "--steps", "2", "--repeat", "1",
+          "--budgets", "0.5", "--methods", "snapkv", "--quantize", "{name: per_token, bits: 4}"])  # fmt: skip
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 128 ")]
+    by_label = {row[1]: row for row in rows}
+    plain, packed = by_label["kvlab snapkv 50%"], by_label["kvlab snapkv 50% name=per_token, bits=4"]
+    assert packed[2] == plain[2]  # the same kept entries per head
+    assert float(packed[3]) < 0.5 * float(plain[3])  # KV MiB
+
+
 def test_target_lines_check_the_issue_targets():
     from kvlab.bench.decode import target_lines
 

@@ -449,6 +449,19 @@ CASES = [
     Case("imports-not-a-list", yaml_file("preset: snapkv\nimports: {a: 1}\n"), ("`imports` must be a list",)),
     Case("imports-missing-file", yaml_file("preset: snapkv\nimports: [plugins/none.py]\n"),
          ("none.py", "does not exist")),
+    Case("quantize-unknown", args("--model.compression.quantize", "{name: kivy}"),
+         ("model.compression.quantize", "Did you mean 'kivi'")),
+    Case("quantize-bits", args("--model.compression.quantize", "{name: kivi, bits: 3}"),
+         ("bits must be one of 1, 2, 4, 8",)),
+    Case("quantize-decode-policy",
+         args("--config", "prefixkv", "--model.compression.quantize", "{name: kivi}"),
+         ("model.compression.quantize (kivi)", "model.compression.decode = fixed_index_evict")),
+    Case("quantize-retrieval",
+         args("--config", "retrieval", "--model.compression.quantize", "{name: kivi}"),
+         ("model.compression.quantize (kivi)", "model.compression.select = retrieve", "outside the cache")),
+    Case("quantize-decode-time", args("--model.compression.quantize", "{name: kivi}", "--model.protocol",
+                                      "{name: decode_time, target_size: 16}"),
+         ("model.compression.quantize (kivi)", "decode-time compression")),
 ]  # fmt: skip
 
 

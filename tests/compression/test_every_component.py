@@ -138,5 +138,5 @@ def test_every_component_registry_is_covered():
     kinds = {registry.kind for registry in component_registries()}
     assert kinds == {
         "importance scorer", "diversity scorer", "mixer", "layer allocator", "head allocator",
-        "modality allocator", "selector", "route rule", "layer metric", "decode policy",
+        "modality allocator", "selector", "route rule", "layer metric", "decode policy", "quantizer",
     }  # fmt: skip
