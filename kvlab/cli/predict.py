@@ -343,7 +343,7 @@ def run_predict(resolved: dict[str, Any] | None, rest: list[str], imports: Seque
     The config is validated (:func:`check_run_config`), then reaches LightningCLI as a temporary
     file, deleted when the run ends; ``imports`` (plugin modules, already imported) is recorded in
     the run's ``config.yaml``. Options are matched exactly, and LightningCLI's own parse errors
-    become one-paragraph :class:`ConfigError`\ s.
+    become one-paragraph :class:`ConfigError` messages.
     """
     resolved = dict(resolved or {})
     configs, rest, overrides = split_overrides(rest)
