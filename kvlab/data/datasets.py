@@ -160,11 +160,6 @@ class JsonlDataset:
                 f"{where}: field '{self.id_field}' must be a string or a number, got {raw_id!r}. "
                 f"Fix the id, or set data.dataset.id_field to the field that holds the ids."
             )
-        options = {self.id_field: "id_field", self.text_field: "text_field",
-                   self.images_field: "images_field", self.answers_field: "answers_field",
-                   self.choices_field: "choices_field",
-                   self.system_field: "system_field"}  # fmt: skip
-        self._check_near_misses(obj, options, where, sample_id)
         prompt = obj.get(self.text_field)
         if prompt is None and {"context", "question"} <= set(obj):
             raise ConfigError(
@@ -173,6 +168,11 @@ class JsonlDataset:
                 f"Read it with `data.dataset: {{name: kvpress, path: {self.path}}}`, which joins the "
                 f"context and question and groups the questions of one context."
             )
+        options = {self.id_field: "id_field", self.text_field: "text_field",
+                   self.images_field: "images_field", self.answers_field: "answers_field",
+                   self.choices_field: "choices_field",
+                   self.system_field: "system_field"}  # fmt: skip
+        self._check_near_misses(obj, options, where, sample_id)
         if not isinstance(prompt, str):
             problem = "has no" if prompt is None else f"has a non-string ({type(prompt).__name__})"
             raise ConfigError(

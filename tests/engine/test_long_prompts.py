@@ -257,8 +257,14 @@ def test_every_scorer_reduces_in_fp32(registry, name):
     """bf16 keys, values and queries give fp32 scores equal to those of the fp32-upcast inputs:
     every reduction (norms, softmax, window sums, GQA, pooling, means) ran in fp32."""
     scorer = registry.build({"name": name})
+    if scorer.capabilities.model_facts:  # a synthetic context has no model: tested through one
+        pytest.skip(
+            f"{name} reads model facts {scorer.capabilities.model_facts}: its own test runs it on a model"
+        )
     if "window" in getattr(type(scorer), "budget_settings", {}):
         scorer.window = 6
+    if "layer" in getattr(type(scorer), "layer_allocator_settings", {}):
+        scorer.layer = 1  # FastV's K, which its layer allocator restates
     low, up = bf16_ctx()
     got, wanted = scorer.score(low), scorer.score(up)
     assert got.dtype == torch.float32
