@@ -166,3 +166,34 @@ def test_the_per_layer_plot_and_the_overshoot_counter_agree(budget, modality):
         assert int(counter[b]) == max(int(drawn.clamp(min=0).max()), int(window.clamp(min=0)))
         if modality["name"] == "text_prior":
             assert bool((share.mean(1) > layer_budget).all()) == (int(counter[b]) > 0)
+
+
+def test_routed_samples_on_two_branches_keep_their_scorer_scores():
+    """DAVID on MixKV scores (two scorers, mixed) over a batch whose image sample stays decoupled
+    and whose text-only sample switches to unified at once: the layer report keeps each scorer's
+    scores, each row from its own branch, so the mixed histogram counts the candidates alone
+    (never the protected window), as on a pipeline without a route."""
+    from support import e2e
+    from support.modality import WINDOW, mixed_samples
+
+    from kvlab.config.loader import resolve
+    from kvlab.engine.generation import generate
+    from kvlab.pipeline import Pipeline
+    from kvlab.runner.views.inspector import score_histograms
+
+    loaded = e2e.kvlab_model("tiny-qwen2-vl")
+    node = resolve(["david_mixkv"], [])["model"]["compression"]
+    node["budget"] = {"tokens": 20, "window": WINDOW}
+    node["importance"]["attention"]["window"] = WINDOW
+    node["route"]["rule"].update(threshold=-1e9, metric={"name": "ncar", "window": WINDOW})  # never trips
+    items = [mixed_samples()[1], mixed_samples()[2]]  # one image; text only (NCAR NaN: switches at once)
+    batch = loaded.processor.collate(items)
+    result = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=1, record_scores=True)
+    report = result.reports[0]
+    assert report.route.branches == ["decoupled", "unified"]  # the two samples took different branches
+    assert set(report.scorer_scores) == {"attention", "value_norm", "mean_key_diversity"}
+    valid = batch["attention_mask"][0].bool()
+    heads = report.scores.shape[1]
+    histograms = score_histograms(report, valid)
+    assert histograms["mixed"].numel() == heads * (int(valid.sum()) - WINDOW)  # no protected entry
+    assert histograms["attention"].numel() == histograms["mixed"].numel()

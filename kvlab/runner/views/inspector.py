@@ -60,17 +60,17 @@ def score_histograms(report: Any, valid: torch.Tensor) -> dict[str, torch.Tensor
     """``{role: scores}`` of sample 0 at one layer, each a flat tensor over its KV heads and candidate
     positions (padding and the protected window and sinks left out).
 
-    Each scorer's own score by role; ``mixed`` (the mixer's output over the same candidates) only
-    when there are two roles or more (with one, it repeats that scorer). A report without
-    per-scorer scores gives ``mixed`` over the sample's valid positions (``valid`` ``[T]``).
+    Each scorer's own score by role; ``mixed`` (the mixer's output over the same candidates: the
+    entries some role scored, so under a route each row's own branch's) only when there are two
+    roles or more (with one, it repeats that scorer). A report without per-scorer scores gives
+    ``mixed`` over the sample's valid positions (``valid`` ``[T]``).
     """
     by_role = {role: s[0].float().cpu() for role, s in (getattr(report, "scorer_scores", None) or {}).items()}
     out = {role: s[torch.isfinite(s)] for role, s in by_role.items()}
     mixed = report.scores[0].float().cpu() if report.scores is not None else None
     if mixed is not None and len(by_role) != 1:
-        first = next(iter(by_role.values()), None)
-        if first is not None:
-            candidates = torch.isfinite(first)
+        if by_role:
+            candidates = torch.stack([torch.isfinite(s) for s in by_role.values()]).any(0)
         elif valid.shape[-1] == mixed.shape[-1]:
             candidates = valid.cpu()[None].expand_as(mixed)
         else:  # a protocol that compressed only part of the prompt (its context)
