@@ -86,8 +86,7 @@ def test_the_run_summary_is_text_and_an_hparams_trial(vlm_run):
     assert acc.Scalars("fidelity/top1_share")[0].value == pytest.approx(metrics["fidelity_top1"])
     assert acc.Scalars("task/contains_answer")[0].value == pytest.approx(metrics["contains_answer"])
     assert "hp_metric" not in tags["scalars"]
-    experiment = events(vlm_run.parent / "compare" / "tensorboard").PluginTagToContent("hparams")
-    assert set(experiment) == {"_hparams_/experiment"}  # the experiment's column order, beside compare's
+    assert not (vlm_run.parent / "compare").exists()  # a run writes in its own directory alone
 
 
 def metrics_value(run, key):

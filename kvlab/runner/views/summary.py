@@ -11,9 +11,11 @@ each part in event files of its own suffix, so that rewriting a part replaces it
   for a uniform allocation: its value is in the results table), ``modality/kept_fraction_per_layer``
   (only where prompts hold images or video) and, for routed pipelines, ``route/metric_per_layer``;
 - ``*.trial`` (:func:`write_trial`): the run as an HPARAMS trial named by what varies within its
-  experiment (:mod:`kvlab.runner.views.names`), rewritten by ``kvlab compare`` when runs are added;
-- ``<experiment>/compare/tensorboard/*.experiment`` (:func:`write_experiment_config`): the columns'
-  order (method, budget, model first) and the metrics, over the experiment's runs.
+  experiment (:mod:`kvlab.runner.views.names`; over the runs finished so far, then rewritten by
+  ``kvlab compare``);
+- ``<experiment>/compare/tensorboard/*.experiment`` (:func:`write_experiment_config`, by
+  ``kvlab compare``): the columns' order (method, budget, model first) and the metrics, over the
+  experiment's runs.
 """
 
 from __future__ import annotations
@@ -171,8 +173,10 @@ def _writer(directory: Path, suffix: str) -> SummaryWriter:
 
 
 def write_run_summary(run_dir: str | Path, experiment: str) -> Path:
-    """Write the run's TEXT, end-of-run figures (module docstring) and HPARAMS trial into
-    ``<run_dir>/tensorboard/``, and its experiment's HPARAMS configuration. Returns the directory."""
+    """Write the run's TEXT, end-of-run figures (module docstring) and HPARAMS trial (named over the
+    experiment's runs so far) into ``<run_dir>/tensorboard/``; nothing outside the run directory
+    (``kvlab compare`` renames every trial and writes the experiment's column order). Returns the
+    directory."""
     from kvlab.runner.views.labels import titled  # the figures' titles
 
     run_dir = Path(run_dir)
@@ -214,7 +218,8 @@ def write_run_summary(run_dir: str | Path, experiment: str) -> Path:
             writer.add_text("route/metric_per_layer", route_table(means), 0)
     finally:
         writer.close()
-    write_experiment_summaries(run_dir.parent, experiment, only=run_dir.name)
+    names = display_names([(p.name, _fields(p)) for p in experiment_runs(run_dir.parent)])
+    write_trial(run_dir, experiment, names.get(run_dir.name, run_dir.name))
     return out
 
 
@@ -236,29 +241,19 @@ def write_trial(run_dir: Path, experiment: str, shown: str) -> dict[str, Any]:
     return {"hparams": hparams, "metrics": metrics}
 
 
-def write_experiment_summaries(
-    root: str | Path, experiment: str | None = None, only: str | None = None
-) -> None:
+def write_experiment_summaries(root: str | Path, experiment: str | None = None) -> None:
     """The HPARAMS trials of an experiment's runs, named by what varies between them
     (:func:`~kvlab.runner.views.names.display_names`), and the experiment's HPARAMS configuration
-    (:func:`~kvlab.runner.views.hparams.experiment_summary`) in ``compare/tensorboard/``. ``only``: rewrite
-    that run's trial alone (the others keep theirs until ``kvlab compare``). Runs without a
-    ``tensorboard/`` directory (hand-made, or written by another tool) get no trial."""
+    (:func:`~kvlab.runner.views.hparams.experiment_summary`) in ``compare/tensorboard/``
+    (``kvlab compare``). Runs without a ``tensorboard/`` directory (hand-made, or written by
+    another tool) get no trial."""
     root = Path(root)
     experiment = experiment or root.name
     runs = [p for p in experiment_runs(root) if (p / TENSORBOARD).is_dir()]
     if not runs:
         return
-    names = display_names([(p.name, _fields(p)) for p in runs])
-    trials = []
-    for path in runs:
-        if only is None or path.name == only:
-            trials.append(write_trial(path, experiment, names[path.name]))
-        else:
-            hparams = hparam_values(path.name, experiment, _fields(path), read_predictions(path))
-            metrics = metric_values(json.loads(_read(path / "metrics.json") or "{}"))
-            trials.append({"hparams": hparams, "metrics": metrics})
-    write_experiment_config(root, trials)
+    names = display_names([(p.name, _fields(p)) for p in experiment_runs(root)])
+    write_experiment_config(root, [write_trial(path, experiment, names[path.name]) for path in runs])
 
 
 def write_experiment_config(root: Path, trials: list[dict[str, Any]]) -> None:
