@@ -8,22 +8,26 @@ table equals the runs' ``metrics.json`` and includes samples added by a resumed 
 
 Writes into the experiment directory (``docs/evaluation.md``, "Comparing runs"):
 
-- ``compare.md`` (also printed): the methods x metrics table (``compare.csv``), then the
-  leaderboard and the kept-position overlap below;
+- ``compare.md`` (also printed): the methods x metrics table with short headers and units, each
+  run by its display name (:mod:`kvlab.runner.views.names`; ``compare.csv`` keeps the directory
+  names, metric keys and raw numbers), then the leaderboard, the kept-position overlap below, and
+  each display name beside its run directory;
 - the **leaderboard** (``leaderboard.csv``, :mod:`kvlab.runner.leaderboard`): the task score (%)
   of each method (rows) at each budget (columns, read from each run's ``run.json``), per task
-  family and overall; ``score_vs_<ratio|tokens>.png``: score against budget, one panel per
-  family, one line per method, the full cache dashed;
-- ``quality_vs_memory.png``: each quality metric against the kept KV fraction, one line per
-  method family (the points of a sweep, :func:`kvlab.runner.run_names.parse_method`);
+  family and overall; ``score_vs_<ratio|tokens>.<family>.png``: score against budget, one card
+  per family, one line per method, the full cache dashed;
+- ``quality_vs_memory.<metric>.png``: each quality metric against the kept KV fraction, one card
+  per metric, one line per method family (the points of a sweep,
+  :func:`kvlab.runner.run_names.parse_method`);
 - ``longbench_e.csv``: for runs of LongBench-E tasks, each task's ``longbench_score`` per length
   bucket (``0-4k``, ``4-8k``, ``8k+``; LongBench's ``scorer_e``, NaN for an empty bucket);
 - ``positions_overlap.csv``: for runs that recorded kept positions (``model.record_positions``),
   the mean Jaccard index of every pair over their shared samples, layers and KV heads;
-- ``compare/tensorboard/``: the figures as images (``sweep/quality_vs_memory``,
-  ``leaderboard/score_vs_<ratio|tokens>``: curves drawn once, never smoothed) and ``compare.md``
-  as TEXT ``compare``; each run's own HPARAMS trial compares the runs' settings and metrics
-  (:mod:`kvlab.runner.views.hparams`).
+- ``compare/tensorboard/``: the same figures as images (``quality_vs_memory/<metric>``,
+  ``score_vs_<ratio|tokens>/<family>``: the PNG files' pixels, curves drawn once, never
+  smoothed), ``compare.md`` as TEXT ``compare``, and the experiment's HPARAMS configuration (the
+  column order); each run's HPARAMS trial, renamed here by what varies within the experiment,
+  compares the runs' settings and metrics (:mod:`kvlab.runner.views.summary`).
 """
 
 from __future__ import annotations

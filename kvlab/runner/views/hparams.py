@@ -36,7 +36,7 @@ METRIC_TAGS = {
     "fidelity_top1": "fidelity/top1_share",
     "compression_seconds": "time/compression_s_per_sample",
 }
-#: the columns TensorBoard shows first, in this order (:func:`write_experiment_config`)
+#: the columns TensorBoard shows first, in this order (:func:`column_order`)
 LEADING = ("method", "budget", "model")
 
 
