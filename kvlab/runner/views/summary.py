@@ -40,6 +40,7 @@ from kvlab.runner.views.hparams import (
     write_session,
 )
 from kvlab.runner.views.inspector import route_table
+from kvlab.runner.views.labels import titled
 from kvlab.runner.views.names import display_names
 from kvlab.runner.writer import read_predictions
 
@@ -104,15 +105,16 @@ def metrics_table(metrics: dict[str, Any], extra: list[tuple[str, str, str]] = (
     return "\n".join(lines + [f"| {s} | `{k}` | {v} |" for s, k, v in rows]) + "\n"
 
 
-def config_text(config: str, fields: dict[str, Any], method: str) -> str:
-    """The TEXT ``run/config``: the method, the budget and the model on one line, the
-    ``model.compression`` node, then the whole resolved ``config.yaml``."""
+def config_text(config: str, fields: dict[str, Any], method: str, run: str) -> str:
+    """The TEXT ``run/config``: the method, the budget, the model and the run's directory name on
+    one line, the ``model.compression`` node, then the whole resolved ``config.yaml``."""
     model = fields.get("model") or {}
     budget = (model.get("compression") or {}).get("budget")
     window = budget.get("window") if isinstance(budget, dict) else None
     head = f"**method** `{method}` · **budget** {budget_description(fields)}"
     head += f", window {window}" if window is not None else ""
     head += f" · **model** `{model.get('model')}`" if model.get("model") else ""
+    head += f" · **run** `{run}`" if run != method else ""
     try:
         node = ((yaml.safe_load(config) or {}).get("model") or {}).get("compression")
     except (yaml.YAMLError, AttributeError):
@@ -177,8 +179,6 @@ def write_run_summary(run_dir: str | Path, experiment: str) -> Path:
     experiment's runs so far) into ``<run_dir>/tensorboard/``; nothing outside the run directory
     (``kvlab compare`` renames every trial and writes the experiment's column order). Returns the
     directory."""
-    from kvlab.runner.views.labels import titled  # the figures' titles
-
     run_dir = Path(run_dir)
     out = run_dir / TENSORBOARD
     shutil.rmtree(out / "summary", ignore_errors=True)  # the second TensorBoard run of earlier versions
@@ -199,7 +199,8 @@ def write_run_summary(run_dir: str | Path, experiment: str) -> Path:
         writer.add_text("results/metrics", metrics_table(metrics, extra), 0)
         config = _read(run_dir / "config.yaml")
         if config is not None:
-            writer.add_text("run/config", config_text(config, fields, run_dir.name), 0)
+            text = config_text(config, fields, str(hparams.get("method")), run_dir.name)
+            writer.add_text("run/config", text, 0)
         prompt = _read(run_dir / "prompt_example.txt")
         if prompt is not None:
             writer.add_text("run/prompt", code_block(prompt), 0)
