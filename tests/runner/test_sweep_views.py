@@ -75,6 +75,8 @@ def test_the_experiment_orders_the_columns_method_budget_model(sweep):
     experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
     columns = [info.name for info in experiment.hparam_infos]
     assert columns[:3] == ["method", "budget", "model"]
+    # TensorBoard sorts by the `differs` flag, then by name: only the leading three are flagged
+    assert [info.name for info in experiment.hparam_infos if info.differs] == columns[:3]
     assert next(i for i in experiment.hparam_infos if i.name == "budget").domain_discrete  # every run has one
     assert [info.name.tag for info in experiment.metric_infos][0] == "task/contains_answer"
 

@@ -162,13 +162,15 @@ def hparam_values(
 
 
 def column_order(trials: list[dict[str, Any]]) -> list[tuple[str, bool]]:
-    """``[(column, differs)]`` of an experiment's trials in the order TensorBoard shows them:
-    :data:`LEADING` (marked as differing, so TensorBoard puts them first and shows them), then the
-    columns whose values differ between the trials (by name), then the rest (by name)."""
+    """``[(column, differs)]`` of an experiment's trials: :data:`LEADING` first, then the columns
+    whose values differ between the trials, then the rest (by name). TensorBoard sorts the columns
+    of an experiment by its ``differs`` flag, then by name, and shows the first five: only the
+    leading columns are flagged, so they are the first TensorBoard shows (``budget``, ``method``,
+    ``model``: by name), the others follow by name."""
     names = list(dict.fromkeys(key for trial in trials for key in trial))
     differs = {name: len({json.dumps(t.get(name)) for t in trials}) > 1 for name in names}
     rest = sorted((n for n in names if n not in LEADING), key=lambda n: (not differs[n], n))
-    return [(n, True) for n in LEADING if n in names] + [(n, differs[n]) for n in rest]
+    return [(n, True) for n in LEADING if n in names] + [(n, False) for n in rest]
 
 
 def experiment_summary(trials: list[dict[str, Any]], metrics: list[str]) -> Summary:
