@@ -73,6 +73,7 @@ class RoutedExecution:
                 selection,
                 scores=pick_rows([r.scores for r in reports], choice),
                 overshoot=pick_rows([r.overshoot for r in reports], choice),
+                scorer_scores=pick_scorer_scores([r.scorer_scores for r in reports], choice),
             )
         report.route = decision
         return selection, report
@@ -104,6 +105,7 @@ class RoutedExecution:
                 selection,
                 scores=pick_rows([r.scores for _, r in runs], choice),
                 overshoot=report.overshoot,
+                scorer_scores=pick_scorer_scores([r.scorer_scores for _, r in runs], choice),
             )
         report.route = decision
         return selection, report
@@ -123,6 +125,25 @@ def pick_rows(tensors: list[torch.Tensor | None], choice: torch.Tensor) -> torch
         heads = torch.arange(stacked.shape[2], device=stacked.device)
         return stacked[choice, rows[:, None], heads[None, :]]
     return stacked[choice, rows]
+
+
+def pick_scorer_scores(
+    by_branch: list[dict[str, torch.Tensor] | None], choice: torch.Tensor
+) -> dict[str, torch.Tensor] | None:
+    """Each scorer role's ``[B, Hkv, T]`` scores, row b (or ``(b, h)``) from the branch ``choice``
+    picks (:func:`pick_rows`); a row whose branch has no such role is ``-inf`` (no candidate there),
+    so the scores keep marking only the candidates of the branch each row took. None when no branch
+    recorded scores (``record_scores`` off)."""
+    if all(scores is None for scores in by_branch):
+        return None
+    branches = [scores or {} for scores in by_branch]
+    roles = dict.fromkeys(role for scores in branches for role in scores)
+    out = {}
+    for role in roles:
+        shape = next(scores[role] for scores in branches if role in scores)
+        rows = [scores.get(role, torch.full_like(shape, float("-inf"))) for scores in branches]
+        out[role] = pick_rows(rows, choice)
+    return out
 
 
 def combine_selections(selections: list[Selection], choice: torch.Tensor, ctx: LayerContext) -> Selection:

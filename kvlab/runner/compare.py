@@ -8,27 +8,31 @@ table equals the runs' ``metrics.json`` and includes samples added by a resumed 
 
 Writes into the experiment directory (``docs/evaluation.md``, "Comparing runs"):
 
-- ``compare.md`` (also printed): the methods x metrics table (``compare.csv``), then the
-  leaderboard and the kept-position overlap below;
+- ``compare.md`` (also printed): the methods x metrics table with short headers and units, each
+  run by its display name (:mod:`kvlab.runner.views.names`; ``compare.csv`` keeps the directory
+  names, metric keys and raw numbers), then the leaderboard, the kept-position overlap below, and
+  each display name beside its run directory;
 - the **leaderboard** (``leaderboard.csv``, :mod:`kvlab.runner.leaderboard`): the task score (%)
   of each method (rows) at each budget (columns, read from each run's ``run.json``), per task
-  family and overall; ``score_vs_<ratio|tokens>.png``: score against budget, one panel per
-  family, one line per method, the full cache dashed;
-- ``quality_vs_memory.png``: each quality metric against the kept KV fraction, one line per
-  method family (the points of a sweep, :func:`kvlab.runner.run_names.parse_method`);
+  family and overall; ``score_vs_<ratio|tokens>.<family>.png``: score against budget, one card
+  per family, one line per method, the full cache dashed;
+- ``quality_vs_memory.<metric>.png``: each quality metric against the kept KV fraction, one card
+  per metric, one line per method family (the points of a sweep,
+  :func:`kvlab.runner.run_names.parse_method`);
 - ``longbench_e.csv``: for runs of LongBench-E tasks, each task's ``longbench_score`` per length
   bucket (``0-4k``, ``4-8k``, ``8k+``; LongBench's ``scorer_e``, NaN for an empty bucket);
 - ``positions_overlap.csv``: for runs that recorded kept positions (``model.record_positions``),
   the mean Jaccard index of every pair over their shared samples, layers and KV heads;
-- ``compare/tensorboard/``: the figures as images (``sweep/quality_vs_memory``,
-  ``leaderboard/score_vs_<ratio|tokens>``: curves drawn once, never smoothed) and ``compare.md``
-  as TEXT ``compare``; each run's own HPARAMS trial compares the runs' settings and metrics
-  (:mod:`kvlab.runner.views.hparams`).
+- ``compare/tensorboard/``: the same figures as images (``quality_vs_memory/<metric>``,
+  ``score_vs_<ratio|tokens>/<family>``: the PNG files' pixels, curves drawn once, never
+  smoothed), ``compare.md`` as TEXT ``compare``, and the experiment's HPARAMS configuration (the
+  column order); each run's HPARAMS trial, renamed here by what varies within the experiment,
+  compares the runs' settings and metrics (:mod:`kvlab.runner.views.summary`).
 """
 
 from __future__ import annotations
 
-import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -42,13 +46,16 @@ from kvlab.runner.leaderboard import (
     csv_text,
     leaderboard,
     leaderboard_text,
-    legend_entries,
+    line_styles,
     markdown,
-    plot_leaderboard,
-    pyplot,
+    plot_series,
+    score_figures,
 )
 from kvlab.runner.positions import mean_jaccard, read_positions
 from kvlab.runner.runs import Run, load_runs
+from kvlab.runner.views import write_experiment_summaries
+from kvlab.runner.views.figures import card_figure, legend_below, render, save_png, styled
+from kvlab.runner.views.names import display_names
 
 FIDELITY = ("fidelity_exact", "fidelity_token_match", "fidelity_rouge_l", "fidelity_kl", "fidelity_top1")
 COST = (
@@ -62,11 +69,34 @@ QUALITY = ("fidelity_top1", "fidelity_token_match", "fidelity_kl", *TASK_METRICS
 TB_DIR = Path("compare") / "tensorboard"
 
 
+#: compare.md's short column headers, each with its unit; shares and task scores are in %
+HEADERS = {
+    "samples": "n",
+    "kv_ratio": "KV kept %",
+    "fidelity_exact": "fid. exact %",
+    "fidelity_token_match": "fid. tokens %",
+    "fidelity_rouge_l": "fid. ROUGE-L %",
+    "fidelity_kl": "fid. KL nats/tok",
+    "fidelity_top1": "fid. top-1 %",
+    "compression_over_prefill": "compress/prefill",
+    "decode_tokens_per_second": "decode tok/s",
+    "kv_bytes_allocated_peak": "KV peak MiB",
+    "peak_memory_bytes": "peak MiB",
+}
+#: keys written as a percentage (shares and task scores in [0, 1])
+PERCENT = {"kv_ratio", *(k for k in FIDELITY if k != "fidelity_kl"), *TASK_METRICS}
+
+
 def columns(runs: list[Run]) -> list[str]:
     """``samples``, ``kv_ratio``, the fidelity and task metrics some run has, then cost."""
     present = set().union(*(r.metrics for r in runs))
     keys = ["samples", "kv_ratio", *FIDELITY, *TASK_METRICS, *COST]
     return [k for k in keys if k in present]
+
+
+def header(key: str) -> str:
+    """A column's short header with its unit (:data:`HEADERS`; a task metric as ``<name> %``)."""
+    return HEADERS.get(key) or (f"{key} %" if key in PERCENT else key)
 
 
 def _cell(value: Any) -> str:
@@ -77,9 +107,37 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def shown_cell(key: str, value: Any) -> str:
+    """A value as compare.md shows it under :func:`header`: shares in %, bytes in MiB, rates and
+    ratios to a few digits (``compare.csv`` keeps the raw numbers)."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return _cell(value)
+    if key in PERCENT:
+        return f"{100 * value:.1f}"
+    if key.endswith("_bytes") or key.startswith("kv_bytes"):
+        return f"{value / 2**20:.1f}"
+    if key == "decode_tokens_per_second":
+        return f"{value:.1f}"
+    return _cell(value)
+
+
 def table(runs: list[Run], keys: list[str]) -> list[list[str]]:
-    """Rows ``[method, *values]`` (``n/a`` where a run lacks a metric)."""
+    """Rows ``[method, *values]`` of the raw numbers (``compare.csv``; ``n/a`` where a run lacks a
+    metric)."""
     return [[r.method, *(_cell(r.metrics.get(k)) for k in keys)] for r in runs]
+
+
+#: the line under compare.md's first table: what its abbreviations mean
+TABLE_NOTE = (
+    "\nfid.: agreement with the full cache (exact output, greedy tokens, ROUGE-L, KL, top-1; "
+    "docs/evaluation.md); task scores and shares in %, memory in MiB.\n"
+)
+
+
+def shown_table(runs: list[Run], keys: list[str], names: dict[str, str]) -> str:
+    """compare.md's methods x metrics table: each run by its display name, short headers with units."""
+    rows = [[names.get(r.method, r.method), *(shown_cell(k, r.metrics.get(k)) for k in keys)] for r in runs]
+    return markdown(["method", *(header(k) for k in keys)], rows) + TABLE_NOTE
 
 
 def quality_metrics(runs: list[Run]) -> list[str]:
@@ -95,28 +153,35 @@ def families(runs: list[Run]) -> dict[str, list[Run]]:
     return {k: sorted(v, key=lambda r: r.metrics.get("kv_ratio", 0.0)) for k, v in out.items()}
 
 
-def plot(runs: list[Run], path: Path) -> Any:
-    """Figure of every quality metric against ``kv_ratio`` (a panel per metric, at most three per
-    row, one line per family, the legend beside them), saved as PNG."""
-    plt = pyplot()
-    metrics = quality_metrics(runs)
-    cols = min(3, max(len(metrics), 1))
-    rows = math.ceil(max(len(metrics), 1) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols + 1.6, 3.4 * rows), squeeze=False)
-    for ax, metric in zip(axes.flat, metrics, strict=False):
-        for family, members in families(runs).items():
-            xs = [r.metrics["kv_ratio"] for r in members if metric in r.metrics]
-            ys = [r.metrics[metric] for r in members if metric in r.metrics]
-            if xs:
-                ax.plot(xs, ys, marker="o", label=family)
-        ax.set_xlabel("KV kept / full (bytes)")
-        ax.set_title(metric)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(metrics) :]:
-        ax.set_visible(False)
-    fig.legend(*legend_entries(axes.flat), loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+#: a quality metric's axis label (its unit); task metrics are scores in [0, 1]
+QUALITY_LABELS = {
+    "fidelity_kl": "KL to the full cache (nats/token)",
+    "fidelity_top1": "top-1 agreement (share)",
+    "fidelity_token_match": "greedy tokens matching (share)",
+}
+
+
+@styled
+def quality_figure(runs: list[Run], metric: str, title: str) -> Any:
+    """One quality metric against ``kv_ratio``: a line per method family (a sweep's points in order
+    of KV kept), each in its own colour and marker, coinciding lines kept visible
+    (:func:`~kvlab.runner.leaderboard.plot_series`), the legend inside the figure below the axes;
+    the size of a run's TensorBoard figures."""
+    groups = families(runs)
+    series = {
+        family: [(r.metrics["kv_ratio"], r.metrics[metric]) for r in members
+                 if metric in r.metrics and "kv_ratio" in r.metrics]
+        for family, members in groups.items()
+    }  # fmt: skip
+    series = {family: points for family, points in series.items() if points}
+    styles = line_styles(list(groups))
+    fig, ax = card_figure(entries=len(series))
+    moved = plot_series(ax, series, styles)
+    ax.set_xlabel("KV kept / full (bytes)")
+    ax.set_ylabel(QUALITY_LABELS.get(metric, f"{metric} (score)"))
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{title}\n{metric} vs KV kept")
+    legend_below(fig, ax, note="equal points drawn side by side" if moved else None)
     return fig
 
 
@@ -157,36 +222,77 @@ POSITIONS_HEADER = [
 # ---------------------------------------------------------------------------------------------
 
 
-def write_tensorboard(root: Path, text: str, figures: dict[str, Any]) -> None:
-    """The comparison in TensorBoard, rewritten whole: each figure as an image (a curve drawn once,
-    so no smoothing or outlier setting can bend it) and the Markdown tables as TEXT ``compare``."""
-    shutil.rmtree(root, ignore_errors=True)  # our own output: rewritten whole on every compare
+def write_figures(root: Path, figures: dict[str, tuple[str, Any]]) -> dict[str, Any]:
+    """Each figure (``{tag: (file name, figure)}``) rendered once: saved as ``root/<file name>`` and
+    returned as ``{tag: RGB array}`` for TensorBoard, so the PNG file and the card are the same
+    pixels."""
+    images = {}
+    for tag, (name, fig) in figures.items():
+        images[tag] = render(fig)
+        save_png(images[tag], root / name)
+    return images
+
+
+def write_tensorboard(root: Path, text: str, images: dict[str, Any]) -> None:
+    """The comparison in TensorBoard: each figure as an image (a curve drawn once, so no smoothing
+    or outlier setting can bend it) and the Markdown tables as TEXT ``compare``."""
+    root.mkdir(parents=True, exist_ok=True)
     writer = SummaryWriter(str(root))
     try:
         writer.add_text("compare", text, 0)
-        for tag, fig in figures.items():
-            writer.add_figure(tag, fig, 0)
+        for tag, image in images.items():
+            writer.add_image(tag, image, 0, dataformats="HWC")
     finally:
         writer.close()
 
 
+def file_part(text: str) -> str:
+    """``text`` as part of a file name (letters, digits, ``.``, ``_``, ``-``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
+
+
+def comparison_figures(root: Path, runs: list[Run], board: Any) -> dict[str, tuple[str, Any]]:
+    """``{tag: (PNG name, figure)}``: each quality metric against the KV kept
+    (``quality_vs_memory/<metric>``) and each task family's score against each budget kind
+    (``score_vs_<kind>/<family>``), one card each."""
+    figures = {
+        f"quality_vs_memory/{metric}": (f"quality_vs_memory.{file_part(metric)}.png",
+                                        quality_figure(runs, metric, root.name))
+        for metric in quality_metrics(runs)
+    }  # fmt: skip
+    for kind in sorted({b.kind for b in board.budgets} - {FULL}) if board is not None else []:
+        title = f"{root.name}: task score vs KV budget"
+        for family, fig in score_figures(board, kind, title).items():
+            figures[f"score_vs_{kind}/{family}"] = (f"score_vs_{kind}.{file_part(family)}.png", fig)
+    return figures
+
+
+def runs_table(runs: list[Run], names: dict[str, str]) -> str:
+    """The display names beside the run directories they stand for (Markdown)."""
+    rows = [[names.get(r.method, r.method), r.method] for r in runs]
+    return "\n## Runs: display names and directories\n\n" + markdown(["name", "run directory"], rows)
+
+
 def write_comparison(root: Path, plots: bool = True) -> tuple[str, list[str]]:
-    """Write the comparison files; returns the Markdown and the names of the files written."""
+    """Write the comparison files, and refresh the runs' HPARAMS trials and the experiment's
+    HPARAMS configuration (:func:`kvlab.runner.views.write_experiment_summaries`); returns the
+    Markdown and the names of the files written."""
     runs = load_runs(root)
     stale_files = [root / "leaderboard.csv", root / "positions_overlap.csv", root / "longbench_e.csv"]
-    for stale in [*root.glob("score_vs_*.png"), root / "quality_vs_memory.png", *stale_files]:
+    stale_plots = [*root.glob("score_vs_*.png"), *root.glob("quality_vs_memory*.png")]
+    for stale in [*stale_plots, *stale_files]:
         stale.unlink(missing_ok=True)  # our own outputs of an earlier compare
     shutil.rmtree(root / TB_DIR, ignore_errors=True)  # its TEXT and figures, even under --no-plots
+    names = display_names([(r.method, r.fields) for r in runs])
     outputs: dict[str, str] = {}
     keys = columns(runs)
-    header, rows = ["method", *keys], table(runs, keys)
-    text = markdown(header, rows)
-    outputs["compare.csv"] = csv_text(header, rows)
+    text = shown_table(runs, keys, names)
+    outputs["compare.csv"] = csv_text(["method", *keys], table(runs, keys))
     board = leaderboard(runs)
     if board is not None:
         section, outputs["leaderboard.csv"] = leaderboard_text(board)
         text += section
-    buckets = [[r.method, task, *(_cell(v[b]) for b in LONGBENCH_E_BUCKETS)]
+    buckets = [[names.get(r.method, r.method), task, *(_cell(v[b]) for b in LONGBENCH_E_BUCKETS)]
                for r in runs for task, v in longbench_e_scores(r.records).items()]  # fmt: skip
     if buckets:
         text += "\n## LongBench-E: longbench_score (%) per length bucket (LongBench's scorer_e)\n\n"
@@ -197,22 +303,16 @@ def write_comparison(root: Path, plots: bool = True) -> tuple[str, list[str]]:
         text += "\n## Kept positions: mean Jaccard over shared samples, layers, heads and contexts\n\n"
         text += markdown(POSITIONS_HEADER, overlap)
         outputs["positions_overlap.csv"] = csv_text(POSITIONS_HEADER, overlap)
+    text += runs_table(runs, names)
     outputs["compare.md"] = text
     for name, content in outputs.items():
         (root / name).write_text(content)
     written = list(outputs)
     if plots:
-        figures = {}
-        if quality_metrics(runs):
-            figures["sweep/quality_vs_memory"] = plot(runs, root / "quality_vs_memory.png")
-            written.append("quality_vs_memory.png")
-        for kind in sorted({b.kind for b in board.budgets} - {FULL}) if board is not None else []:
-            title = f"{root.name}: task score vs KV budget"
-            path = root / f"score_vs_{kind}.png"
-            figures[f"leaderboard/score_vs_{kind}"] = plot_leaderboard(board, kind, path, title)
-            written.append(f"score_vs_{kind}.png")
-        write_tensorboard(root / TB_DIR, text, figures)
-        written.append(str(TB_DIR))
+        figures = comparison_figures(root, runs, board)
+        write_tensorboard(root / TB_DIR, text, write_figures(root, figures))
+        written += [name for name, _ in figures.values()] + [str(TB_DIR)]
+    write_experiment_summaries(root)
     return text, written
 
 

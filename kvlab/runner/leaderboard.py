@@ -229,57 +229,150 @@ def legend_entries(axes: Any) -> tuple[list[Any], list[str]]:
     return list(entries.values()), list(entries)
 
 
-def _line_styles(methods: list[str]) -> dict[str, dict[str, Any]]:
-    """One distinct look per method, the same in every panel: ten colours, then the same colours
-    dashed with square markers, then dotted with triangles (a legend of 19 VLM presets stays
-    unambiguous)."""
-    looks = (("-", "o"), ("--", "s"), (":", "^"))
-    palette = [f"C{i}" for i in range(10)]
+#: markers cycled independently of the ten colours, so two methods never share colour and marker
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<")
+
+
+def line_styles(methods: list[str]) -> dict[str, dict[str, Any]]:
+    """One distinct look per method, the same in every panel and card: a colour of ten, a marker of
+    :data:`MARKERS` (the two cycle out of step: 19 VLM presets stay unambiguous), solid lines for
+    the first ten methods, then dashed, then dotted."""
+    linestyles = ("-", "--", ":")
     styles: dict[str, dict[str, Any]] = {}
     for method in methods:
         if method not in styles:
             i = len(styles)
-            linestyle, marker = looks[(i // len(palette)) % len(looks)]
-            styles[method] = {"color": palette[i % len(palette)], "linestyle": linestyle, "marker": marker}
+            styles[method] = {
+                "color": f"C{i % 10}",
+                "marker": MARKERS[i % len(MARKERS)],
+                "linestyle": linestyles[(i // 10) % len(linestyles)],
+                "markersize": 7,
+            }
     return styles
 
 
+def dodge(
+    series: dict[str, list[tuple[float, float]]], log: bool = False, share: float = 0.015
+) -> tuple[dict[str, list[tuple[float, float]]], bool]:
+    """Points of several methods that coincide (same x, same y to 6 digits) moved side by side in x,
+    in the order of ``series``, by ``share`` of the x range per method (a factor on a log axis), so
+    every method stays visible where lines lie on top of each other. Returns the series and whether
+    any point moved; the y values are never changed."""
+    xs = [x for points in series.values() for x, _ in points]
+    if not xs:
+        return series, False
+    if log:
+        span = math.log(max(xs) / min(xs)) if min(xs) > 0 else 0.0
+        step = share * (span or 1.0)
+    else:
+        span = max(xs) - min(xs)
+        step = share * (span or abs(xs[0]) or 1.0)
+    groups: dict[tuple[float, float], list[str]] = {}
+    for method, points in series.items():
+        for x, y in points:
+            groups.setdefault((x, round(y, 6)), []).append(method)
+    moved = False
+    out: dict[str, list[tuple[float, float]]] = {}
+    for method, points in series.items():
+        shifted = []
+        for x, y in points:
+            group = groups[(x, round(y, 6))]
+            offset = (group.index(method) - (len(group) - 1) / 2) * step
+            moved = moved or offset != 0
+            shifted.append((x * math.exp(offset) if log else x + offset, y))
+        out[method] = shifted
+    return out, moved
+
+
+def plot_series(
+    ax: Any,
+    series: dict[str, list[tuple[float, float]]],
+    styles: dict[str, dict[str, Any]],
+    log: bool = False,
+) -> bool:
+    """A line per method of ``series`` (``{method: [(x, y)]}``) in its :func:`line_styles` look, so
+    that every method stays visible: coinciding points side by side (:func:`dodge`) and, where
+    some moved, each line a little thinner than the one drawn before it (a later line never
+    covers an earlier one). Returns whether points were moved aside."""
+    drawn, moved = dodge({method: points for method, points in series.items() if points}, log=log)
+    for i, (method, points) in enumerate(drawn.items()):
+        width = max(1.2, 5.0 - 1.8 * i) if moved else 1.8
+        ax.plot(*zip(*points, strict=True), label=method, linewidth=width, **styles[method])
+    return moved
+
+
+def draw_scores(
+    ax: Any, board: Leaderboard, family: str, kind: str, styles: dict[str, dict[str, Any]]
+) -> bool:
+    """One family's scores (%) against the budgets of ``kind`` on ``ax``: a line per method
+    (:func:`plot_series`), the full cache as a dashed black line. Returns whether points were
+    moved aside."""
+    points = [b for b in board.budgets if b.kind == kind]
+    series: dict[str, list[tuple[float, float]]] = {}
+    for method in _methods(board, family):
+        values = board.scores[family][method]
+        if method in board.full:
+            level = next(iter(values.values()))
+            ax.axhline(level, color="black", linestyle="--", linewidth=1.4, label=method)
+        else:
+            series[method] = [(b.value, values[b.label]) for b in points if b.label in values]
+    moved = plot_series(ax, series, styles, log=kind == "tokens")
+    ratio = kind == "ratio"
+    ax.set_xlabel("budget.ratio (kept share of each prompt)" if ratio else "budget.tokens per KV head")
+    ax.set_ylabel("score (%)")
+    if kind == "tokens":
+        ax.set_xscale("log", base=2)
+    ax.set_xticks([b.value for b in points], [f"{b.value:g}" for b in points])
+    ax.minorticks_off()
+    ax.set_ylim(-3, 103)
+    ax.grid(alpha=0.3)
+    return moved
+
+
+def family_metrics(board: Leaderboard, family: str) -> str:
+    """The task metrics behind a family's scores (every family's for ``overall``)."""
+    return ", ".join(board.metrics.get(family, [])) or ", ".join(
+        sorted({m for v in board.metrics.values() for m in v})
+    )
+
+
+def score_figures(board: Leaderboard, kind: str, title: str) -> dict[str, Any]:
+    """``{family: figure}``: one card per task family (overall first), each the size of a run's
+    TensorBoard figures (:mod:`kvlab.runner.views.figures`) with its legend inside the figure, below
+    the axes, so the saved PNG and the TensorBoard image are the same picture."""
+    from kvlab.runner.views.figures import card_figure, legend_below, styled
+
+    order = _family_order(board)
+    styles = line_styles([m for family in order for m in _methods(board, family) if m not in board.full])
+
+    @styled
+    def draw(family: str) -> Any:
+        methods = len(board.scores[family])
+        fig, ax = card_figure(entries=methods)
+        moved = draw_scores(ax, board, family, kind, styles)
+        name = "overall (mean of families)" if family == OVERALL else family
+        ax.set_title(f"{title}\n{name}: {family_metrics(board, family)}")
+        legend_below(fig, ax, note="equal points drawn side by side" if moved else None)
+        return fig
+
+    return {family: draw(family) for family in order}
+
+
 def plot_leaderboard(board: Leaderboard, kind: str, path: Path, title: str) -> Any:
-    """Score (%) against budget of one kind (``ratio`` or ``tokens``): a panel per family (overall
-    first), a line per method, the full cache as a dashed line; saved as PNG (>= 600 px wide)."""
+    """Score (%) against budget of one kind (``ratio`` or ``tokens``) in one file: a panel per
+    family (overall first), a line per method, the full cache as a dashed line; saved as PNG
+    (>= 600 px wide). The reference tables' figure; ``kvlab compare`` writes one card per family
+    instead (:func:`score_figures`)."""
     plt = pyplot()
     order = _family_order(board)
     cols = min(3, len(order))
     rows = math.ceil(len(order) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 1.2, 3.6 * rows), squeeze=False)
-    points = [b for b in board.budgets if b.kind == kind]
-    styles = _line_styles([m for family in order for m in _methods(board, family) if m not in board.full])
+    styles = line_styles([m for family in order for m in _methods(board, family) if m not in board.full])
     for ax, family in zip(axes.flat, order, strict=False):
-        for method in _methods(board, family):
-            values = board.scores[family][method]
-            xs = [b.value for b in points if b.label in values]
-            ys = [values[b.label] for b in points if b.label in values]
-            if method in board.full:
-                level = next(iter(values.values()))
-                ax.axhline(level, color="black", linestyle="--", linewidth=1.2, label=method)
-            elif xs:
-                ax.plot(xs, ys, label=method, **styles[method])
-        metrics = ", ".join(board.metrics.get(family, [])) or ", ".join(
-            sorted({m for v in board.metrics.values() for m in v})
-        )
-        ax.set_title(
-            f"{'overall (mean of families)' if family == OVERALL else family} - {metrics}", fontsize=10
-        )
-        ax.set_xlabel(
-            "budget.ratio (kept fraction of each prompt)" if kind == "ratio" else "budget.tokens per KV head"
-        )
-        ax.set_ylabel("score (%)")
-        if kind == "tokens":
-            ax.set_xscale("log", base=2)
-        ax.set_xticks([b.value for b in points], [f"{b.value:g}" for b in points])
-        ax.minorticks_off()
-        ax.set_ylim(-3, 103)
-        ax.grid(alpha=0.3)
+        draw_scores(ax, board, family, kind, styles)
+        name = "overall (mean of families)" if family == OVERALL else family
+        ax.set_title(f"{name} - {family_metrics(board, family)}", fontsize=10)
     for ax in list(axes.flat)[len(order) :]:
         ax.set_visible(False)
     handles, labels = legend_entries(axes.flat)

@@ -36,7 +36,7 @@ from kvlab.runner.fidelity_run import FidelityEvaluator
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.positions import RECORD_FIELD as POSITIONS_FIELD
 from kvlab.runner.positions import position_rows
-from kvlab.runner.views import Inspector, run_label
+from kvlab.runner.views import Inspector, modality_record, run_label
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: what a re-run needs to reproduce a run, written into the run directory (``docs/evaluation.md``)
@@ -65,8 +65,8 @@ class KVLabModule(L.LightningModule):
             ``<run.dir>/<run.experiment>/reference``).
         inspect_samples: batches (from the first) whose first sample gets the detailed
             TensorBoard views (heatmap, score histograms, kept image patches).
-        inspect_layers: layers whose kept image patches are drawn (negative: from the end);
-            default ``[0, -1]``.
+        inspect_layers: layers whose score histograms and kept image patches are drawn (negative:
+            from the end); default ``[0, -1]``; ``all``: every layer.
         kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``reference`` (torch everywhere,
             for debugging) or ``triton``: every prediction step runs inside
             :func:`kvlab.kernels.dispatch.kernel_mode` of it (no process-wide setting).
@@ -101,7 +101,7 @@ class KVLabModule(L.LightningModule):
         record_positions: bool = False,
         fidelity: bool = True,
         inspect_samples: int = 4,
-        inspect_layers: list[int] | None = None,
+        inspect_layers: list[int] | Literal["all"] | None = None,
         kernels: Literal["auto", "reference", "triton"] = "auto",
         device_map: str | dict[str, str | int] | None = None,
         verify: Literal["first_batch", "off"] = "first_batch",
@@ -139,7 +139,11 @@ class KVLabModule(L.LightningModule):
         self.record_positions = record_positions
         self.fidelity = fidelity
         self.inspect_samples = inspect_samples
-        self.inspect_layers = tuple(inspect_layers) if inspect_layers is not None else (0, -1)
+        if isinstance(inspect_layers, str) and inspect_layers != "all":
+            raise ConfigError(f"model.inspect_layers must be a list of layers or 'all': {inspect_layers!r}")
+        #: the layers the detailed views draw (None: every layer)
+        layers = (0, -1) if inspect_layers is None else inspect_layers
+        self.inspect_layers = None if layers == "all" else tuple(layers)
         self.reference_dir: str | None = None
         #: the run directory (set by the CLI); ``reproduce.json`` is written there when it is set
         self.run_dir: str | None = None
@@ -346,6 +350,8 @@ class KVLabModule(L.LightningModule):
                 record["route_switch_layer"] = switch[b]
                 record["route_metric"] = [route_metric(r, b) for r in result.reports]
             record.update(retrieval_record(result.reports, b, int(result.kv_bytes_kept[b])))
+            if "modality" in batch:  # what it kept of each modality: the end-of-run figure's numbers
+                record.update(modality_record(result.reports, batch["modality"], b))
             if positions is not None:  # the writer moves it to positions.jsonl
                 record[POSITIONS_FIELD] = positions[b]
             records.append(record)

@@ -200,7 +200,7 @@ def suite_boards(
 ) -> dict[str, Leaderboard | None]:
     """Per protocol, the leaderboard of its experiment (:func:`kvlab.runner.leaderboard.leaderboard`
     over every run there); with ``plots``, ``kvlab compare`` is run on it too (its tables, per-task
-    ``score_vs_ratio.png`` and TensorBoard views land in the experiment directory)."""
+    ``score_vs_ratio.<family>.png`` cards and TensorBoard views land in the experiment directory)."""
     boards: dict[str, Leaderboard | None] = {}
     for protocol in protocols:
         experiment = root / suite_experiment(protocol, suite)

@@ -73,68 +73,66 @@ def test_compare_table_equals_each_runs_metrics_json(swept, capsys):
 
 
 def hparams_table(logdir):
-    """What TensorBoard's HPARAMS tab shows for ``logdir``, computed by its own plugin code from the
-    event files: ``({column: HParamInfo}, {metric tag}, {trial name: session run})``."""
+    """What TensorBoard's HPARAMS tab shows for ``logdir``, read by its own plugin code from the event
+    files: ``([HParamInfo] in the experiment's order, [metric tag], {trial name: session run})``."""
     from tensorboard.plugins.hparams import metadata
-    from tensorboard.plugins.hparams.backend_context import Context
 
-    plugin_data, scalars = {}, {}
+    plugin_data, experiments = {}, []
     for events in logdir.rglob("events.out.tfevents.*"):
         run = str(events.parent.relative_to(logdir))
         acc = EventAccumulator(str(events.parent))
         acc.Reload()
         with contextlib.suppress(KeyError):  # a directory without hparams data
             plugin_data.setdefault(run, {}).update(acc.PluginTagToContent(metadata.PLUGIN_NAME))
-        scalars.setdefault(run, set()).update(acc.Tags()["scalars"])
-    assert not any(metadata.EXPERIMENT_TAG in tags for tags in plugin_data.values())  # no run's columns win
-    columns = {info.name: info for info in Context(None)._compute_hparam_infos(plugin_data)}
+    for tags in plugin_data.values():
+        if metadata.EXPERIMENT_TAG in tags:
+            experiments.append(metadata.parse_experiment_plugin_data(tags[metadata.EXPERIMENT_TAG]))
+    assert len(experiments) == 1  # one experiment: its configuration orders the columns
     sessions = {
         metadata.parse_session_start_info_plugin_data(tags[metadata.SESSION_START_INFO_TAG]).group_name: run
         for run, tags in plugin_data.items()
         if metadata.SESSION_START_INFO_TAG in tags
     }
-    metrics = set().union(*(scalars[run] for run in sessions.values()))
-    return columns, metrics, sessions
+    metrics = [info.name.tag for info in experiments[0].metric_infos]
+    return list(experiments[0].hparam_infos), metrics, sessions
 
 
 def test_runs_compare_in_tensorboards_hparams_tab(swept):
-    """Opened on the experiment, HPARAMS has one readable trial per run, the union of the runs'
-    fields as columns (the full run has no budget, the sweep's budget.tokens differs) and the real
-    metrics, with no placeholder hp_metric."""
+    """Opened on the experiment, HPARAMS has one readable trial per run, the method, the budget and
+    the model as its first columns, what each run kept whatever its budget was written as, and the
+    real metrics, with no placeholder hp_metric."""
     exp = swept[0]
     columns, metrics, sessions = hparams_table(exp)
-    # short trial names: TensorBoard cuts them at about 15 characters
-    assert set(sessions) == {"full (exp)", "snapkv@12 (exp)", "snapkv@24 (exp)"}
-    assert {"run", "preset", "model", "protocol", "dataset", "budget.tokens", "budget.window"} <= set(columns)
-    assert "importance.attention" in columns and "importance.attention.kernel" in columns  # defaults too
-    assert columns["budget.tokens"].differs and columns["run"].differs and not columns["model"].differs
-    assert (
-        columns["budget.tokens"].domain_interval.min_value,
-        columns["budget.tokens"].domain_interval.max_value,
-    ) == (
-        12,
-        24,
-    )
-    assert not [c for c in columns if c.startswith(("_", "batch_size", "chat_template"))]
-    assert {"task/contains_answer", "cost/kv_kept_over_full", "fidelity/top1_share",
-            "time/prefill_s_per_sample"} <= metrics  # fmt: skip
-    # TensorBoard shows the first five metrics by name: the KV kept, fidelity and the task
-    first = ["cost/kv_kept_over_full", "fidelity/kl_nats_per_token", "fidelity/token_match_share",
-             "fidelity/top1_share", "task/contains_answer"]  # fmt: skip
-    assert sorted(metrics)[:5] == first
+    assert set(sessions) == {"full (exp)", "snapkv@12 (exp)", "snapkv@24 (exp)"}  # what varies
+    from tensorboard.plugins.hparams import api_pb2
+    from tensorboard.plugins.hparams.backend_context import _sort_and_reduce_to_hparams_limit
+
+    names = [c.name for c in columns]
+    assert names[:3] == ["method", "budget", "model"]
+    served = api_pb2.Experiment(hparam_infos=columns)
+    _sort_and_reduce_to_hparams_limit(served)  # what TensorBoard's backend serves, in its order
+    shown = [c.name for c in served.hparam_infos][:5]  # the first five are displayed
+    assert shown[:3] == ["budget", "method", "model"]
+    assert {"run", "protocol", "dataset", "budget.window", "kept.ratio", "kept.tokens"} <= set(names)
+    assert "importance.attention" in names and "importance.attention.kernel" in names  # defaults too
+    assert not {"budget.ratio", "budget.tokens", "preset"} & set(names)  # the budget is one column
+    budget = next(c for c in columns if c.name == "budget")
+    assert sorted(budget.domain_discrete) == ["12 tokens", "24 tokens", "full"]
+    assert not [c for c in names if c.startswith(("_", "batch_size", "chat_template"))]
+    assert metrics[0] == "task/contains_answer" and "fidelity/top1_share" in metrics
     assert "hp_metric" not in metrics
     snap = EventAccumulator(str(exp / sessions["snapkv@12 (exp)"]))
     snap.Reload()
-    kv_ratio = json.loads((exp / "snapkv@budget.tokens=12" / "metrics.json").read_text())["kv_ratio"]
-    assert snap.Scalars("cost/kv_kept_over_full")[0].value == pytest.approx(kv_ratio)
+    fidelity = json.loads((exp / "snapkv@budget.tokens=12" / "metrics.json").read_text())["fidelity_top1"]
+    assert snap.Scalars("fidelity/top1_share")[0].value == pytest.approx(fidelity)
 
 
 def test_sweep_plot_png_and_tensorboard_figure(swept):
     exp = swept[0]
-    assert (exp / "quality_vs_memory.png").read_bytes()[:4] == b"\x89PNG"
+    assert (exp / "quality_vs_memory.fidelity_kl.png").read_bytes()[:4] == b"\x89PNG"
     board = EventAccumulator(str(exp / "compare" / "tensorboard"))
     board.Reload()
-    assert "sweep/quality_vs_memory" in board.Tags()["images"]
+    assert "quality_vs_memory/fidelity_kl" in board.Tags()["images"]
     assert not board.Tags()["scalars"]  # curves as figures: TensorBoard's smoothing cannot bend them
 
 
@@ -145,10 +143,13 @@ def test_compare_without_plots_leaves_no_figure_of_an_earlier_compare(swept, tmp
     from kvlab.runner.compare import write_comparison
 
     exp = shutil.copytree(swept[0], tmp_path / "exp")
-    assert (exp / "quality_vs_memory.png").is_file() and (exp / "compare" / "tensorboard").is_dir()
+    assert list(exp.glob("quality_vs_memory.*.png")) and (exp / "compare" / "tensorboard").is_dir()
     write_comparison(exp, plots=False)
-    assert not (exp / "quality_vs_memory.png").exists() and not (exp / "compare" / "tensorboard").exists()
-    assert not list(exp.glob("score_vs_*.png")) and (exp / "compare.md").is_file()
+    assert not list(exp.glob("quality_vs_memory*.png")) and not list(exp.glob("score_vs_*.png"))
+    assert (exp / "compare.md").is_file()
+    board = EventAccumulator(str(exp / "compare" / "tensorboard"))  # the HPARAMS configuration alone
+    board.Reload()
+    assert not board.Tags()["images"] and not board.Tags()["tensors"]
 
 
 def test_yaml_sweep_block_and_names(tmp_path):

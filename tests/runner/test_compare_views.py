@@ -2,6 +2,7 @@
 hand-built experiment, and the rendered TensorBoard figures (sizes, no pixel-strip images)."""
 
 import csv
+import io
 import json
 
 import numpy as np
@@ -123,14 +124,24 @@ def test_compare_writes_leaderboard_csv_markdown_plot_and_tensorboard(bench):
     overall = {r["method"]: r for r in rows if r["family"] == "overall"}
     assert list(overall) == ["full", "random", "snapkv"]  # the full cache first
     assert float(overall["snapkv"]["ratio=0.1"]) == pytest.approx(37.5)
-    with Image.open(bench / "score_vs_ratio.png") as image:
-        assert image.width >= 600 and image.height >= 300
     board = EventAccumulator(
         str(bench / "compare" / "tensorboard"), size_guidance={"images": 0, "tensors": 0}
     )
     board.Reload()
     tags = board.Tags()
-    assert "leaderboard/score_vs_ratio" in tags["images"]  # curves as figures: nothing smooths them
+    # one card per family and per quality metric (curves as figures: nothing smooths them)
+    cards = {"score_vs_ratio/overall", "score_vs_ratio/document", "score_vs_ratio/chart",
+             "quality_vs_memory/anls", "quality_vs_memory/relaxed_accuracy"}  # fmt: skip
+    assert set(tags["images"]) == cards
+    for tag in cards:  # the PNG file is the very image of the card, at the size of a run's figures
+        kind, name = tag.split("/")
+        with Image.open(bench / f"{kind}.{name}.png") as image:
+            png = np.asarray(image.convert("RGB"))
+        card = board.Images(tag)[0]
+        assert np.array_equal(
+            np.asarray(Image.open(io.BytesIO(card.encoded_image_string)).convert("RGB")), png
+        )
+        assert 500 <= card.width <= 600 and card.height >= 300
     assert not tags["scalars"]
     assert [p.name for p in (bench / "compare" / "tensorboard").iterdir() if p.is_dir()] == []  # one run
     text = board.Tensors("compare/text_summary")[0].tensor_proto.string_val[0].decode()
@@ -227,17 +238,45 @@ def test_kept_patches_are_drawn_in_the_colour_bars_colours_with_the_count():
     assert np.abs(second.astype(int) - bottom).max() <= 2
 
 
-def test_trial_names_of_one_experiment_never_collide():
-    """TensorBoard averages the metrics of sessions that share a name: a budget sweep keeps its
-    short value names, any other point names its fields."""
-    from kvlab.runner.views.hparams import trial_name
+def fields(budget, model="smollm2-135m", window=32):
+    """A run's run.json fields with a SnapKV-like pipeline (``budget`` None: the full cache)."""
+    compression = {} if budget is None else {"budget": {**budget, "window": window}, "importance": ATTENTION}
+    return {"model": {"model": model, "compression": compression}}
 
-    runs = ["snapkv@budget.tokens=64", "snapkv@budget.window=64", "snapkv@budget.ratio=1",
-            "snapkv@budget.tokens=1", "snapkv@budget.ratio=0.5", "snapkv", "full"]  # fmt: skip
-    names = [trial_name(run, "abl") for run in runs]
-    assert len(set(names)) == len(names)
-    assert names[0] == "snapkv@64 (abl)" and names[1] == "snapkv@window=64 (abl)"
-    assert names[4] == "snapkv@0.5 (abl)" and names[6] == "full (abl)"
+
+def test_display_names_lead_with_what_varies():
+    """The issue's experiment: SnapKV and MixKV at two ratios with --model.model, a default run;
+    names keep the method and the values that differ, the budget alone, the shared model dropped."""
+    from kvlab.runner.views.names import SHOWN_CHARACTERS, display_names
+
+    over = "model=smollm2-135m,budget.ratio"
+    runs = [(f"snapkv@{over}=0.1", fields({"ratio": 0.1})), (f"snapkv@{over}=0.2", fields({"ratio": 0.2})),
+            (f"mixkv_snapkv@{over}=0.1", fields({"ratio": 0.1})),
+            (f"mixkv_snapkv@{over}=0.2", fields({"ratio": 0.2})),
+            ("snapkv", fields({"tokens": 128}))]  # fmt: skip
+    names = display_names(runs)
+    assert list(names.values()) == [
+        "snapkv@10%",
+        "snapkv@20%",
+        "mixkv_snapkv@10%",
+        "mixkv_snapkv@20%",
+        "snapkv@128",
+    ]
+    assert len({n[:SHOWN_CHARACTERS] for n in names.values()}) == len(runs)
+    # a value that differs is named by its field; the full cache has no budget
+    other = display_names([("full", fields(None)),
+                           ("snapkv@budget.window=8", fields({"ratio": 0.1}, window=8)),
+                           ("snapkv@budget.window=16", fields({"ratio": 0.1}, window=16))])  # fmt: skip
+    assert list(other.values()) == ["full", "snapkv@window=8", "snapkv@window=16"]
+    # long methods alike in TensorBoard's first 15 characters: the values lead
+    long = display_names([("mixkv_pyramidkv@budget.ratio=0.1", fields({"ratio": 0.1})),
+                          ("mixkv_pyramidkv@budget.ratio=0.2", fields({"ratio": 0.2}))])  # fmt: skip
+    assert list(long.values()) == ["10% mixkv_pyramidkv", "20% mixkv_pyramidkv"]
+    # nothing but the directory tells two runs apart: the directory names
+    same = display_names(
+        [("snapkv@budget=0.1", fields({"ratio": 0.1})), ("snapkv@budget.ratio=0.1", fields({"ratio": 0.1}))]
+    )
+    assert list(same.values()) == ["snapkv@budget=0.1", "snapkv@budget.ratio=0.1"]
 
 
 def test_the_legend_names_a_method_drawn_only_in_a_later_panel():

@@ -44,16 +44,17 @@ def test_event_files_hold_every_view(vlm_run):
     layers = len(
         json.loads((vlm_run / "predictions.jsonl").read_text().splitlines()[0])["kept_per_layer_head"]
     )
-    figures = {"budget/kept_layer_head", "budget/kept_per_layer", "budget/kept_layer_head_mean",
-               "modality/kept_fraction_per_layer"}  # fmt: skip
+    figures = {"budget/kept_per_layer", "modality/kept_fraction_per_layer"}
     assert figures <= set(tags["images"])
+    # 12 tokens in every layer and head: no heatmap of one number (it is in the TEXT summary)
+    assert not {"budget/kept_layer_head", "budget/kept_layer_head_mean"} & set(tags["images"])
     for tag in figures:  # rendered figures a screen shows, not a layers x heads pixel strip
         image = acc.Images(tag)[0]
         assert image.width >= 500 and image.height >= 200
     for layer in (0, layers - 1):
         assert f"patches/layer_{layer}/image_0" in tags["images"]
-        assert f"scores/attention/layer_{layer}" in tags["histograms"]  # one card per layer and role
-    assert not [t for t in tags["histograms"] if not t.startswith("scores/attention/")]  # one scorer: no mix
+    # one card per inspected layer (model.inspect_layers) and role; one scorer: no mix
+    assert set(tags["histograms"]) == {"scores/attention/layer_0", f"scores/attention/layer_{layers - 1}"}
     first = json.loads((vlm_run / "predictions.jsonl").read_text().splitlines()[0])
     candidates = first["prompt_tokens"] - 4  # the first sample's tokens outside the window of 4
     histogram = acc.Histograms("scores/attention/layer_0")[0].histogram_value
@@ -66,22 +67,26 @@ def test_event_files_hold_every_view(vlm_run):
 
 
 def test_the_run_summary_is_text_and_an_hparams_trial(vlm_run):
-    acc = events(vlm_run / "tensorboard" / "summary")
+    acc = events(vlm_run / "tensorboard")  # one TensorBoard run: the views and the summary
     tags = acc.Tags()
+    assert not (vlm_run / "tensorboard" / "summary").exists()
     text = {tag.removesuffix("/text_summary") for tag in tags["tensors"]}
     assert {"results/metrics", "run/config", "run/prompt"} <= text
     table = acc.Tensors("results/metrics/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| fidelity to the full cache | `fidelity_top1` |" in table and "| memory | `kv_ratio` |" in table
     assert f"| `fidelity_kl` | {metrics_value(vlm_run, 'fidelity_kl'):.4g} nats/token |" in table
     assert " s per sample |" in table.split("`prefill_seconds` |")[1].splitlines()[0]
-    assert "snapkv" in acc.Tensors("run/config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "uniform: " in table.split("`kept / prompt tokens per layer and KV head` |")[1].splitlines()[0]
+    assert "| kept | `kept.tokens` | 12 tokens per layer and KV head |" in table
+    config = acc.Tensors("run/config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert config.startswith(
+        "**method** `snapkv` · **budget** 12 tokens, window 4 · **model** `tiny-qwen2-vl`"
+    )
     metrics = json.loads((vlm_run / "metrics.json").read_text())
-    assert acc.Scalars("cost/kv_kept_over_full")[0].value == pytest.approx(metrics["kv_ratio"])
     assert acc.Scalars("fidelity/top1_share")[0].value == pytest.approx(metrics["fidelity_top1"])
     assert acc.Scalars("task/contains_answer")[0].value == pytest.approx(metrics["contains_answer"])
-    plugin = acc.PluginTagToContent("hparams")
-    assert "_hparams_/experiment" not in plugin  # TensorBoard then takes every run's columns
-    assert "hp_metric" not in events(vlm_run / "tensorboard").Tags()["scalars"]
+    assert "hp_metric" not in tags["scalars"]
+    assert not (vlm_run.parent / "compare").exists()  # a run writes in its own directory alone
 
 
 def metrics_value(run, key):
@@ -166,3 +171,34 @@ def test_the_per_layer_plot_and_the_overshoot_counter_agree(budget, modality):
         assert int(counter[b]) == max(int(drawn.clamp(min=0).max()), int(window.clamp(min=0)))
         if modality["name"] == "text_prior":
             assert bool((share.mean(1) > layer_budget).all()) == (int(counter[b]) > 0)
+
+
+def test_routed_samples_on_two_branches_keep_their_scorer_scores():
+    """DAVID on MixKV scores (two scorers, mixed) over a batch whose image sample stays decoupled
+    and whose text-only sample switches to unified at once: the layer report keeps each scorer's
+    scores, each row from its own branch, so the mixed histogram counts the candidates alone
+    (never the protected window), as on a pipeline without a route."""
+    from support import e2e
+    from support.modality import WINDOW, mixed_samples
+
+    from kvlab.config.loader import resolve
+    from kvlab.engine.generation import generate
+    from kvlab.pipeline import Pipeline
+    from kvlab.runner.views.inspector import score_histograms
+
+    loaded = e2e.kvlab_model("tiny-qwen2-vl")
+    node = resolve(["david_mixkv"], [])["model"]["compression"]
+    node["budget"] = {"tokens": 20, "window": WINDOW}
+    node["importance"]["attention"]["window"] = WINDOW
+    node["route"]["rule"].update(threshold=-1e9, metric={"name": "ncar", "window": WINDOW})  # never trips
+    items = [mixed_samples()[1], mixed_samples()[2]]  # one image; text only (NCAR NaN: switches at once)
+    batch = loaded.processor.collate(items)
+    result = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=1, record_scores=True)
+    report = result.reports[0]
+    assert report.route.branches == ["decoupled", "unified"]  # the two samples took different branches
+    assert set(report.scorer_scores) == {"attention", "value_norm", "mean_key_diversity"}
+    valid = batch["attention_mask"][0].bool()
+    heads = report.scores.shape[1]
+    histograms = score_histograms(report, valid)
+    assert histograms["mixed"].numel() == heads * (int(valid.sum()) - WINDOW)  # no protected entry
+    assert histograms["attention"].numel() == histograms["mixed"].numel()

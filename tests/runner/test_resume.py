@@ -187,3 +187,30 @@ def test_files_are_created_with_the_users_umask(tmp_path, umask):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask == plain.stat().st_mode & 0o777
+
+
+def test_a_resumed_runs_end_of_run_figures_cover_every_sample(tmp_path, data, monkeypatch):
+    """The run-level heatmap of a resumed run is the mean over every sample of predictions.jsonl
+    (read back from the file), not over the samples the resuming process predicted."""
+    import torch
+
+    import kvlab.runner.views.summary as summary
+
+    drawn = []
+    real = summary.heatmap_figure
+    monkeypatch.setattr(
+        summary, "heatmap_figure", lambda share, title: drawn.append(share) or real(share, title)
+    )
+    args = ["--model.compression.budget.tokens", "12", "--model.compression.allocate.head", "{name: adakv}"]
+    predict(tmp_path, data, *args, "--run.method", "ada")  # ragged per-head budgets: a heatmap to draw
+    run = tmp_path / "runs" / "e" / "ada"
+    lines = (run / "predictions.jsonl").read_text().splitlines()
+    (run / "predictions.jsonl").write_text(lines[0] + "\n")  # as if killed after the first sample
+    drawn.clear()
+    predict(tmp_path, data, *args, "--run.method", "ada")
+    records = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and len(drawn) == 1
+    every = torch.stack(
+        [torch.tensor(r["kept_per_layer_head"], dtype=torch.float32) / r["prompt_tokens"] for r in records]
+    ).mean(0)
+    assert torch.allclose(drawn[0], every)

@@ -13,29 +13,28 @@ Every batch (step = batch index; the unit is in the name):
 The first ``model.inspect_samples`` batches, their first sample (step = batch index):
 
 - ``budget/kept_layer_head``: kept / prompt tokens per layer (x) and KV head (y), colour scale
-  fitted to the data and stated in the colour bar (:func:`~.figures.heatmap_figure`);
+  fitted to the data and stated in the colour bar (:func:`~.figures.heatmap_figure`); not drawn
+  for a uniform allocation (one number: in the TEXT summary);
 - ``budget/kept_per_layer``: kept share per layer, mean over heads with the heads' min..max band,
   the layer budget dashed and, for prompts with images, each modality's kept share;
-- ``scores/<role>/layer_<l>``: histogram of each scorer's score at layer ``l``, over the first
-  sample's KV heads and candidate positions (no padding, no protected window or sinks); and
+- ``scores/<role>/layer_<l>``: for the layers of ``model.inspect_layers`` (first and last by
+  default, ``all`` on request), a histogram of each scorer's score over the first sample's KV
+  heads and candidate positions (no padding, no protected window or sinks); and
   ``scores/mixed/layer_<l>``, the mixer's output over the same entries, when two scorers or more
   are mixed (:func:`~.inspector.score_histograms`);
-- ``patches/layer_<l>/image_<i>``: for the layers of ``model.inspect_layers``, the image beside
-  the share of KV heads that kept each patch token (:mod:`~.patches`), each patch's glyph written
-  on it for the ``smollm2-reader`` tasks.
+- ``patches/layer_<l>/image_<i>``: for the same layers, the image beside the share of KV heads
+  that kept each patch token (:mod:`~.patches`), each patch's glyph written on it for the
+  ``smollm2-reader`` tasks.
 
-At the end of the run (step 0): ``modality/kept_fraction_per_layer`` (kept / present tokens of
-each modality per layer, every sample), ``budget/kept_layer_head_mean`` (the heatmap averaged
-over every sample) and, for routed pipelines, ``route/metric_per_layer`` (a figure, and the
-same numbers as a TEXT table).
-
-Then, from the finished run's files, ``<run>/tensorboard/summary/`` (:mod:`~.summary`): TEXT
-``results/metrics`` (the results as a table), ``run/config``, ``run/prompt``, and the run as an
-HPARAMS trial (:mod:`~.hparams`).
+From the finished run's files (:mod:`~.summary`), in the same ``tensorboard/`` directory: the
+end-of-run figures over every record (``budget/kept_layer_head_mean``,
+``modality/kept_fraction_per_layer`` where prompts hold images or video, ``route/metric_per_layer``
+for routed pipelines), TEXT ``results/metrics``, ``run/config``, ``run/prompt``, and the run as an
+HPARAMS trial (:mod:`~.hparams`) named by what varies within its experiment (:mod:`~.names`).
 """
 
-from kvlab.runner.views.inspector import Inspector
+from kvlab.runner.views.inspector import Inspector, modality_record
 from kvlab.runner.views.labels import run_label
-from kvlab.runner.views.summary import write_run_summary
+from kvlab.runner.views.summary import write_experiment_summaries, write_run_summary
 
-__all__ = ["Inspector", "run_label", "write_run_summary"]
+__all__ = ["Inspector", "modality_record", "run_label", "write_experiment_summaries", "write_run_summary"]

@@ -64,6 +64,29 @@ def new_figure(height: float, width: float = WIDTH) -> Any:
     return fig
 
 
+def card_figure(entries: int = 1, columns: int = 2) -> tuple[Any, Any]:
+    """``(figure, axes)`` of one comparison card: the width of every view, the height grown by one
+    legend row per ``columns`` of the ``entries`` the legend below the axes will name."""
+    fig = new_figure(height=3.9 + 0.28 * math.ceil(max(entries, 1) / columns))
+    return fig, fig.add_subplot()
+
+
+def legend_below(fig: Any, ax: Any, note: str | None = None, columns: int = 2) -> Any:
+    """The legend of ``ax``'s lines inside the figure, below the axes (constrained layout makes
+    room): a legend outside the figure is cut from the image TensorBoard shows. ``note`` is the
+    legend's title (e.g. that equal points were drawn side by side)."""
+    handles, labels = ax.get_legend_handles_labels()
+    return fig.legend(handles, labels, loc="outside lower center", ncols=min(columns, max(len(labels), 1)),
+                      frameon=False, title=note, title_fontsize=10)  # fmt: skip
+
+
+def save_png(image: np.ndarray, path: Any) -> None:
+    """A rendered figure (:func:`render`) as a PNG file: the very pixels TensorBoard shows."""
+    from PIL import Image
+
+    Image.fromarray(image).save(path)
+
+
 def render(fig: Any) -> np.ndarray:
     """The figure as an ``[H, W, 3]`` uint8 RGB array."""
     fig.canvas.draw()

@@ -1,12 +1,11 @@
 """A run as one trial of TensorBoard's HPARAMS tab: its settings as columns, its results as metrics.
 
-Each run writes a session start (its hyperparameters, no experiment summary) and one scalar per
-result into ``tensorboard/summary/``. With no experiment summary anywhere, TensorBoard builds the
-table from every session it finds under ``--logdir``: the columns are the union of the runs'
-fields (a field a run lacks is blank; the fields that differ come first, and the first five of
-them are shown) and the metrics are the scalar tags of the sessions' directories, so an
-experiment's runs compare side by side. The trial's name is :func:`trial_name` (the session's
-group name: two runs of one name in two experiments stay apart).
+Each run writes a session start (its hyperparameters) and one scalar per headline result into its
+``tensorboard/`` directory; the experiment writes the HPARAMS configuration
+(:func:`write_experiment_config`, into ``<experiment>/compare/tensorboard/``) that orders the
+columns: the method, the budget and the model first, then the fields that differ between the runs,
+then the rest. The trial's name is the run's display name within its experiment
+(:mod:`kvlab.runner.views.names`: ``snapkv@10%``) and the experiment's name.
 """
 
 from __future__ import annotations
@@ -24,25 +23,21 @@ from kvlab.config.registry import parameter_fields
 from kvlab.metrics.tasks import SCORED_SAMPLES
 from kvlab.pipeline import Pipeline
 from kvlab.pipeline.validation import WHERE
+from kvlab.runner.leaderboard import budget_point
 from kvlab.runner.run_names import parse_method
 
-#: metrics.json key -> the scalar tag the HPARAMS tab shows, its unit in the name. TensorBoard
-#: sorts metrics by tag and shows the first five: the KV kept, the three fidelity measures and the
-#: first task metric (``task/<name>``); the times and ``usage/`` follow. Every other number of
-#: ``metrics.json`` is in the TEXT summary.
+#: metrics.json key -> the scalar tag the HPARAMS tab shows, its unit in the name: the headline
+#: results (with the task metrics, ``task/<name>``). TensorBoard reads an HPARAMS metric only from a
+#: scalar series, so each is also a one-point chart: every other number of ``metrics.json`` is in
+#: the TEXT summary alone, and the KV kept is a column (:func:`kept_columns`).
 METRIC_TAGS = {
-    "kv_ratio": "cost/kv_kept_over_full",
     "fidelity_kl": "fidelity/kl_nats_per_token",
     "fidelity_token_match": "fidelity/token_match_share",
     "fidelity_top1": "fidelity/top1_share",
-    "prefill_seconds": "time/prefill_s_per_sample",
     "compression_seconds": "time/compression_s_per_sample",
-    "decode_seconds": "time/decode_s_per_sample",
-    "decode_tokens_per_second": "time/decode_tokens_per_s",
-    "peak_memory_bytes": "usage/peak_memory_bytes",
-    "kv_bytes_kept": "usage/kv_bytes_kept_total",
-    "budget_overshoot_samples": "usage/over_budget_samples",
 }
+#: the columns TensorBoard shows first, in this order (:func:`column_order`)
+LEADING = ("method", "budget", "model")
 
 
 def metric_values(metrics: dict[str, Any]) -> dict[str, float]:
@@ -52,6 +47,30 @@ def metric_values(metrics: dict[str, Any]) -> dict[str, float]:
     out = {f"task/{name}": float(metrics[name]) for name in tasks}
     out.update({tag: float(metrics[key]) for key, tag in METRIC_TAGS.items() if _number(metrics.get(key))})
     return out
+
+
+def kept_columns(records: list[dict[str, Any]]) -> dict[str, float]:
+    """What a run kept, whatever its budget was written as: ``kept.ratio`` (kept / prompt tokens,
+    mean over samples, layers and KV heads) and ``kept.tokens`` (kept tokens per layer and KV head,
+    the same mean), read from its records' ``kept_per_layer_head``; empty without records."""
+    ratios, tokens = [], []
+    for record in records:
+        kept = [n for layer in record.get("kept_per_layer_head") or [] for n in layer]
+        if kept and record.get("prompt_tokens"):
+            mean = sum(kept) / len(kept)
+            tokens.append(mean)
+            ratios.append(min(mean / record["prompt_tokens"], 1.0))
+    if not ratios:
+        return {}
+    return {"kept.ratio": sum(ratios) / len(ratios), "kept.tokens": sum(tokens) / len(tokens)}
+
+
+def budget_description(fields: dict[str, Any]) -> str:
+    """The ``budget`` column: ``ratio 0.1``, ``128 tokens`` (per KV head) or ``full``, as written."""
+    point = budget_point(fields)
+    if point.kind == "ratio":
+        return f"ratio {point.value:g}"
+    return f"{int(point.value)} tokens" if point.kind == "tokens" else "full"
 
 
 def _number(value: Any) -> bool:
@@ -102,35 +121,28 @@ def _leaves(prefix: str, value: Any) -> dict[str, Any]:
     return {prefix: value}
 
 
-def trial_name(method: str, experiment: str) -> str:
-    """The trial's name in HPARAMS: the run's family and swept values, then its experiment
-    (``snapkv@budget.tokens=64`` in ``sweep`` -> ``snapkv@64 (sweep)``; a budget's ``tokens`` or
-    ``ratio`` alone is written as its value, any other point as ``field=value`` with the field's
-    last part: ``snapkv@window=64``, so runs of one experiment never share a trial). TensorBoard
-    cuts a trial name at about 15 characters, so what tells runs apart comes first; the columns
-    say what the values are (the run's full name is the ``run`` column)."""
-    family, point = parse_method(method)
-    (key, value), *more = point.items() if point else ((None, ""),)
-    if not more and (key == "budget.tokens" or (key == "budget.ratio" and "." in value)):
-        values = value  # the common sweep: the value alone (a ratio has a point, a count has none)
-    else:  # two runs whose values are equal but fields differ must not share a trial (TensorBoard
-        # would average their metrics into one row): the field's last part names each value
-        values = ",".join(f"{key.rsplit('.', 1)[-1]}={value}" for key, value in point.items())
-    return f"{family}@{values} ({experiment})" if values else f"{family} ({experiment})"
+def trial_name(shown: str, experiment: str) -> str:
+    """The trial's name in HPARAMS: the run's display name (:func:`kvlab.runner.views.names.display_names`,
+    what varies first), then its experiment: ``snapkv@10% (sweep)``, so runs of one name in two
+    experiments stay apart (TensorBoard would average the metrics of one name's sessions)."""
+    return f"{shown} ({experiment})"
 
 
-def hparam_values(method: str, experiment: str, fields: dict[str, Any]) -> dict[str, bool | float | str]:
-    """The HPARAMS columns of one run: ``run``, ``experiment``, ``preset`` (the run name's family),
-    ``model``, ``protocol`` (and its parameters), ``dataset``, ``max_new_tokens``, ``dtype``, then
-    :func:`compression_columns`. ``fields`` is the run's ``run.json`` fields."""
+def hparam_values(
+    method: str, experiment: str, fields: dict[str, Any], records: list[dict[str, Any]] | None = None
+) -> dict[str, bool | float | str]:
+    """The HPARAMS columns of one run: ``method`` (the run name's family), ``budget``
+    (:func:`budget_description`), ``model``, ``dataset``, ``protocol`` (and its parameters),
+    ``max_new_tokens``, ``dtype``, :func:`kept_columns` of ``records``, then
+    :func:`compression_columns` (the budget's size is the ``budget`` column), ``run`` (the
+    directory's name) and ``experiment``. ``fields`` is the run's ``run.json`` fields."""
     model = fields.get("model") or {}
     data = fields.get("data") or {}
     dataset = data.get("dataset")
     protocol = model.get("protocol") or "query_aware"
     columns: dict[str, Any] = {
-        "run": method,
-        "experiment": experiment,
-        "preset": parse_method(method)[0],
+        "method": parse_method(method)[0],
+        "budget": budget_description(fields),
         "model": model.get("model"),
         "dataset": dataset.get("name") if isinstance(dataset, dict) else dataset,
         "max_new_tokens": model.get("max_new_tokens"),
@@ -141,9 +153,47 @@ def hparam_values(method: str, experiment: str, fields: dict[str, Any]) -> dict[
         columns.update({f"protocol.{k}": v for k, v in protocol.items() if k != "name"})
     else:
         columns["protocol"] = protocol
-    columns.update(compression_columns(model.get("compression")))
+    columns.update(kept_columns(records or []))
+    compression = compression_columns(model.get("compression"))
+    columns.update({k: v for k, v in compression.items() if k not in ("budget.ratio", "budget.tokens")})
+    columns.update({"run": method, "experiment": experiment})
     values = {key: _value(value) for key, value in columns.items()}
     return {key: value for key, value in values.items() if value is not None}
+
+
+def column_order(trials: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """``[(column, differs)]`` of an experiment's trials: :data:`LEADING` first, then the columns
+    whose values differ between the trials, then the rest (by name). TensorBoard sorts the columns
+    of an experiment by its ``differs`` flag, then by name, and shows the first five: only the
+    leading columns are flagged, so they are the first TensorBoard shows (``budget``, ``method``,
+    ``model``: by name), the others follow by name."""
+    names = list(dict.fromkeys(key for trial in trials for key in trial))
+    differs = {name: len({json.dumps(t.get(name)) for t in trials}) > 1 for name in names}
+    rest = sorted((n for n in names if n not in LEADING), key=lambda n: (not differs[n], n))
+    return [(n, True) for n in LEADING if n in names] + [(n, False) for n in rest]
+
+
+def experiment_summary(trials: list[dict[str, Any]], metrics: list[str]) -> Summary:
+    """The ``_hparams_/experiment`` summary of an experiment's trials (:func:`column_order`, each
+    column's type and values) and metric tags (task scores first)."""
+    infos = []
+    for name, differs in column_order(trials):
+        values = [t[name] for t in trials if name in t]
+        info = api_pb2.HParamInfo(name=name, differs=differs)
+        if all(isinstance(v, bool) for v in values):
+            info.type = api_pb2.DATA_TYPE_BOOL
+        elif all(_number(v) for v in values):
+            info.type = api_pb2.DATA_TYPE_FLOAT64
+        else:
+            info.type = api_pb2.DATA_TYPE_STRING
+            info.domain_discrete.extend(sorted({str(v) for v in values}))
+        infos.append(info)
+    tags = sorted(metrics, key=lambda tag: (not tag.startswith("task/"), tag))
+    experiment = api_pb2.Experiment(
+        hparam_infos=infos, metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=t)) for t in tags]
+    )
+    data = HParamsPluginData(experiment=experiment, version=metadata.PLUGIN_DATA_VERSION)
+    return _plugin_summary(metadata.EXPERIMENT_TAG, data)
 
 
 def _plugin_summary(tag: str, data: HParamsPluginData) -> Summary:
@@ -174,9 +224,8 @@ def session_end() -> Summary:
 
 
 def write_session(writer: Any, group: str, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
-    """One HPARAMS trial into ``writer``'s directory: the session start (no experiment summary, so
-    TensorBoard takes the union of every session's columns), each metric as a scalar at step 0,
-    and the session end."""
+    """One HPARAMS trial into ``writer``'s directory: the session start, each metric as a scalar at
+    step 0 (TensorBoard reads HPARAMS metrics from scalars only), and the session end."""
     file_writer = writer._get_file_writer()
     file_writer.add_summary(session_start(hparams, group))
     for tag, value in metrics.items():

@@ -9,17 +9,11 @@ from typing import Any
 import torch
 
 import kvlab.data.glyphs as glyphs
-from kvlab.compression.routing import route_metric, switch_layers
+from kvlab.compression.routing import switch_layers
 from kvlab.engine.generation import GenerationResult
 from kvlab.models.base import IMAGE, TEXT, VIDEO
 from kvlab.pipeline.report import budget_overshoot
-from kvlab.runner.views.figures import (
-    heatmap_figure,
-    layer_curves_figure,
-    modality_figure,
-    render,
-    route_figure,
-)
+from kvlab.runner.views.figures import fitted_range, heatmap_figure, layer_curves_figure, render
 from kvlab.runner.views.labels import titled
 from kvlab.runner.views.patches import cell_labels, image_grids, patch_figure, patch_share
 
@@ -56,21 +50,39 @@ def modality_counts(selection: Any, modality: torch.Tensor) -> tuple[torch.Tenso
     return kept_counts, present
 
 
+def modality_record(reports: Sequence[Any], modality: torch.Tensor, b: int) -> dict[str, Any]:
+    """What sample ``b`` kept of each modality, for its prediction record (read back by the
+    end-of-run figure, :func:`kvlab.runner.views.summary.modality_fractions`, so a resumed run's
+    figure covers every sample): ``modality_tokens`` (``{name: tokens in the prompt}``) and
+    ``modality_kept`` (``{name: [L] kept entries summed over KV heads]}``), with ``kv_heads``.
+    Empty for a prompt of text alone or a pipeline that selected nothing."""
+    row = modality[b].cpu()
+    present = {name: int((row == m).sum()) for m, name in MODALITY_NAMES.items()}
+    ordered = sorted((r for r in reports if r.selection is not None), key=lambda r: r.layer_idx)
+    if not (present["image"] or present["video"]) or not ordered:
+        return {}
+    kept = [r.selection.kept_mask(row.shape[0])[b].cpu() for r in ordered]  # each [Hkv, T]
+    counts = {name: [int((k & (row == m)).sum()) for k in kept]
+              for m, name in MODALITY_NAMES.items() if present[name]}  # fmt: skip
+    tokens = {name: n for name, n in present.items() if n}
+    return {"modality_tokens": tokens, "modality_kept": counts, "kv_heads": int(kept[0].shape[0])}
+
+
 def score_histograms(report: Any, valid: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{role: scores}`` of sample 0 at one layer, each a flat tensor over its KV heads and candidate
     positions (padding and the protected window and sinks left out).
 
-    Each scorer's own score by role; ``mixed`` (the mixer's output over the same candidates) only
-    when there are two roles or more (with one, it repeats that scorer). A report without
-    per-scorer scores gives ``mixed`` over the sample's valid positions (``valid`` ``[T]``).
+    Each scorer's own score by role; ``mixed`` (the mixer's output over the same candidates: the
+    entries some role scored, so under a route each row's own branch's) only when there are two
+    roles or more (with one, it repeats that scorer). A report without per-scorer scores gives
+    ``mixed`` over the sample's valid positions (``valid`` ``[T]``).
     """
     by_role = {role: s[0].float().cpu() for role, s in (getattr(report, "scorer_scores", None) or {}).items()}
     out = {role: s[torch.isfinite(s)] for role, s in by_role.items()}
     mixed = report.scores[0].float().cpu() if report.scores is not None else None
     if mixed is not None and len(by_role) != 1:
-        first = next(iter(by_role.values()), None)
-        if first is not None:
-            candidates = torch.isfinite(first)
+        if by_role:
+            candidates = torch.stack([torch.isfinite(s) for s in by_role.values()]).any(0)
         elif valid.shape[-1] == mixed.shape[-1]:
             candidates = valid.cpu()[None].expand_as(mixed)
         else:  # a protocol that compressed only part of the prompt (its context)
@@ -90,29 +102,36 @@ def route_table(means: dict[int, float]) -> str:
 
 
 class Inspector:
-    """Writes the views of :mod:`kvlab.runner.views` to a TensorBoard ``SummaryWriter``.
+    """Writes the per-batch views of :mod:`kvlab.runner.views` to a TensorBoard ``SummaryWriter``
+    (the end-of-run figures are drawn from the run's records, :mod:`~kvlab.runner.views.summary`).
 
     Args:
         writer: the ``SummaryWriter`` (``TensorBoardLogger.experiment``).
         samples: number of batches (from the first) that get the detailed views.
-        layers: layers whose kept image patches are drawn (negative counts from the end).
+        layers: layers whose score histograms and kept image patches are drawn (negative counts
+            from the end); None: every layer.
         label: the method and budget, for figure titles (:func:`kvlab.runner.views.labels.run_label`).
     """
 
-    def __init__(self, writer: Any, samples: int = 4, layers: Sequence[int] = (0, -1), label: str = ""):
+    def __init__(
+        self, writer: Any, samples: int = 4, layers: Sequence[int] | None = (0, -1), label: str = ""
+    ) -> None:
         self.writer = writer
         self.samples = samples
-        self.layers = tuple(layers)
+        self.layers = None if layers is None else tuple(layers)
         self.label = label
-        self.kept = torch.zeros(0, len(MODALITY_NAMES))
-        self.present = torch.zeros(0, len(MODALITY_NAMES))
-        self.heatmap_sum: torch.Tensor | None = None
-        self.heatmap_count = 0
-        self.route_sums: dict[int, list[float]] = {}  # layer -> [sum of the metric, samples]
 
     def detailed(self, step: int) -> bool:
         """Whether batch ``step`` gets the detailed views (and its scores should be recorded)."""
         return step < self.samples
+
+    def inspected(self, reports: Sequence[Any]) -> list[Any]:
+        """The reports of the inspected layers (:attr:`layers`, in layer order, each once)."""
+        ordered = sorted(reports, key=lambda r: r.layer_idx)
+        if self.layers is None:
+            return ordered
+        picked = dict.fromkeys(i % len(ordered) for i in self.layers if -len(ordered) <= i < len(ordered))
+        return [ordered[i] for i in sorted(picked)]
 
     def _figure(self, tag: str, fig: Any, step: int) -> None:
         self.writer.add_image(tag, render(fig), step, dataformats="HWC")
@@ -120,7 +139,7 @@ class Inspector:
     def log_batch(
         self, result: GenerationResult, batch: dict[str, Any], step: int, processor: Any = None
     ) -> None:
-        """Per-batch scalars, run-level accumulators and (for the first batches) detailed views."""
+        """Per-batch scalars and (for the first batches) detailed views."""
         w = self.writer
         ratio = (result.kv_bytes_kept.float() / result.kv_bytes_full.clamp(min=1).float()).mean()
         w.add_scalar("cost/kv_kept_over_full", float(ratio), step)
@@ -136,13 +155,12 @@ class Inspector:
         if switch is not None:  # routed pipelines: mean switch layer (never switched = number of layers)
             layers = [len(result.reports) if s is None else s for s in switch]
             w.add_scalar("route/switch_layer_mean", sum(layers) / len(layers), step)
-        self._accumulate(result, batch)
         if not self.detailed(step):
             return
         if result.kept.numel():
             self._budget_views(result, batch, step)
         valid = batch["attention_mask"][0].bool() if "attention_mask" in batch else None
-        for report in result.reports:
+        for report in self.inspected(result.reports):
             if valid is None or (report.scores is None and not getattr(report, "scorer_scores", None)):
                 continue
             for role, values in score_histograms(report, valid).items():
@@ -150,11 +168,13 @@ class Inspector:
         self._patches(result, batch, step, processor)
 
     def _budget_views(self, result: GenerationResult, batch: dict[str, Any], step: int) -> None:
-        """The first sample's heatmap and per-layer curves."""
+        """The first sample's heatmap (not for a uniform allocation: one number, in the per-layer
+        plot and the TEXT summary) and per-layer curves."""
         length = int(result.prompt_lengths[0])
         share, budget = layer_budget_share(result, 0)  # [L, Hkv], [L]
         about = f"sample {batch['samples'][0].id} ({length} tok)"
-        self._figure("budget/kept_layer_head", heatmap_figure(share, titled(self.label, about)), step)
+        if not fitted_range(share)[2]:
+            self._figure("budget/kept_layer_head", heatmap_figure(share, titled(self.label, about)), step)
         reports = sorted(result.reports, key=lambda r: r.layer_idx)
         modalities = self._modality_share(reports, batch) if len(reports) == share.shape[0] else {}
         overshoot = budget_overshoot(result.reports)
@@ -180,29 +200,6 @@ class Inspector:
                 out[name] = torch.tensor(values)
         return out
 
-    def _accumulate(self, result: GenerationResult, batch: dict[str, Any]) -> None:
-        rows = [
-            modality_counts(r.selection, batch["modality"]) for r in result.reports if r.selection is not None
-        ]
-        if rows:
-            kept, present = (torch.stack(x).float() for x in zip(*rows, strict=True))
-            if self.kept.shape[0] != kept.shape[0]:
-                self.kept, self.present = torch.zeros_like(kept), torch.zeros_like(present)
-            self.kept += kept
-            self.present += present
-        if result.kept.numel():
-            lengths = result.prompt_lengths.clamp(min=1)[None, :, None]
-            share = (result.kept.float() / lengths).sum(1)  # [L, Hkv]
-            self.heatmap_sum = share if self.heatmap_sum is None else self.heatmap_sum + share
-            self.heatmap_count += result.kept.shape[1]
-        for report in result.reports:
-            for b in range(len(batch["samples"])):
-                value = route_metric(report, b)
-                if value is not None:
-                    total = self.route_sums.setdefault(report.layer_idx, [0.0, 0])
-                    total[0] += value
-                    total[1] += 1
-
     def _patches(self, result: GenerationResult, batch: dict[str, Any], step: int, processor: Any) -> None:
         grids = image_grids(batch, 0, processor)
         reports = [r for r in result.reports if r.selection is not None]
@@ -211,10 +208,7 @@ class Inspector:
         T = batch["modality"].shape[1]
         sample = batch["samples"][0]
         cells = sample.meta.get("image_cells") or []  # smollm2-reader tasks: each image's glyphs
-        for layer in dict.fromkeys(self.layers):
-            if not -len(reports) <= layer < len(reports):
-                continue
-            report = reports[layer]
+        for report in self.inspected(reports):
             heads = int(report.selection.counts.shape[1])
             for i, (first, rows, cols) in enumerate(grids):
                 share = patch_share(report.selection, T, first, rows, cols)
@@ -226,21 +220,6 @@ class Inspector:
                 self._figure(f"patches/layer_{report.layer_idx}/image_{i}", figure, step)
 
     def finish(self) -> None:
-        """Write the run-level figures (kept share of each modality per layer, mean heatmap, route
-        metric per layer) and flush."""
-        fractions = {}
-        for m, name in MODALITY_NAMES.items():
-            if self.present.numel() and bool((self.present[:, m] > 0).all()):
-                fractions[name] = (self.kept[:, m] / self.present[:, m]).tolist()
-        if fractions:
-            title = titled(self.label, "all samples")
-            self._figure("modality/kept_fraction_per_layer", modality_figure(fractions, title), 0)
-        if self.heatmap_sum is not None and self.heatmap_count:
-            mean = (self.heatmap_sum / self.heatmap_count).clamp(0, 1)
-            title = titled(self.label, f"mean of {self.heatmap_count} samples")
-            self._figure("budget/kept_layer_head_mean", heatmap_figure(mean, title), 0)
-        if self.route_sums:
-            means = {layer: total / count for layer, (total, count) in sorted(self.route_sums.items())}
-            self._figure("route/metric_per_layer", route_figure(means, titled(self.label, "all samples")), 0)
-            self.writer.add_text("route/metric_per_layer", route_table(means), 0)
+        """Flush the events (the run-level figures come from the records:
+        :func:`kvlab.runner.views.summary.write_run_summary`)."""
         self.writer.flush()
