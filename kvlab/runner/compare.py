@@ -43,13 +43,18 @@ from kvlab.data.benchmarks.report import LONGBENCH_E_BUCKETS, longbench_e_scores
 from kvlab.metrics.tasks import TASK_METRICS
 from kvlab.runner.leaderboard import (
     FULL,
+    OVERALL,
+    Leaderboard,
     csv_text,
+    draw_scores,
+    family_methods,
+    family_metrics,
+    family_order,
     leaderboard,
     leaderboard_text,
     line_styles,
     markdown,
     plot_series,
-    score_figures,
 )
 from kvlab.runner.positions import mean_jaccard, read_positions
 from kvlab.runner.runs import Run, load_runs
@@ -85,6 +90,28 @@ HEADERS = {
 }
 #: keys written as a percentage (shares and task scores in [0, 1])
 PERCENT = {"kv_ratio", *(k for k in FIDELITY if k != "fidelity_kl"), *TASK_METRICS}
+
+
+def score_figures(board: Leaderboard, kind: str, title: str) -> dict[str, Any]:
+    """``{family: figure}``: one card per task family (overall first), each the size of a run's
+    TensorBoard figures (:mod:`kvlab.runner.views.figures`) with its legend inside the figure, below
+    the axes, so the saved PNG and the TensorBoard image are the same picture."""
+    order = family_order(board)
+    styles = line_styles(
+        [m for family in order for m in family_methods(board, family) if m not in board.full]
+    )
+
+    @styled
+    def draw(family: str) -> Any:
+        methods = len(board.scores[family])
+        fig, ax = card_figure(entries=methods)
+        moved = draw_scores(ax, board, family, kind, styles)
+        name = "overall (mean of families)" if family == OVERALL else family
+        ax.set_title(f"{title}\n{name}: {family_metrics(board, family)}")
+        legend_below(fig, ax, note="equal points drawn side by side" if moved else None)
+        return fig
+
+    return {family: draw(family) for family in order}
 
 
 def columns(runs: list[Run]) -> list[str]:

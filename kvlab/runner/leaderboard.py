@@ -189,11 +189,11 @@ def leaderboard(runs: list[Run]) -> Leaderboard | None:
     return Leaderboard(scores, budgets, metrics, full)
 
 
-def _family_order(board: Leaderboard) -> list[str]:
+def family_order(board: Leaderboard) -> list[str]:
     return ([OVERALL] if OVERALL in board.scores else []) + sorted(f for f in board.scores if f != OVERALL)
 
 
-def _methods(board: Leaderboard, family: str) -> list[str]:
+def family_methods(board: Leaderboard, family: str) -> list[str]:
     """The full cache first, then the methods by name."""
     rows = board.scores[family]
     return sorted(rows, key=lambda m: (m not in board.full, m))
@@ -204,12 +204,12 @@ def leaderboard_text(board: Leaderboard) -> tuple[str, str]:
     labels = [b.label for b in board.budgets]
     parts = ["\n## Leaderboard: task score (%) by method and budget\n"]
     rows_csv = []
-    for family in _family_order(board):
+    for family in family_order(board):
         used = ", ".join(sorted({m for f, ms in board.metrics.items() for m in ms if family in (f, OVERALL)}))
         title = "overall (mean of the task families)" if family == OVERALL else family
         parts.append(f"\n### {title} ({used})\n\n")
         rows = []
-        for method in _methods(board, family):
+        for method in family_methods(board, family):
             values = board.scores[family][method]
             rows.append([method, *(f"{values[label]:.1f}" if label in values else "" for label in labels)])
             rows_csv.append(
@@ -309,7 +309,7 @@ def draw_scores(
     moved aside."""
     points = [b for b in board.budgets if b.kind == kind]
     series: dict[str, list[tuple[float, float]]] = {}
-    for method in _methods(board, family):
+    for method in family_methods(board, family):
         values = board.scores[family][method]
         if method in board.full:
             level = next(iter(values.values()))
@@ -336,39 +336,19 @@ def family_metrics(board: Leaderboard, family: str) -> str:
     )
 
 
-def score_figures(board: Leaderboard, kind: str, title: str) -> dict[str, Any]:
-    """``{family: figure}``: one card per task family (overall first), each the size of a run's
-    TensorBoard figures (:mod:`kvlab.runner.views.figures`) with its legend inside the figure, below
-    the axes, so the saved PNG and the TensorBoard image are the same picture."""
-    from kvlab.runner.views.figures import card_figure, legend_below, styled
-
-    order = _family_order(board)
-    styles = line_styles([m for family in order for m in _methods(board, family) if m not in board.full])
-
-    @styled
-    def draw(family: str) -> Any:
-        methods = len(board.scores[family])
-        fig, ax = card_figure(entries=methods)
-        moved = draw_scores(ax, board, family, kind, styles)
-        name = "overall (mean of families)" if family == OVERALL else family
-        ax.set_title(f"{title}\n{name}: {family_metrics(board, family)}")
-        legend_below(fig, ax, note="equal points drawn side by side" if moved else None)
-        return fig
-
-    return {family: draw(family) for family in order}
-
-
 def plot_leaderboard(board: Leaderboard, kind: str, path: Path, title: str) -> Any:
     """Score (%) against budget of one kind (``ratio`` or ``tokens``) in one file: a panel per
     family (overall first), a line per method, the full cache as a dashed line; saved as PNG
     (>= 600 px wide). The reference tables' figure; ``kvlab compare`` writes one card per family
-    instead (:func:`score_figures`)."""
+    instead (:func:`kvlab.runner.compare.score_figures`)."""
     plt = pyplot()
-    order = _family_order(board)
+    order = family_order(board)
     cols = min(3, len(order))
     rows = math.ceil(len(order) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 1.2, 3.6 * rows), squeeze=False)
-    styles = line_styles([m for family in order for m in _methods(board, family) if m not in board.full])
+    styles = line_styles(
+        [m for family in order for m in family_methods(board, family) if m not in board.full]
+    )
     for ax, family in zip(axes.flat, order, strict=False):
         draw_scores(ax, board, family, kind, styles)
         name = "overall (mean of families)" if family == OVERALL else family

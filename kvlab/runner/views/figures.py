@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 DPI = 100
 WIDTH = 5.6  # inches: 560 px at DPI
@@ -82,8 +83,6 @@ def legend_below(fig: Any, ax: Any, note: str | None = None, columns: int = 2) -
 
 def save_png(image: np.ndarray, path: Any) -> None:
     """A rendered figure (:func:`render`) as a PNG file: the very pixels TensorBoard shows."""
-    from PIL import Image
-
     Image.fromarray(image).save(path)
 
 
