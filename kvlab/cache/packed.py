@@ -43,6 +43,7 @@ from kvlab.kernels.decode_attention import (
     reads_in_place,
     variants,
 )
+from kvlab.kernels.types import segment_starts
 
 #: segments dequantized at once by the in-place decode path (bounds its transient buffer)
 CHUNK_SEGMENTS = 16
@@ -83,18 +84,12 @@ def body_lengths(lengths: torch.Tensor, group: int, residual: int) -> torch.Tens
     return torch.div((lengths - residual).clamp(min=0), group, rounding_mode="floor") * group
 
 
-def exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
-    """``[B, Hkv]`` starts of segments laid out in (sample, head) order."""
-    flat = lengths.flatten()
-    return (torch.cumsum(flat, 0) - flat).view_as(lengths)
-
-
 def segment_rows(starts: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``[sum counts]`` long: rows ``starts + offsets + j`` for ``j < counts`` of every segment, in order."""
     counts = counts.flatten()
     first = (starts + offsets).flatten()
     within = torch.arange(int(counts.sum()), device=counts.device) - torch.repeat_interleave(
-        exclusive_cumsum(counts), counts
+        segment_starts(counts), counts
     )
     return torch.repeat_interleave(first, counts) + within
 
@@ -130,11 +125,11 @@ class PackedPrompt:
         body_rows = segment_rows(starts, torch.zeros_like(starts), body)
         residual_rows = segment_rows(starts, body, rest)
         layout = {
-            "body_starts": exclusive_cumsum(body),
+            "body_starts": segment_starts(body),
             "body_lengths": body,
             "residual_keys": keys[residual_rows],
             "residual_values": values[residual_rows],
-            "residual_starts": exclusive_cumsum(rest),
+            "residual_starts": segment_starts(rest),
             "residual_lengths": rest,
         }
         return keys[body_rows], values[body_rows], layout
@@ -168,7 +163,7 @@ class PackedPrompt:
         """Keys and values ``[N, D]`` dequantized in the layer's flat order (segment by segment, body
         then residual): what the layer held before quantization, up to the quantization error."""
         lengths = self.body_lengths + self.residual_lengths
-        starts = exclusive_cumsum(lengths)
+        starts = segment_starts(lengths)
         body_rows = segment_rows(starts, torch.zeros_like(starts), self.body_lengths)
         residual_rows = segment_rows(starts, self.body_lengths, self.residual_lengths)
         codes = torch.arange(body_rows.shape[0], device=body_rows.device)
