@@ -285,12 +285,11 @@ def test_shipped_ratio_artefacts_fit_their_model_and_keep_their_budgets(tmp_path
     from kvlab.config.artefacts import PACKAGED, resolve_path
     from kvlab.models.shape import model_shape
 
+    shape_facts = model_shape(model)  # before KVLAB_CACHE moves: SmolLM2 reads its converted config
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))  # nothing calibrated locally
     path = resolve_path("auto", model, "prefixkv_layer_ratios", "artefact")
     assert path.parent == PACKAGED
-    artefact = Artefact.load(path).check(
-        "prefixkv_layer_ratios", "artefact", model=model, **model_shape(model)
-    )
+    artefact = Artefact.load(path).check("prefixkv_layer_ratios", "artefact", model=model, **shape_facts)
     assert (artefact.num_layers, artefact.num_heads, artefact.num_kv_heads) == shape
     budgets, ratios = artefact.tensors["budgets"], artefact.tensors["ratios"]
     assert budgets.dtype == torch.float64 and ratios.shape == (len(budgets), shape[0])
