@@ -26,7 +26,7 @@ zero point as stored (the entries' dtype). Codes are packed ``8 / b`` per byte f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -53,6 +53,12 @@ class Quantizer(Component):
     @property
     def row_group(self) -> int:
         return 1
+
+    @property
+    def fold_every(self) -> int | None:
+        """Decoded tokens pending before the layer folds them into the codes
+        (:func:`~kvlab.cache.packed.fold`); None: decoded tokens stay in full precision."""
+        return None
 
     def quantize_keys(self, keys: torch.Tensor) -> PackedCodes:
         raise NotImplementedError
@@ -165,6 +171,22 @@ class GroupCodes:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
 
+    def take(self, rows: torch.Tensor) -> GroupCodes:
+        """Rows ``rows [m]`` (``along: tokens``: whole aligned groups of ``group`` rows, in order)."""
+        params = rows
+        if self.along == "tokens":
+            params = torch.div(rows[:: self.group], self.group, rounding_mode="floor")
+        return replace(self, packed=self.packed[rows], scale=self.scale[params], zero=self.zero[params])
+
+    def cat(self, other: GroupCodes) -> GroupCodes:
+        """These rows then ``other`` 's (the same bits, group and axis)."""
+        return replace(
+            self,
+            packed=torch.cat([self.packed, other.packed]),
+            scale=torch.cat([self.scale, other.scale]),
+            zero=torch.cat([self.zero, other.zero]),
+        )
+
     def row_bytes(self) -> float:
         """Bytes per row: its codes, and its share of its group's scale and zero point."""
         return self.dim * self.bits / 8 + 2 * self.scale.element_size() * self.dim / self.group  # either axis
@@ -195,6 +217,11 @@ class KIVI(Quantizer):
 
     @property
     def row_group(self) -> int:
+        return self.group
+
+    @property
+    def fold_every(self) -> int:
+        """KIVI's streaming residual: every ``group`` decoded tokens are folded into the codes."""
         return self.group
 
     def quantize_keys(self, keys: torch.Tensor) -> GroupCodes:
@@ -320,6 +347,24 @@ class RotatedCodes:
             scale = self.gamma[rows].float() * math.sqrt(math.pi / 2) / self.dim
             unit = unit + scale[:, None] * (signs @ self.projection)
         return (unit * self.norm[rows].float()[:, None]).to(self.norm.dtype)
+
+    def take(self, rows: torch.Tensor) -> RotatedCodes:
+        """Rows ``rows [m]`` (the layer's ``Π``, ``S`` and codebook shared)."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
+        return replace(self, packed=pick(self.packed), norm=self.norm[rows], signs=pick(self.signs),
+                       gamma=pick(self.gamma))  # fmt: skip
+
+    def cat(self, other: RotatedCodes) -> RotatedCodes:
+        """These rows then ``other`` 's (codes of the same seed and bits)."""
+
+        def join(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None else torch.cat([a, b])
+
+        return replace(self, packed=join(self.packed, other.packed), norm=torch.cat([self.norm, other.norm]),
+                       signs=join(self.signs, other.signs), gamma=join(self.gamma, other.gamma))  # fmt: skip
 
     def nbytes(self) -> int:
         held = (self.packed, self.norm, self.signs, self.gamma, self.rotation, self.projection, self.codebook)
