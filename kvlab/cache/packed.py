@@ -52,7 +52,8 @@ from kvlab.kernels.decode_attention import (
     reads_in_place,
     variants,
 )
-from kvlab.kernels.types import segment_starts
+from kvlab.kernels.dispatch import launch_device, use_triton
+from kvlab.kernels.types import UniformCodes, segment_starts
 
 #: segments dequantized at once by the in-place decode path (bounds its transient buffer)
 CHUNK_SEGMENTS = 16
@@ -286,13 +287,34 @@ def packed_decode_attention(
 
     Arguments as :func:`kvlab.kernels.decode_attention.ragged_decode_attention`, the flat prompt
     buffers replaced by ``packed`` (``starts / lengths``: the layer's logical segments; ``options``:
-    the keyword arguments of ``ragged_decode_attention``). A plain call on CPU (no attention
+    the keyword arguments of ``ragged_decode_attention``). A plain call over uniform codes (KIVI,
+    ``per_token``) that the kernel mode sends to Triton (:func:`~kvlab.kernels.dispatch.use_triton`:
+    CUDA tensors under ``auto``) runs the fused kernel
+    :func:`kvlab.kernels.tl.packed_attention.packed_decode_attention_triton`, which dequantizes in
+    registers. Otherwise a plain call on CPU (no attention
     variant) attends each body run in chunks of at most ``chunk`` segments dequantized into the
     cache dtype, the residual runs in place and the decode entries, merged by log-sum-exp
     (:func:`~kvlab.kernels.decode_attention.merge_by_lse`); any other call attends
     :meth:`PackedPrompt.dense` through ``ragged_decode_attention``.
     """
     asked = variants(*(options.get(k) for k in ("sliding_window", "softcap", "sinks", "decode_valid")))
+    fusable = isinstance(packed.keys, UniformCodes) and isinstance(packed.values, UniformCodes)
+    if (
+        not asked
+        and fusable
+        and use_triton("packed_decode_attention", query, packed.residual_keys, decode_keys)
+    ):
+        # triton is optional: the launcher (which imports it) loads on this path only
+        from kvlab.kernels.tl.packed_attention import packed_decode_attention_triton
+
+        body_runs, residual_runs = packed.runs()
+        with launch_device(query):
+            return packed_decode_attention_triton(
+                query, packed.keys, packed.values, packed.body_starts, packed.body_lengths,
+                packed.residual_keys, packed.residual_values, packed.residual_starts,
+                packed.residual_lengths, decode_keys, decode_values, decode_length, scaling,
+                widths=(body_runs.width, residual_runs.width),
+            )  # fmt: skip
     if asked or not reads_in_place(query):
         keys, values = packed.dense()
         return ragged_decode_attention(
