@@ -197,40 +197,67 @@ PACKED_HEADERS = [
 ]  # fmt: skip
 
 
+def interleaved(
+    calls: dict[tuple[str, str], Callable[[], object]], device: torch.device, repeat: int
+) -> dict[tuple[str, str], float]:
+    """Median seconds of each call, timed in ``repeat`` rounds that run every call once in turn
+    (after a warm-up round), so a load change on a shared machine hits them alike."""
+    times: dict[tuple[str, str], list[float]] = {name: [] for name in calls}
+    for round_ in range(repeat + 1):
+        for name, call in calls.items():
+            seconds = time_call(call, (), device, warmup=0, repeat=1)
+            if round_:
+                times[name].append(seconds)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _in_mode(mode: str, fn: Callable[..., torch.Tensor], *args: object) -> Callable[[], torch.Tensor]:
+    """``fn(*args)`` run under kernel mode ``mode``."""
+
+    def call() -> torch.Tensor:
+        with kernel_mode(mode):
+            return fn(*args)
+
+    return call
+
+
 def packed_rows(query, T, budget, formats, opts, device, dtype, gen) -> list[list[object]]:
     """One (context, budget) cell: the entries in ``dtype`` and each format's codes of the same
-    entries, timed through the torch path and (CUDA) the Triton kernels, ratios to the first."""
+    entries, timed through the torch path and (CUDA) the Triton kernels in interleaved rounds,
+    ratios to the ``dtype`` entries on the same path."""
     B, Hkv, D, C = opts.batch, opts.kv_heads, opts.head_dim, opts.decoded
     keys, values, starts, lengths, dk, dv = ragged_cache(B, Hkv, D, T, budget, C, dtype, device, gen)
     kept = int(lengths.sum()) // (B * Hkv)
-    runs = SegmentRuns.of(starts, lengths)
+    runs = SegmentRuns.of(starts, lengths)  # the cache computes them once per compression
     args = (query, keys, values, starts, lengths, dk, dv, C, D**-0.5, int(lengths.max()))
-    reference = time_call(
-        functools.partial(ragged_decode_attention_reference, runs=runs), args, device, repeat=opts.repeat
-    )
+    label = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    calls = {(label, "torch"): functools.partial(ragged_decode_attention_reference, *args, runs=runs)}
     cuda = device.type == "cuda" and triton_available()
-    triton_s = None
     if cuda:
         from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton  # triton: optional, CUDA
 
-        triton_s = time_call(ragged_decode_attention_triton, args, device, repeat=opts.repeat)
-    label = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    rows = [[context_label(T), f"{budget:.0%}", kept, label, f"{2 * keys.nbytes / 2**20:.2f}", ms(reference),
-             "1.00", ms(triton_s), "n/a" if triton_s is None else "1.00"]]  # fmt: skip
+        calls[(label, "triton")] = functools.partial(ragged_decode_attention_triton, *args)
+    sizes = {label: 2 * keys.nbytes}
     for name in formats:
         packed = FORMATS[name]().pack(keys, values, starts, lengths)
         packed.runs()  # computed once per compression, as the cache keeps them
+        sizes[name] = packed.nbytes()
         call = (query, packed, starts, lengths, dk, dv, C, D**-0.5)
-        with kernel_mode("reference"):
-            torch_s = time_call(packed_decode_attention, call, device, repeat=opts.repeat)
-        fused = None
+        calls[(name, "torch")] = _in_mode("reference", packed_decode_attention, *call)
         if cuda:
-            with kernel_mode("triton"):
-                fused = time_call(packed_decode_attention, call, device, repeat=opts.repeat)
-        rows.append([context_label(T), f"{budget:.0%}", kept, name, f"{packed.nbytes() / 2**20:.2f}",
-                     ms(torch_s), f"{torch_s / reference:.2f}", ms(fused),
-                     "n/a" if fused is None else f"{fused / triton_s:.2f}"])  # fmt: skip
-    return rows
+            calls[(name, "triton")] = _in_mode("triton", packed_decode_attention, *call)
+    seconds = interleaved(calls, device, opts.repeat)
+
+    def ratio(name: str, path: str) -> str:
+        found = seconds.get((name, path))
+        return "n/a" if found is None else f"{found / seconds[(label, path)]:.2f}"
+
+    return [
+        [context_label(T), f"{budget:.0%}", kept, name, f"{sizes[name] / 2**20:.2f}",
+         ms(seconds[(name, "torch")]), ratio(name, "torch"), ms(seconds.get((name, "triton"))),
+         ratio(name, "triton")]
+        for name in [label, *formats]
+    ]  # fmt: skip
 
 
 def run_packed(opts: argparse.Namespace) -> None:
@@ -251,7 +278,8 @@ def run_packed(opts: argparse.Namespace) -> None:
     title = (
         f"kvlab bench decode --formats on {device_name(device)}, {dtype}: B={opts.batch}, H={opts.heads}, "
         f"Hkv={opts.kv_heads}, D={opts.head_dim}, {opts.decoded} decoded tokens; times in ms (median of "
-        f"{opts.repeat}); int8 / int4: per_token, group 32; kivi2: KIVI 2 bits, group 32, residual 128"
+        f"{opts.repeat} interleaved rounds); int8 / int4: per_token, group 32; kivi2: KIVI 2 bits, group 32, "
+        "residual 128"
     )
     print_table(title, PACKED_HEADERS, rows)
     triton_note(device.type == "cuda" and triton_available())

@@ -62,9 +62,9 @@ CHUNK_SEGMENTS = 16
 class PackedCodes(Protocol):
     """Quantized rows ``[M, D]`` of one buffer (keys or values): codes and their parameters."""
 
-    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows [m]`` (long, row indices into the ``M`` quantized rows) dequantized, ``[m, D]``
-        in the dtype of the entries that were quantized."""
+    def dequantize_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Rows ``rows`` (``[m]`` long row indices into the ``M`` quantized rows, or a slice of
+        them) dequantized, ``[m, D]`` in the dtype of the entries that were quantized."""
         ...
 
     def nbytes(self) -> int:
@@ -334,8 +334,11 @@ def packed_decode_attention(
             continue
         for first in range(0, run.count, chunk):
             count = min(chunk, run.count - first)
-            base = run.row + (first + torch.arange(count, device=device)) * run.stride
-            rows = (base[:, None] + torch.arange(run.length, device=device)).flatten()
+            if run.stride == run.length:  # segments back to back (a body always is): a slice
+                rows = slice(run.row + first * run.stride, run.row + (first + count) * run.stride)
+            else:
+                base = run.row + (first + torch.arange(count, device=device)) * run.stride
+                rows = (base[:, None] + torch.arange(run.length, device=device)).flatten()
             keys = packed.keys.dequantize_rows(rows).to(query.dtype).view(count, 1, run.length, D)
             values = packed.values.dequantize_rows(rows).to(query.dtype).view(count, 1, run.length, D)
             segments = slice(run.first + first, run.first + first + count)

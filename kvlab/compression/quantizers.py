@@ -161,12 +161,28 @@ class GroupCodes:
         q = torch.where(s > 0, (x.float() - z) / torch.where(s > 0, s, 1.0), 0.0)
         return q.round().clamp(0, (1 << bits) - 1)
 
-    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows [m]`` as ``[m, D]`` in the entries' dtype: ``q s + z`` in fp32."""
+    def dequantize_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Rows ``rows`` (``[m]`` long indices, or a slice of consecutive rows) as ``[m, D]`` in the
+        entries' dtype: ``q s + z`` in fp32.
+
+        Parameters are broadcast over their group, not expanded per element, when a group's rows
+        are known to lie together: groups of channels always, groups of tokens for a slice of
+        whole groups (the decode path's body chunks)."""
         codes = unpack_codes(self.packed[rows], self.bits, self.dim).float()
-        s = self._expand(self.scale, rows, self.group, self.along)
-        z = self._expand(self.zero, rows, self.group, self.along)
-        return (codes * s + z).to(self.scale.dtype)
+        m, D, g = codes.shape[0], self.dim, self.group
+        if self.along == "channels":
+            shape, params = (m, D // g, g), rows
+            scale, zero = self.scale[params].float()[..., None], self.zero[params].float()[..., None]
+        elif isinstance(rows, slice) and (rows.start or 0) % g == 0 and m % g == 0:
+            shape, params = (m // g, g, D), slice((rows.start or 0) // g, (rows.start or 0) // g + m // g)
+            scale, zero = self.scale[params].float()[:, None], self.zero[params].float()[:, None]
+        else:
+            index = torch.arange(self.packed.shape[0], device=codes.device)[rows]
+            shape, scale, zero = (
+                codes.shape,
+                *(self._expand(t, index, g, self.along) for t in (self.scale, self.zero)),
+            )
+        return codes.view(shape).mul_(scale).add_(zero).view(m, D).to(self.scale.dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
@@ -333,14 +349,15 @@ class RotatedCodes:
     mse_bits: int
     dim: int
 
-    def _mse_unit(self, rows: torch.Tensor) -> torch.Tensor:
+    def _mse_unit(self, rows: torch.Tensor | slice) -> torch.Tensor:
         """``[m, D]`` fp32 dequantized unit vectors ``Π^T c[idx]`` (zero without MSE bits)."""
         if self.packed is None:
-            return torch.zeros(rows.shape[0], self.dim, device=self.norm.device)
+            return torch.zeros(self.norm[rows].shape[0], self.dim, device=self.norm.device)
         idx = unpack_codes(self.packed[rows], self.mse_bits, self.dim).long()
         return self.codebook[idx] @ self.rotation
 
-    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+    def dequantize_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Rows ``rows`` (``[m]`` long indices or a slice) as ``[m, D]`` in the entries' dtype."""
         unit = self._mse_unit(rows)
         if self.signs is not None:
             signs = unpack_codes(self.signs[rows], 1, self.dim).float() * 2 - 1
