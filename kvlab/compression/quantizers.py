@@ -9,7 +9,9 @@ is all the layer keeps of its prompt (layout and decode attention: :mod:`kvlab.c
 - ``kivi`` (Liu et al. 2024, Sec. 3): asymmetric uniform ``bits``-bit codes; keys per channel
   (a scale and zero point per channel for every ``group`` consecutive tokens of a segment),
   values per token (a scale and zero point per ``group`` channels of a token); the newest
-  ``residual`` tokens (at least, see :func:`~kvlab.cache.packed.body_lengths`) full precision.
+  ``residual`` tokens (at least, see :func:`~kvlab.cache.packed.body_lengths`) full precision,
+  and decoded tokens folded into the codes every ``group`` steps (``fold_every``,
+  :func:`~kvlab.cache.packed.fold`).
 - ``per_token``: keys and values both per token, groups of ``group`` channels, ``bits`` in
   {2, 4, 8} (the int8 / int4 / int2 baselines of KV quantization).
 - ``turboquant`` (Zandieh et al. 2025): a seeded random rotation, then each coordinate coded by
