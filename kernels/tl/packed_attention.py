@@ -181,8 +181,10 @@ def packed_decode_attention_triton(
     block_d = head_block(D)
     block_n = PACKED_BLOCK_N
     sizing = (B * Hkv, block_n, query.device, split_size, slots)
-    body_split, S_body = splits_for(widths[0], *sizing)
+    body_split, S_body = splits_for(widths[0], *sizing) if widths[0] else (block_n, 0)  # 0: no body
     rest_split, S_rest = splits_for(widths[1] + decode_length, *sizing)
+    if not residual_keys.shape[0]:  # no residual row: a row to point at (never read, lengths are 0)
+        residual_keys = residual_values = residual_keys.new_zeros(1, D)
     partials = Partials.empty(B * Hkv, S_body + S_rest, G * q, D, query.device)
     options = launch_options(block_d, query.dtype)
     options["num_stages"] = min(options["num_stages"], STAGES)
@@ -190,16 +192,17 @@ def packed_decode_attention_triton(
         options["num_warps"] = max(options["num_warps"], MIN_WARPS_16BIT)
     k_rows, k_cols, k_stride = _groups(keys)
     v_rows, v_cols, v_stride = _groups(values)
-    _packed_partial[check_grid((B * Hkv, S_body))](
-        query, keys.packed, keys.scale, keys.zero, values.packed, values.scale, values.zero,
-        body_starts.contiguous(), body_lengths.contiguous(),
-        partials.acc, partials.m, partials.l,
-        scaling * LOG2E, body_split, partials.splits, q, Hkv, G,
-        keys.bits, keys.packed.stride(0), k_rows, k_cols, k_stride, v_rows, v_cols, v_stride,
-        *query.stride(),
-        D=D, ROWS=pow2(G * q, 16), BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=dot_upcast(query.dtype),
-        PRECISION=dot_precision(query.dtype), **options,
-    )  # fmt: skip
+    if S_body:  # a layer whose every entry is in the residual has no codes to read
+        _packed_partial[check_grid((B * Hkv, S_body))](
+            query, keys.packed, keys.scale, keys.zero, values.packed, values.scale, values.zero,
+            body_starts.contiguous(), body_lengths.contiguous(),
+            partials.acc, partials.m, partials.l,
+            scaling * LOG2E, body_split, partials.splits, q, Hkv, G,
+            keys.bits, keys.packed.stride(0), k_rows, k_cols, k_stride, v_rows, v_cols, v_stride,
+            *query.stride(),
+            D=D, ROWS=pow2(G * q, 16), BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=dot_upcast(query.dtype),
+            PRECISION=dot_precision(query.dtype), **options,
+        )  # fmt: skip
     launch_ragged_partials(
         partials, S_body, S_rest, rest_split, query, residual_keys, residual_values, residual_starts,
         residual_lengths, decode_keys, decode_values, decode_length, scaling,

@@ -105,12 +105,15 @@ PACKED_QUANTIZERS = {  # int8 / int4 / int2 per token, KIVI-2 (per-channel keys)
     "int4": PerToken(bits=4, group=32, residual=5),
     "int2": PerToken(bits=2, group=8),
     "kivi2": KIVI(bits=2, group=16, residual=20),
+    "kivi4_residual_only": KIVI(bits=4, group=16, residual=64),  # every entry in the residual
+    "kivi2_paper": KIVI(bits=2, group=32, residual=128),  # KIVI's own setting (GPU tier)
 }
 PACKED_CASES = [  # B, Hkv, G, q, D, max_len, split, dtype, quantizer: small shapes for the interpreter
     (2, 2, 3, 1, 16, 150, None, torch.bfloat16, "kivi2"),  # GQA 3, body and residual splits sized alike
     (2, 2, 2, 2, 12, 150, 64, torch.float16, "int4"),  # two-token chunk, odd head dim, several splits
     (1, 3, 1, 1, 16, 90, 64, torch.float32, "int8"),
     (1, 2, 4, 1, 16, 100, None, torch.float16, "int2"),
+    (1, 2, 2, 1, 16, 60, None, torch.float16, "kivi4_residual_only"),  # no body: no body launch
 ]
 REAL_PACKED = [  # D, G, dtype, max_len, quantizer: real head dims, splits sized for GPU_SLOTS
     (128, 4, torch.bfloat16, 700, "kivi2"),
