@@ -225,6 +225,7 @@ def test_kivi_folds_every_group_of_decoded_tokens_as_if_quantized_offline():
         torch.testing.assert_close(
             layer.decode_attention(query, 0.25), reference(layer, query, 0.25), atol=1e-5, rtol=1e-5
         )
+    assert held_bytes(layer) == layer.kv_bytes()  # what the cache reports is what it holds
     # kv_bytes_kept: prompt entries folded into the codes are charged at their packed size
     first = compressed_layer(FOLD_COUNTS, FOLD, decode=0)
     assert (layer.packed.sample_bytes(layer.folded) < first.packed.sample_bytes()).all()
