@@ -27,12 +27,14 @@ tokens), quantizes the stream's oldest whole groups beyond ``residual`` and appe
 the segment's body: the result is exactly :meth:`EntryQuantizer.pack` of the segment's entries
 and the folded tokens together, as if they had all been quantized offline.
 
-Decode attention (:func:`packed_decode_attention`) attends the body one bounded chunk of segments
-at a time, dequantized into the cache's dtype (never the whole body at once, never in fp32 beyond
-one chunk), the residual through strided views of its buffers, and the decode region, merging the
-parts by their log-sum-exp. Calls the in-place path cannot take (attention variants, tensors off
-the CPU) attend :meth:`PackedPrompt.dense`, the entries dequantized back into the layer's flat
-order.
+Decode attention (:func:`packed_decode_attention`): where the kernel mode picks Triton (CUDA
+tensors under ``auto``), uniform codes (KIVI, ``per_token``) go to the fused kernel of
+:mod:`kvlab.kernels.tl.packed_attention`, which dequantizes each tile in registers. The torch path
+attends the body one bounded chunk of segments at a time, dequantized into the cache's dtype
+(never the whole body at once, never in fp32 beyond one chunk), the residual through strided
+views of its buffers, and the decode region, merging the parts by their log-sum-exp. Calls
+neither can take (attention variants; TurboQuant codes off the CPU) attend
+:meth:`PackedPrompt.dense`, the entries dequantized back into the layer's flat order.
 """
 
 from __future__ import annotations
