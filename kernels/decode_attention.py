@@ -156,9 +156,9 @@ def _flash_attention(
 
     ``query [n, 1, r, D]`` (each segment one "batch" entry with one head), ``decode_keys /
     decode_values [n, 1, t, D]``. With ``lse_p`` / ``lse_d`` the log-sum-exps of the prompt and
-    decode parts, the prompt part's share of the softmax mass is ``sigmoid(lse_p - lse_d)``, so the
-    result is ``lerp(out_d, out_p, sigmoid(lse_p - lse_d))`` (in fp32 for 16-bit inputs): three
-    small ops, exact up to rounding. A head with no prompt entry has ``lse_p = -inf`` (share 0).
+    decode parts, the result is ``lerp(out_d, out_p, sigmoid(lse_p - lse_d))`` (:func:`merge_by_lse`,
+    in fp32 for 16-bit inputs): three small ops, exact up to rounding. A head with no prompt entry
+    has ``lse_p = -inf`` (share 0).
     Every op is counted: on a busy CPU each costs more than its arithmetic (docs/kernels.md).
     """
     n, _, rows, D = query.shape
@@ -182,10 +182,27 @@ def _flash_attention(
         return out
     mask = _decode_mask(q, rows, t, query) if q > 1 else None
     decode, decode_lse = _flash(query, decode_keys, decode_values, scaling, mask)
-    share = torch.sub(lse, decode_lse).sigmoid_().unsqueeze_(-1)  # [n, 1, r, 1]
-    if query.dtype in FULL_PRECISION:
-        return decode.lerp_(out, share)  # decode is the kernel's fresh output
-    return torch.lerp(decode.float(), out.float(), share).to(query.dtype)
+    return merge_by_lse(out, lse, decode, decode_lse, with_lse=False)[0].to(query.dtype)
+
+
+def merge_by_lse(
+    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor, with_lse: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Two softmax attentions of the same queries over disjoint entries, merged by log-sum-exp.
+
+    ``out / part [..., r, D]`` with ``lse / part_lse [..., r]``: ``out`` 's share of the softmax
+    mass is ``sigmoid(lse - part_lse)``, so the merge is ``lerp(part, out, sigmoid(lse - part_lse))``
+    (three small ops, exact up to rounding) and the merged log-sum-exp ``logaddexp(lse, part_lse)``
+    (skipped without ``with_lse``). ``part`` must attend at least one entry (finite ``part_lse``);
+    ``out`` may attend none (``lse = -inf``: share 0). fp32 / fp64 results are written into
+    ``part`` (the caller's fresh output), 16-bit ones computed in fp32 and returned in fp32.
+    """
+    share = torch.sub(lse, part_lse).sigmoid_().unsqueeze_(-1)  # [..., r, 1]
+    if part.dtype in FULL_PRECISION and out.dtype == part.dtype:
+        merged = part.lerp_(out, share)
+    else:
+        merged = torch.lerp(part.float(), out.float(), share)
+    return merged, torch.logaddexp(lse, part_lse) if with_lse else None
 
 
 def _segments_view(decode: torch.Tensor, length: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ from here, never from its dispatcher's module, so the two never import each othe
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -21,3 +21,24 @@ def segment_starts(counts: torch.Tensor) -> torch.Tensor:
     """Offsets ``[B, Hkv]`` of each (sample, head) segment in the flat buffer (exclusive cumsum)."""
     flat = counts.flatten()
     return (flat.cumsum(0) - flat).view(counts.shape)
+
+
+@runtime_checkable
+class UniformCodes(Protocol):
+    """Uniform asymmetric codes of ``[M, D]`` rows, as the fused packed decode kernel reads them
+    (:class:`kvlab.compression.quantizers.GroupCodes`): ``x^ = q s + z``.
+
+    Attributes:
+        packed: ``[M, D * bits / 8]`` uint8, ``8 / bits`` consecutive channels' codes per byte, the
+            first in the low bits.
+        scale / zero: ``[M / group, D]`` (``along == "tokens"``: ``group`` consecutive rows share one
+            per channel) or ``[M, D / group]`` (``"channels"``: ``group`` consecutive channels of a
+            row share one), in the entries' dtype.
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group: int
+    along: Literal["tokens", "channels"]

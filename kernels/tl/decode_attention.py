@@ -20,6 +20,8 @@ arguments, so a generation compiles each kernel once per dtype and head dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -59,11 +61,52 @@ def _load_kv(
     return tl.where(in_prompt[:, None], from_prompt, from_decode)
 
 
-@triton.jit(do_not_specialize=["decode_length", "split", "n_splits", "Q", "HKV", "G"])
+@triton.jit
+def load_queries(
+    q_ptr, bh, HKV, G, Q, sq_b, sq_h, sq_q, sq_d, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """The ``G * Q`` queries of KV head ``bh`` (flat ``b * HKV + h``) as a ``[ROWS, BLOCK_D]`` tile
+    (row ``r``: query head ``h * G + r // Q``, step ``r % Q``; zero past ``G * Q`` and ``D``), and
+    each row's step ``r % Q`` ``[ROWS]``."""
+    b = bh // HKV
+    h = bh % HKV
+    r = tl.arange(0, ROWS)
+    i = r % Q
+    d = tl.arange(0, BLOCK_D)
+    q_off = b * sq_b + (h * G + r // Q) * sq_h + i * sq_q
+    mask = (r < G * Q)[:, None] & (d < D)[None, :]
+    return tl.load(q_ptr + q_off[:, None] + d[None, :] * sq_d, mask=mask, other=0.0), i
+
+
+@triton.jit
+def softmax_step(q, k, visible, m, lsum, scale_log2, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile ``k [BLOCK_N, BLOCK_D]`` of an online softmax (log2 domain, fp32): ``visible``
+    ``[ROWS, BLOCK_N]`` (or broadcastable) masks logits; returns the tile's unnormalised
+    probabilities ``p``, the rescale ``alpha`` of the earlier sums and the new max and sum."""
+    logits = dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+    logits = tl.where(visible, logits, float("-inf"))
+    m_new = tl.maximum(m, tl.max(logits, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(logits - m_new[:, None])
+    return p, alpha, m_new, lsum * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def store_partial(
+    part_acc, part_m, part_l, idx, m, lsum, acc, rows_ok, D: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Write one split's ``(max, sum, acc)`` of query rows ``idx [ROWS]`` (where ``rows_ok``)."""
+    d = tl.arange(0, BLOCK_D)
+    tl.store(part_m + idx, m, mask=rows_ok)
+    tl.store(part_l + idx, lsum, mask=rows_ok)
+    tl.store(part_acc + idx[:, None] * D + d[None, :], acc, mask=rows_ok[:, None] & (d < D)[None, :])
+
+
+@triton.jit(do_not_specialize=["decode_length", "split", "n_splits", "first_split", "Q", "HKV", "G"])
 def _decode_partial(
     q_ptr, pk_ptr, pv_ptr, starts_ptr, lengths_ptr, dk_ptr, dv_ptr,
     part_acc, part_m, part_l,
-    decode_length, scale_log2, split, n_splits, Q, HKV, G,
+    decode_length, scale_log2, split, n_splits, first_split, Q, HKV, G,
     sq_b, sq_h, sq_q, sq_d,
     sp_n,
     sd_b, sd_h, sd_c, sd_d,
@@ -74,15 +117,9 @@ def _decode_partial(
     s = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
-    r = tl.arange(0, ROWS)
-    g = r // Q
-    i = r % Q
-    row_ok = r < G * Q
+    q, i = load_queries(q_ptr, bh, HKV, G, Q, sq_b, sq_h, sq_q, sq_d, D, ROWS, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-
-    q_off = b * sq_b + (h * G + g) * sq_h + i * sq_q
-    q = tl.load(q_ptr + q_off[:, None] + d[None, :] * sq_d, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     start = tl.load(starts_ptr + bh).to(tl.int64)
     plen = tl.load(lengths_ptr + bh).to(tl.int32)
@@ -103,21 +140,14 @@ def _decode_partial(
         rows = start + pos
         dec_idx = pos - plen
         k = _load_kv(pk_ptr, dk_base, rows, dec_idx, in_prompt, in_dec, d, d_ok, sp_n, sd_c, sd_d, BLOCK_D)
-        logits = dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2  # [ROWS, BLOCK_N], log2 domain
         visible = in_prompt[None, :] | (in_dec[None, :] & (dec_idx[None, :] <= last_visible[:, None]))
-        logits = tl.where(visible, logits, float("-inf"))
-        m_new = tl.maximum(m, tl.max(logits, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(logits - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
+        p, alpha, m, lsum = softmax_step(q, k, visible, m, lsum, scale_log2, UPCAST, PRECISION)
         v = _load_kv(pv_ptr, dv_base, rows, dec_idx, in_prompt, in_dec, d, d_ok, sp_n, sd_c, sd_d, BLOCK_D)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST, PRECISION)
-        m = m_new
 
-    out = (bh * n_splits + s) * (G * Q) + r
-    tl.store(part_m + out, m, mask=row_ok)
-    tl.store(part_l + out, lsum, mask=row_ok)
-    tl.store(part_acc + out[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    r = tl.arange(0, ROWS)
+    idx = (bh * n_splits + first_split + s) * (G * Q) + r
+    store_partial(part_acc, part_m, part_l, idx, m, lsum, acc, r < G * Q, D, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["n_splits", "Q", "HKV", "G"])
@@ -170,6 +200,86 @@ def key_tile(block_d: int) -> int:
     return BLOCK_N if block_d <= 128 else BLOCK_N // 2
 
 
+@dataclass
+class Partials:
+    """Split-K partials of ``n`` KV heads x ``splits`` splits x ``rows`` query rows, fp32:
+    ``acc [n * splits * rows, D]``, running max ``m`` and sum ``l`` ``[n * splits * rows]``; row
+    ``(head * splits + split) * rows + r``. Kernels write disjoint ranges of splits (the packed
+    decode kernel the body's first, :mod:`kvlab.kernels.tl.packed_attention`); :func:`combine`
+    merges them all."""
+
+    acc: torch.Tensor
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741 (the softmax sum, as in the papers)
+    splits: int
+
+    @classmethod
+    def empty(cls, heads: int, splits: int, rows: int, D: int, device: torch.device) -> Partials:
+        m = torch.empty(heads * splits * rows, device=device, dtype=torch.float32)
+        acc = torch.empty(heads * splits * rows, D, device=device, dtype=torch.float32)
+        return cls(acc, m, torch.empty_like(m), splits)
+
+
+def splits_for(
+    longest: int, heads: int, block_n: int, device: torch.device, split_size: int | None, slots: int | None
+) -> tuple[int, int]:
+    """``(tokens per split, splits)`` over ``longest`` tokens: ``split_size`` rounded up to the key
+    tile, or sized to fill ``slots`` (default :func:`~kvlab.kernels.tl.common.parallel_slots`)."""
+    if split_size is None:
+        slots = slots if slots is not None else parallel_slots(device)
+        return split_size_for(longest, heads, slots, MIN_SPLIT, block_n)
+    split_size = -(-split_size // block_n) * block_n
+    return split_size, max(1, -(-longest // split_size))
+
+
+def launch_ragged_partials(
+    partials: Partials,
+    first_split: int,
+    splits: int,
+    split_size: int,
+    query: torch.Tensor,
+    prompt_keys: torch.Tensor,
+    prompt_values: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    decode_keys: torch.Tensor,
+    decode_values: torch.Tensor,
+    decode_length: int,
+    scaling: float,
+) -> None:
+    """:func:`_decode_partial` over the flat entries and the decode region (arguments of
+    :func:`ragged_decode_attention_triton`), into splits ``first_split .. first_split + splits - 1``
+    of ``partials``."""
+    B, H, q, D = query.shape
+    Hkv = starts.shape[1]
+    block_d = head_block(D)
+    prompt_keys, prompt_values = prompt_keys.contiguous(), prompt_values.contiguous()
+    starts, lengths = starts.contiguous(), lengths.contiguous()
+    if decode_values.stride() != decode_keys.stride():
+        decode_values, decode_keys = decode_values.contiguous(), decode_keys.contiguous()
+    _decode_partial[check_grid((B * Hkv, splits))](
+        query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values,
+        partials.acc, partials.m, partials.l,
+        decode_length, scaling * LOG2E, split_size, partials.splits, first_split, q, Hkv, H // Hkv,
+        *query.stride(), prompt_keys.stride(0), *decode_keys.stride(),
+        D=D, ROWS=pow2((H // Hkv) * q, 16), BLOCK_N=key_tile(block_d), BLOCK_D=block_d,
+        UPCAST=dot_upcast(query.dtype), PRECISION=dot_precision(query.dtype),
+        **launch_options(block_d, query.dtype),
+    )  # fmt: skip
+
+
+def combine(partials: Partials, query: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """``[B, H, q, D]`` in the query dtype: every split of ``partials`` merged (:func:`_decode_combine`)."""
+    B, H, q, D = query.shape
+    block_d = head_block(D)
+    out = torch.empty(B, H, q, D, device=query.device, dtype=query.dtype)
+    _decode_combine[check_grid((B * H * q,))](
+        partials.acc, partials.m, partials.l, out, partials.splits, q, Hkv, H // Hkv, *out.stride(),
+        D=D, BLOCK_S=BLOCK_S, BLOCK_D=block_d, **launch_options(block_d, query.dtype),
+    )  # fmt: skip
+    return out
+
+
 def ragged_decode_attention_triton(
     query: torch.Tensor,
     prompt_keys: torch.Tensor,
@@ -192,40 +302,15 @@ def ragged_decode_attention_triton(
     """
     B, H, q, D = query.shape
     Hkv = starts.shape[1]
-    G = H // Hkv
     if max_prompt_length is None:
         max_prompt_length = int(lengths.max()) if lengths.numel() else 0
-    longest = max_prompt_length + decode_length
-    block_d = head_block(D)
-    block_n = key_tile(block_d)
-    if split_size is None:
-        slots = slots if slots is not None else parallel_slots(query.device)
-        split_size, S = split_size_for(longest, B * Hkv, slots, MIN_SPLIT, block_n)
-    else:
-        split_size = -(-split_size // block_n) * block_n
-        S = max(1, -(-longest // split_size))
-    rows = G * q
-    dev = query.device
-    part_acc = torch.empty(B * Hkv * S * rows, D, device=dev, dtype=torch.float32)
-    part_m = torch.empty(B * Hkv * S * rows, device=dev, dtype=torch.float32)
-    part_l = torch.empty_like(part_m)
-    out = torch.empty(B, H, q, D, device=dev, dtype=query.dtype)
-    prompt_keys = prompt_keys.contiguous()
-    prompt_values = prompt_values.contiguous()
-    starts, lengths = starts.contiguous(), lengths.contiguous()
-    if decode_values.stride() != decode_keys.stride():
-        decode_values = decode_values.contiguous()
-        decode_keys = decode_keys.contiguous()
-    shape = dict(D=D, BLOCK_D=block_d, **launch_options(block_d, query.dtype))
-    _decode_partial[check_grid((B * Hkv, S))](
-        query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values,
-        part_acc, part_m, part_l,
-        decode_length, scaling * LOG2E, split_size, S, q, Hkv, G,
-        *query.stride(), prompt_keys.stride(0), *decode_keys.stride(),
-        ROWS=pow2(rows, 16), BLOCK_N=block_n, UPCAST=dot_upcast(query.dtype),
-        PRECISION=dot_precision(query.dtype), **shape,
+    block_n = key_tile(head_block(D))
+    split_size, S = splits_for(
+        max_prompt_length + decode_length, B * Hkv, block_n, query.device, split_size, slots
+    )
+    partials = Partials.empty(B * Hkv, S, (H // Hkv) * q, D, query.device)
+    launch_ragged_partials(
+        partials, 0, S, split_size, query, prompt_keys, prompt_values, starts, lengths,
+        decode_keys, decode_values, decode_length, scaling,
     )  # fmt: skip
-    _decode_combine[check_grid((B * Hkv * rows,))](
-        part_acc, part_m, part_l, out, S, q, Hkv, G, *out.stride(), BLOCK_S=BLOCK_S, **shape,
-    )  # fmt: skip
-    return out
+    return combine(partials, query, Hkv)

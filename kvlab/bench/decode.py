@@ -17,6 +17,16 @@ and reports the Triton kernel's achieved bandwidth (K/V bytes read / time) as a 
 device's peak. Defaults: Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim 128),
 bf16 on CUDA; ``--quick`` runs small shapes in fp32 on CPU in seconds.
 
+**Packed-entries table** (``--formats int8,int4,kivi2``). Per context and budget (ragged heads, as
+above), one decode step's attention over the kept entries in 16 bits (bf16 unless ``--dtype``)
+and over the same entries stored as each format's codes (:mod:`kvlab.cache.packed`,
+``docs/methods/quantization.md``): the torch path (the reference above; over codes
+:func:`kvlab.cache.packed.packed_decode_attention`, dequantizing a chunk of heads at a time) and,
+on CUDA, the Triton kernels (the ragged kernel; over codes the fused dequantizing kernel of
+:mod:`kvlab.kernels.tl.packed_attention`), each with its ratio to the 16-bit entries on the same
+path, measured in the same run; ``KV MiB``: the kept prompt entries' bytes (codes, scales and zero
+points, residual). Defaults: 4k and 32k contexts, 10% kept.
+
 **Model table** (``--model NAME``). Whole decode steps of a model (batch 1, a seeded random
 prompt per context, the same teacher-forced tokens everywhere), in one run:
 
@@ -70,9 +80,12 @@ from kvlab.bench.common import (
     time_call,
     triton_note,
 )
+from kvlab.cache.packed import packed_decode_attention
+from kvlab.compression.quantizers import KIVI, PerToken, Quantizer
+from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import decode, prefill
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention_reference
-from kvlab.kernels.dispatch import triton_available
+from kvlab.kernels.dispatch import kernel_mode, triton_available
 from kvlab.kernels.types import segment_starts
 
 HEADERS = [
@@ -166,6 +179,109 @@ def run_kernels(opts: argparse.Namespace) -> None:
         f"times in ms (median of {opts.repeat})"
     )
     print_table(title, HEADERS, rows)
+    triton_note(device.type == "cuda" and triton_available())
+
+
+# --- packed entries: decode attention over codes against the same entries in 16 bits ------------
+#: ``--formats`` names: the quantizer each stores the kept entries with
+FORMATS: dict[str, Callable[[], Quantizer]] = {
+    "int8": lambda: PerToken(bits=8, group=32),
+    "int4": lambda: PerToken(bits=4, group=32),
+    "int2": lambda: PerToken(bits=2, group=32),
+    "kivi2": lambda: KIVI(bits=2, group=32, residual=128),
+    "kivi4": lambda: KIVI(bits=4, group=32, residual=128),
+}
+PACKED_HEADERS = [
+    "context", "budget", "kept/head", "entries", "KV MiB", "torch", "torch vs 16-bit", "triton",
+    "triton vs 16-bit",
+]  # fmt: skip
+
+
+def interleaved(
+    calls: dict[tuple[str, str], Callable[[], object]], device: torch.device, repeat: int
+) -> dict[tuple[str, str], float]:
+    """Median seconds of each call, timed in ``repeat`` rounds that run every call once in turn
+    (after a warm-up round), so a load change on a shared machine hits them alike."""
+    times: dict[tuple[str, str], list[float]] = {name: [] for name in calls}
+    for round_ in range(repeat + 1):
+        for name, call in calls.items():
+            seconds = time_call(call, (), device, warmup=0, repeat=1)
+            if round_:
+                times[name].append(seconds)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _in_mode(mode: str, fn: Callable[..., torch.Tensor], *args: object) -> Callable[[], torch.Tensor]:
+    """``fn(*args)`` run under kernel mode ``mode``."""
+
+    def call() -> torch.Tensor:
+        with kernel_mode(mode):
+            return fn(*args)
+
+    return call
+
+
+def packed_rows(query, T, budget, formats, opts, device, dtype, gen) -> list[list[object]]:
+    """One (context, budget) cell: the entries in ``dtype`` and each format's codes of the same
+    entries, timed through the torch path and (CUDA) the Triton kernels in interleaved rounds,
+    ratios to the ``dtype`` entries on the same path."""
+    B, Hkv, D, C = opts.batch, opts.kv_heads, opts.head_dim, opts.decoded
+    keys, values, starts, lengths, dk, dv = ragged_cache(B, Hkv, D, T, budget, C, dtype, device, gen)
+    kept = int(lengths.sum()) // (B * Hkv)
+    runs = SegmentRuns.of(starts, lengths)  # the cache computes them once per compression
+    args = (query, keys, values, starts, lengths, dk, dv, C, D**-0.5, int(lengths.max()))
+    label = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    calls = {(label, "torch"): functools.partial(ragged_decode_attention_reference, *args, runs=runs)}
+    cuda = device.type == "cuda" and triton_available()
+    if cuda:
+        from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton  # triton: optional, CUDA
+
+        calls[(label, "triton")] = functools.partial(ragged_decode_attention_triton, *args)
+    sizes = {label: 2 * keys.nbytes}
+    for name in formats:
+        packed = FORMATS[name]().pack(keys, values, starts, lengths)
+        packed.runs()  # computed once per compression, as the cache keeps them
+        sizes[name] = packed.nbytes()
+        call = (query, packed, starts, lengths, dk, dv, C, D**-0.5)
+        calls[(name, "torch")] = _in_mode("reference", packed_decode_attention, *call)
+        if cuda:
+            calls[(name, "triton")] = _in_mode("triton", packed_decode_attention, *call)
+    seconds = interleaved(calls, device, opts.repeat)
+
+    def ratio(name: str, path: str) -> str:
+        found = seconds.get((name, path))
+        return "n/a" if found is None else f"{found / seconds[(label, path)]:.2f}"
+
+    return [
+        [context_label(T), f"{budget:.0%}", kept, name, f"{sizes[name] / 2**20:.2f}",
+         ms(seconds[(name, "torch")]), ratio(name, "torch"), ms(seconds.get((name, "triton"))),
+         ratio(name, "triton")]
+        for name in [label, *formats]
+    ]  # fmt: skip
+
+
+def run_packed(opts: argparse.Namespace) -> None:
+    """The packed-entries table (``--formats``): per context and budget, decode attention over the
+    kept entries in 16 bits and as each format's codes, in one run."""
+    device, dtype = resolve(opts)
+    dtype = dtype if opts.dtype else torch.bfloat16  # the baseline is 16-bit unless asked otherwise
+    formats = [f for f in opts.formats.split(",") if f]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ConfigError(f"--formats: unknown {', '.join(unknown)}; known: {', '.join(FORMATS)}")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for T in parse_list(opts.contexts, int):
+        query = torch.randn(opts.batch, opts.heads, 1, opts.head_dim, generator=gen).to(dtype).to(device)
+        for budget in parse_list(opts.budgets, float):
+            rows += packed_rows(query, T, budget, formats, opts, device, dtype, gen)
+    title = (
+        f"kvlab bench decode --formats on {device_name(device)}, {dtype}: B={opts.batch}, H={opts.heads}, "
+        f"Hkv={opts.kv_heads}, D={opts.head_dim}, {opts.decoded} decoded tokens; times in ms (median of "
+        f"{opts.repeat} interleaved rounds); int8 / int4: per_token, group 32; kivi2: KIVI 2 bits, group 32, "
+        "residual 128"
+    )
+    print_table(title, PACKED_HEADERS, rows)
     triton_note(device.type == "cuda" and triton_available())
 
 
@@ -386,6 +502,12 @@ def run(args: list[str]) -> None:
         "'{name: kivi, bits: 2}')",
     )
     p.add_argument(
+        "--formats",
+        default=None,
+        help="the packed-entries table instead: decode attention over the kept entries as these "
+        f"codes ({', '.join(FORMATS)}) against the same entries in 16 bits",
+    )
+    p.add_argument(
         "--clock",
         choices=list(CLOCKS),
         default="wall",
@@ -401,7 +523,11 @@ def run(args: list[str]) -> None:
     add_threads_option(p, default=2)
     opts = p.parse_args(args)
     torch.set_num_threads(opts.threads)
-    if opts.model is None:
+    if opts.formats:
+        opts.contexts, opts.budgets = opts.contexts or "4k,32k", opts.budgets or "0.10"
+        opts.repeat = opts.repeat or 10
+        run_packed(opts)
+    elif opts.model is None:
         opts.contexts, opts.budgets = opts.contexts or "4k,32k,128k", opts.budgets or "0.05,0.10,0.25"
         opts.repeat = opts.repeat or 20
         run_kernels(opts)

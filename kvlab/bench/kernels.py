@@ -1,8 +1,9 @@
 """``kvlab bench kernels``: every Triton kernel's achieved bandwidth on a CUDA device, and its speedup.
 
-For each kernel, at each prompt length (``--contexts``, default 4k and 32k tokens) and kept
-fraction (``--kept``, default 10% and 50%; window scoring reads the whole prompt, so it has one row
-per length), one table row:
+For each kernel (decode attention also over KIVI-2 codes, the fused dequantizing kernel of
+:mod:`kvlab.kernels.tl.packed_attention`), at each prompt length (``--contexts``, default 4k and
+32k tokens) and kept fraction (``--kept``, default 10% and 50%; window scoring reads the whole
+prompt, so it has one row per length), one table row:
 
 - **bytes**: the fewest bytes the call must move through device memory (each input read once,
   each output written once; for the chunk gather, the bytes read from pinned host memory);
@@ -47,14 +48,18 @@ import torch.nn.functional as F
 import triton.testing
 
 from kvlab.bench.common import DTYPES, PEAK_GBS, context_label, device_name, parse_list
+from kvlab.cache.packed import packed_decode_attention
+from kvlab.compression.quantizers import KIVI
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.compaction import compact_kv_reference
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference
+from kvlab.kernels.dispatch import kernel_mode
 from kvlab.kernels.merge import merge_scatter_reference
 from kvlab.kernels.retrieval import chunk_topk_reference, gather_chunks_reference
 from kvlab.kernels.tl.compaction import compact_kv_triton
 from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton
 from kvlab.kernels.tl.merge import merge_scatter_triton
+from kvlab.kernels.tl.packed_attention import packed_decode_attention_triton
 from kvlab.kernels.tl.retrieval import chunk_topk_triton, gather_chunks_triton
 from kvlab.kernels.tl.window_scores import window_attention_scores_triton
 from kvlab.kernels.types import segment_starts
@@ -227,20 +232,25 @@ def kept_positions(s: Shapes, T: int, K: int, gen: torch.Generator) -> torch.Ten
     return order[..., :K].sort(-1).values
 
 
+def decode_inputs(s: Shapes, T: int, kept: float, seed: int) -> tuple:
+    """Arguments of :func:`ragged_decode_attention_triton` over ragged heads: each keeps between
+    0.5x and 1.5x the mean (``kept * T``), as a head allocator gives."""
+    gen = s.gen(seed)
+    mean = max(1, round(kept * T))
+    lengths = (mean * (0.5 + torch.rand(s.B, s.Hkv, generator=gen, device=s.device))).round().long()
+    lengths = lengths.clamp(1, T)
+    N = int(lengths.sum())
+    decode = [s.randn(s.B, s.Hkv, s.decoded, s.D, gen=gen) for _ in range(2)]
+    prompt = [s.randn(N, s.D, gen=gen) for _ in range(2)]
+    query = s.randn(s.B, s.H, 1, s.D, gen=gen)
+    width = int(lengths.max())
+    return (query, *prompt, segment_starts(lengths), lengths, *decode, s.decoded, s.D**-0.5, width)
+
+
 def bench_decode(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
 
     def make(seed: int) -> tuple:
-        gen = s.gen(seed)
-        # ragged heads: each keeps between 0.5x and 1.5x the mean, as a head allocator gives
-        mean = max(1, round(kept * T))
-        lengths = (mean * (0.5 + torch.rand(s.B, s.Hkv, generator=gen, device=s.device))).round().long()
-        lengths = lengths.clamp(1, T)
-        N = int(lengths.sum())
-        decode = [s.randn(s.B, s.Hkv, s.decoded, s.D, gen=gen) for _ in range(2)]
-        prompt = [s.randn(N, s.D, gen=gen) for _ in range(2)]
-        query = s.randn(s.B, s.H, 1, s.D, gen=gen)
-        width = int(lengths.max())
-        return (query, *prompt, segment_starts(lengths), lengths, *decode, s.decoded, s.D**-0.5, width)
+        return decode_inputs(s, T, kept, seed)
 
     first = make(0)
     nbytes = (first[1].numel() * 2 + first[5].numel() * 2 + first[0].numel() * 2) * s.elt
@@ -257,6 +267,35 @@ def bench_decode(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
     full, full_graph = timer.time(sdpa, full_sets), timer.graph(sdpa, full_sets)
     return Row("ragged decode attention", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device),
                reference, full, graph=graph_ms, full_graph=full_graph)  # fmt: skip
+
+
+#: the packed decode row's format: KIVI's own setting (Liu et al. 2024), 2 bits, group 32, residual 128
+PACKED = KIVI(bits=2, group=32, residual=128)
+
+
+def bench_packed_decode(s: Shapes, T: int, kept: float, timer: Timer) -> Row:
+    """Decode attention over the ragged heads of :func:`decode_inputs` stored as :data:`PACKED`
+    codes: the fused dequantizing kernel; its reference is the torch path over the codes."""
+
+    def make(seed: int) -> tuple:
+        query, keys, values, starts, lengths, dk, dv, t, scaling, _ = decode_inputs(s, T, kept, seed)
+        packed = PACKED.pack(keys, values, starts, lengths)
+        body, residual = packed.runs()  # the widths, known to the cache: no host sync per call
+        return (query, packed.keys, packed.values, packed.body_starts, packed.body_lengths,
+                packed.residual_keys, packed.residual_values, packed.residual_starts,
+                packed.residual_lengths, dk, dv, t, scaling, (body.width, residual.width),
+                (query, packed, starts, lengths, dk, dv, t, scaling))  # fmt: skip
+
+    first = make(0)
+    packed = first[-1][1]
+    nbytes = packed.nbytes() + (first[9].numel() * 2 + first[0].numel() * 2) * s.elt
+    sets = [first] + [make(i) for i in range(1, timer.sets(nbytes))]
+    triton_ms = timer.time(lambda a: packed_decode_attention_triton(*a[:-1]), sets)
+    graph_ms = timer.graph(lambda a: packed_decode_attention_triton(*a[:-1]), sets)
+    with kernel_mode("reference"):
+        reference = timer.time(lambda a: packed_decode_attention(*a[-1]), sets[:1])
+    return Row("packed decode attention (KIVI-2)", T, kept, nbytes, triton_ms, timer.copy(nbytes, s.device),
+               reference, graph=graph_ms)  # fmt: skip
 
 
 def bench_window(s: Shapes, T: int, timer: Timer) -> Row:
@@ -355,8 +394,8 @@ def measure(
     """Every kernel's row at every context and kept fraction (window scores: one per context);
     ``on_row`` sees each row as soon as it is measured."""
     benches: list[tuple[Callable[..., Row], bool]] = [
-        (bench_decode, True), (bench_window, False), (bench_compaction, True), (bench_merge, True),
-        (bench_chunk_topk, True), (bench_gather, True),
+        (bench_decode, True), (bench_packed_decode, True), (bench_window, False), (bench_compaction, True),
+        (bench_merge, True), (bench_chunk_topk, True), (bench_gather, True),
     ]  # fmt: skip
     rows = []
     for T in contexts:

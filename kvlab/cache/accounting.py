@@ -49,7 +49,7 @@ class ByteAccounting:
 
     def segment(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Kept prompt keys and values ``[n, D]`` of one (sample, head) (dequantized when the layer
-        holds codes)."""
+        holds codes, followed by the decoded tokens folded into them, ``folded``)."""
         start, n = int(self.starts[b, h]), int(self.lengths[b, h])
         keys, values = (self.prompt_keys, self.prompt_values) if self.packed is None else self.packed.dense()
         return keys[start : start + n], values[start : start + n]

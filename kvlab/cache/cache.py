@@ -88,15 +88,16 @@ class CompressedCache(Cache):
         total = torch.zeros(kept.shape[1], dtype=torch.long, device=kept.device)
         for layer, counts in zip(layers, kept, strict=True):
             if layer.packed is not None:
-                total += layer.packed.sample_bytes().to(kept.device)
+                total += layer.packed.sample_bytes(layer.folded).to(kept.device)
             else:
                 total += counts.sum(-1) * (2 * head_dim * layer.dtype.itemsize)
         return total
 
     def kept_tokens(self) -> torch.Tensor:
-        """``[L, B, Hkv]`` kept prompt tokens per layer and head (compressed layers only), on the
-        first compressed layer's device (layers may sit on different devices, see the module docstring)."""
-        lengths = [layer.lengths for layer in self.layers if layer.compressed]
+        """``[L, B, Hkv]`` kept prompt tokens per layer and head (compressed layers only; decoded
+        tokens folded into a quantized layer's codes are not prompt tokens), on the first compressed
+        layer's device (layers may sit on different devices, see the module docstring)."""
+        lengths = [layer.lengths - layer.folded for layer in self.layers if layer.compressed]
         return torch.stack([n.to(lengths[0].device) for n in lengths])
 
     def devices(self) -> list[torch.device | None]:

@@ -50,11 +50,12 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.cache.accounting import ByteAccounting
 from kvlab.cache.checkpoint import Checkpoints
-from kvlab.cache.packed import PackedPrompt, packed_decode_attention
+from kvlab.cache.packed import EntryQuantizer, PackedPrompt, fold, merged_order, packed_decode_attention
 from kvlab.cache.selection import OffloadedStore, Selection
 from kvlab.cache.slots import SlotLayout
 from kvlab.kernels.compaction import compact_kv
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention, reads_in_place
+from kvlab.kernels.types import segment_starts
 
 
 class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
@@ -87,6 +88,8 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
         self.shares_buffers = False  # a checkpoint references this layer's buffers (copy before writing)
         self.offloaded: OffloadedStore | None = None  # K/V kept outside this cache (retrieval)
         self.packed: PackedPrompt | None = None  # the prompt region as codes (a quantizer's), see packed.py
+        self.quantizer: EntryQuantizer | None = None  # the quantizer of `packed` (folds decoded tokens)
+        self.folded = 0  # decoded tokens folded into `packed` (every segment's newest), see _fold_decode
 
     def segment_runs(self) -> SegmentRuns:
         """The strided views of the flat prompt buffers decode attention reads
@@ -123,6 +126,7 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
                 self.keys = torch.cat([self.keys, key_states], dim=-2)
                 self.values = torch.cat([self.values, value_states], dim=-2)
             return self.keys, self.values
+        self._fold_decode()
         self._append_decode(key_states, value_states)
         return key_states, value_states
 
@@ -156,7 +160,7 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
             source_keys, source_values, indices, selection.counts
         )
         self.max_prompt_length = int(self.lengths.max()) if self.lengths.numel() else 0
-        self.packed = None
+        self.packed, self.quantizer, self.folded = None, selection.quantizer, 0
         if selection.quantizer is not None:  # the codes replace the flat buffers (kvlab.cache.packed)
             self.packed = selection.quantizer.pack(
                 self.prompt_keys, self.prompt_values, self.starts, self.lengths
@@ -175,6 +179,39 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
         self.offloaded = selection.offloaded
         self.keys = self.values = None  # free the dense prefill K/V
         self.compressed = True
+
+    def _fold_decode(self) -> None:
+        """Fold the decode region into the codes once the quantizer's ``fold_every`` tokens are
+        pending (KIVI's streaming residual, :func:`kvlab.cache.packed.fold`).
+
+        Runs before an append, so every folded token was appended by an earlier step and is
+        visible to every later query. The segments grow by the folded tokens (``starts / lengths``,
+        the original positions of a sliding layer), ``folded`` counts them, and the decode region
+        starts again empty (fresh buffers when a checkpoint holds the old ones). A decode region
+        with padding entries (``decode_valid``) is not folded: padding must stay hidden.
+        """
+        every = self.quantizer.fold_every if self.packed is not None else None
+        t = self.decode_length
+        if every is None or t < every or self.decode_valid is not None:
+            return
+        B, Hkv, _, D = self.decode_keys.shape
+        keys = self.decode_keys[:, :, :t].reshape(B * Hkv, t, D)
+        values = self.decode_values[:, :, :t].reshape(B * Hkv, t, D)
+        self.packed = fold(self.quantizer, self.packed, keys, values)
+        if self.prompt_positions is not None:
+            order = merged_order(self.lengths, torch.full_like(self.lengths, t))
+            decoded = self.decode_positions[:, :, :t].flatten()
+            self.prompt_positions = torch.cat([self.prompt_positions, decoded])[order]
+        self.lengths = self.lengths + t
+        self.starts = segment_starts(self.lengths)
+        self.max_prompt_length += t
+        self.folded += t
+        self.decode_length = 0
+        if self.shares_buffers:  # a checkpoint holds the decode entries: appends must not overwrite them
+            self.decode_keys = torch.empty_like(self.decode_keys)
+            self.decode_values = torch.empty_like(self.decode_values)
+            if self.decode_positions is not None:
+                self.decode_positions = torch.empty_like(self.decode_positions)
 
     def _append_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         q = key_states.shape[-2]

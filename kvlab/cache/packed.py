@@ -19,12 +19,22 @@ groups of ``group`` rows, so a group of tokens never straddles two segments (KIV
 key groups, Liu et al. 2024, Sec. 3.2), and at least ``residual`` newest entries stay in full
 precision (KIVI's residual ``R``, Sec. 3.3).
 
-Decode attention (:func:`packed_decode_attention`) attends the body one bounded chunk of segments
-at a time, dequantized into the cache's dtype (never the whole body at once, never in fp32 beyond
-one chunk), the residual through strided views of its buffers, and the decode region, merging the
-parts by their log-sum-exp. Calls the in-place path cannot take (attention variants, tensors off
-the CPU) attend :meth:`PackedPrompt.dense`, the entries dequantized back into the layer's flat
-order.
+Folding (KIVI's streaming residual, Sec. 3.3 and Algorithm 1): a quantizer with a
+``fold_every`` (KIVI: its ``group``) takes the decoded tokens into the codes once that many are
+pending in the layer's decode region (:meth:`kvlab.cache.layer.CompressedLayer.update`).
+:func:`fold` appends them to each segment's full-precision stream (residual, then the decoded
+tokens), quantizes the stream's oldest whole groups beyond ``residual`` and appends their codes to
+the segment's body: the result is exactly :meth:`EntryQuantizer.pack` of the segment's entries
+and the folded tokens together, as if they had all been quantized offline.
+
+Decode attention (:func:`packed_decode_attention`): where the kernel mode picks Triton (CUDA
+tensors under ``auto``), uniform codes (KIVI, ``per_token``) go to the fused kernel of
+:mod:`kvlab.kernels.tl.packed_attention`, which dequantizes each tile in registers. The torch path
+attends the body one bounded chunk of segments at a time, dequantized into the cache's dtype
+(never the whole body at once, never in fp32 beyond one chunk), the residual through strided
+views of its buffers, and the decode region, merging the parts by their log-sum-exp. Calls
+neither can take (attention variants; TurboQuant codes off the CPU) attend
+:meth:`PackedPrompt.dense`, the entries dequantized back into the layer's flat order.
 """
 
 from __future__ import annotations
@@ -39,11 +49,13 @@ from kvlab.kernels.decode_attention import (
     _decode_mask,
     _flash,
     _segments_view,
+    merge_by_lse,
     ragged_decode_attention,
     reads_in_place,
     variants,
 )
-from kvlab.kernels.types import segment_starts
+from kvlab.kernels.dispatch import launch_device, use_triton
+from kvlab.kernels.types import UniformCodes, segment_starts
 
 #: segments dequantized at once by the in-place decode path (bounds its transient buffer)
 CHUNK_SEGMENTS = 16
@@ -52,9 +64,9 @@ CHUNK_SEGMENTS = 16
 class PackedCodes(Protocol):
     """Quantized rows ``[M, D]`` of one buffer (keys or values): codes and their parameters."""
 
-    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows [m]`` (long, row indices into the ``M`` quantized rows) dequantized, ``[m, D]``
-        in the dtype of the entries that were quantized."""
+    def dequantize_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Rows ``rows`` (``[m]`` long row indices into the ``M`` quantized rows, or a slice of
+        them) dequantized, ``[m, D]`` in the dtype of the entries that were quantized."""
         ...
 
     def nbytes(self) -> int:
@@ -66,15 +78,44 @@ class PackedCodes(Protocol):
         (what a batch row is charged, :meth:`PackedPrompt.sample_bytes`)."""
         ...
 
+    def take(self, rows: torch.Tensor) -> PackedCodes:
+        """The codes of rows ``rows [m]`` (long; whole groups, in order, where rows share
+        parameters), as codes of ``m`` rows."""
+        ...
+
+    def cat(self, other: PackedCodes) -> PackedCodes:
+        """These rows, then ``other`` 's (codes of the same kind and parameters)."""
+        ...
+
 
 class EntryQuantizer(Protocol):
     """What the cache asks of a quantizer (:class:`kvlab.compression.quantizers.Quantizer`)."""
+
+    residual: int
+
+    @property
+    def row_group(self) -> int:
+        """Rows that share parameters along tokens: every body is whole groups of it."""
+        ...
+
+    @property
+    def fold_every(self) -> int | None:
+        """Decoded tokens pending before the layer folds them into the codes (None: never)."""
+        ...
 
     def pack(
         self, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
     ) -> PackedPrompt:
         """The flat kept entries ``keys / values [N, D]`` (segments ``starts / lengths [B, Hkv]``)
         as a :class:`PackedPrompt`."""
+        ...
+
+    def quantize_keys(self, keys: torch.Tensor) -> PackedCodes:
+        """Codes of body key rows ``[M, D]``."""
+        ...
+
+    def quantize_values(self, values: torch.Tensor) -> PackedCodes:
+        """Codes of body value rows ``[M, D]``."""
         ...
 
 
@@ -92,6 +133,21 @@ def segment_rows(starts: torch.Tensor, offsets: torch.Tensor, counts: torch.Tens
         segment_starts(counts), counts
     )
     return torch.repeat_interleave(first, counts) + within
+
+
+def merged_order(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``[sum first + sum second]`` long: the rows of ``cat(A, B)`` segment by segment, each
+    segment's rows of ``A`` then its rows of ``B``; ``A`` (``B``) holds segments of ``first``
+    (``second``) ``[B, Hkv]`` rows back to back, in segment order."""
+    total = first + second
+    starts, zero = segment_starts(total), torch.zeros_like(total)
+    order = torch.empty(int(total.sum()), dtype=torch.long, device=total.device)
+    n_first = int(first.sum())
+    order[segment_rows(starts, zero, first)] = torch.arange(n_first, device=total.device)
+    order[segment_rows(starts, first, second)] = n_first + torch.arange(
+        order.shape[0] - n_first, device=total.device
+    )
+    return order
 
 
 @dataclass
@@ -142,13 +198,18 @@ class PackedPrompt:
         )  # fmt: skip
         return self.keys.nbytes() + self.values.nbytes() + sum(t.numel() * t.element_size() for t in tensors)
 
-    def sample_bytes(self) -> torch.Tensor:
-        """``[B]`` long: each batch row's bytes, its body rows at :meth:`PackedCodes.row_bytes` (keys
-        and values) and its residual entries at full precision; parameters shared by the layer (a
-        rotation) are in :meth:`nbytes` only."""
-        body = self.body_lengths.sum(-1).double() * (self.keys.row_bytes() + self.values.row_bytes())
+    def sample_bytes(self, folded: int = 0) -> torch.Tensor:
+        """``[B]`` long: each batch row's bytes of its prompt entries, those in the body at
+        :meth:`PackedCodes.row_bytes` (keys and values), those in the residual at full precision.
+
+        ``folded``: decoded entries :func:`fold` appended to every segment (its newest ones), which
+        are not prompt entries and are not charged. Parameters shared by the layer (a rotation) are
+        in :meth:`nbytes` only."""
+        prompt = self.body_lengths + self.residual_lengths - folded
+        coded = torch.minimum(self.body_lengths, prompt)
+        body = coded.sum(-1).double() * (self.keys.row_bytes() + self.values.row_bytes())
         entry = 2 * self.residual_keys.shape[1] * self.residual_keys.element_size()
-        return body.round().long() + self.residual_lengths.sum(-1) * entry
+        return body.round().long() + (prompt - coded).sum(-1) * entry
 
     def runs(self) -> tuple[SegmentRuns, SegmentRuns]:
         """The body's and the residual's :class:`SegmentRuns` (one host sync, computed once)."""
@@ -176,16 +237,39 @@ class PackedPrompt:
         return out[0], out[1]
 
 
-def _merge(
-    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two softmax-attention results over disjoint entries merged by their log-sum-exps (fp32):
-    ``lse = log(e^lse + e^part_lse)``, ``out = out e^(lse_old - lse) + part e^(part_lse - lse)``;
-    a part with no entry has ``-inf`` and weight 0."""
-    merged = torch.logaddexp(lse, part_lse)
-    safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
-    out = out * (lse - safe).exp().unsqueeze(-1) + part.float() * (part_lse - safe).exp().unsqueeze(-1)
-    return out, merged
+def fold(
+    quantizer: EntryQuantizer, packed: PackedPrompt, keys: torch.Tensor, values: torch.Tensor
+) -> PackedPrompt:
+    """``packed`` with ``t`` more entries per segment, ``keys / values [n, t, D]`` (segment
+    ``i = b * Hkv + h``, oldest first): what ``quantizer.pack`` gives for each segment's entries
+    followed by these.
+
+    Each segment's full-precision stream (its residual, then the new entries) loses its oldest
+    rows to the body until at most ``residual`` plus less than a group of them remain
+    (:func:`body_lengths` of the new length); those rows are quantized together and their codes
+    appended to the segment's body, whose earlier codes are not touched. Costs one copy of the
+    codes and of the residual (the segments move).
+    """
+    n, t, D = keys.shape
+    added = torch.full_like(packed.residual_lengths, t)
+    stream_order = merged_order(packed.residual_lengths, added)
+    stream_keys = torch.cat([packed.residual_keys, keys.reshape(n * t, D)])[stream_order]
+    stream_values = torch.cat([packed.residual_values, values.reshape(n * t, D)])[stream_order]
+    stream = packed.residual_lengths + added
+    body = body_lengths(packed.body_lengths + stream, quantizer.row_group, quantizer.residual)
+    moved = body - packed.body_lengths  # whole groups, from the front of each stream
+    starts, zero = segment_starts(stream), torch.zeros_like(stream)
+    kept_rows = segment_rows(starts, moved, stream - moved)
+    codes = packed.keys, packed.values
+    if int(moved.sum()):
+        rows = segment_rows(starts, zero, moved)
+        order = merged_order(packed.body_lengths, moved)
+        new = quantizer.quantize_keys(stream_keys[rows]), quantizer.quantize_values(stream_values[rows])
+        codes = tuple(old.cat(part).take(order) for old, part in zip(codes, new, strict=True))
+    return PackedPrompt(
+        codes[0], codes[1], segment_starts(body), body, stream_keys[kept_rows], stream_values[kept_rows],
+        segment_starts(stream - moved), stream - moved,
+    )  # fmt: skip
 
 
 def packed_decode_attention(
@@ -205,13 +289,34 @@ def packed_decode_attention(
 
     Arguments as :func:`kvlab.kernels.decode_attention.ragged_decode_attention`, the flat prompt
     buffers replaced by ``packed`` (``starts / lengths``: the layer's logical segments; ``options``:
-    the keyword arguments of ``ragged_decode_attention``). A plain call on CPU (no attention
-    variant) attends each body run in chunks of at most ``chunk`` segments
-    dequantized into the cache dtype, the residual runs in place and the decode entries, merged by
-    log-sum-exp (:func:`_merge`); any other call attends :meth:`PackedPrompt.dense` through
-    ``ragged_decode_attention``.
+    the keyword arguments of ``ragged_decode_attention``). A plain call over uniform codes (KIVI,
+    ``per_token``) that the kernel mode sends to Triton (:func:`~kvlab.kernels.dispatch.use_triton`:
+    CUDA tensors under ``auto``) runs the fused kernel
+    :func:`kvlab.kernels.tl.packed_attention.packed_decode_attention_triton`, which dequantizes in
+    registers. Otherwise a plain call on CPU (no attention
+    variant) attends each body run in chunks of at most ``chunk`` segments dequantized into the
+    cache dtype, the residual runs in place and the decode entries, merged by log-sum-exp
+    (:func:`~kvlab.kernels.decode_attention.merge_by_lse`); any other call attends
+    :meth:`PackedPrompt.dense` through ``ragged_decode_attention``.
     """
     asked = variants(*(options.get(k) for k in ("sliding_window", "softcap", "sinks", "decode_valid")))
+    fusable = isinstance(packed.keys, UniformCodes) and isinstance(packed.values, UniformCodes)
+    if (
+        not asked
+        and fusable
+        and use_triton("packed_decode_attention", query, packed.residual_keys, decode_keys)
+    ):
+        # triton is optional: the launcher (which imports it) loads on this path only
+        from kvlab.kernels.tl.packed_attention import packed_decode_attention_triton
+
+        body_runs, residual_runs = packed.runs()
+        with launch_device(query):
+            return packed_decode_attention_triton(
+                query, packed.keys, packed.values, packed.body_starts, packed.body_lengths,
+                packed.residual_keys, packed.residual_values, packed.residual_starts,
+                packed.residual_lengths, decode_keys, decode_values, decode_length, scaling,
+                widths=(body_runs.width, residual_runs.width),
+            )  # fmt: skip
     if asked or not reads_in_place(query):
         keys, values = packed.dense()
         return ragged_decode_attention(
@@ -231,23 +336,26 @@ def packed_decode_attention(
             continue
         for first in range(0, run.count, chunk):
             count = min(chunk, run.count - first)
-            base = run.row + (first + torch.arange(count, device=device)) * run.stride
-            rows = (base[:, None] + torch.arange(run.length, device=device)).flatten()
+            if run.stride == run.length:  # segments back to back (a body always is): a slice
+                rows = slice(run.row + first * run.stride, run.row + (first + count) * run.stride)
+            else:
+                base = run.row + (first + torch.arange(count, device=device)) * run.stride
+                rows = (base[:, None] + torch.arange(run.length, device=device)).flatten()
             keys = packed.keys.dequantize_rows(rows).to(query.dtype).view(count, 1, run.length, D)
             values = packed.values.dequantize_rows(rows).to(query.dtype).view(count, 1, run.length, D)
             segments = slice(run.first + first, run.first + first + count)
             part, part_lse = _flash(grouped[segments], keys, values, scaling)
-            out[segments], lse[segments] = _merge(out[segments], lse[segments], part, part_lse.float())
+            out[segments], lse[segments] = merge_by_lse(out[segments], lse[segments], part, part_lse.float())
     for run in residual_runs.runs:
         if run.length:
             keys, values = run.view(packed.residual_keys, True), run.view(packed.residual_values, True)
             part, part_lse = _flash(grouped[run.segments], keys, values, scaling)
-            out[run.segments], lse[run.segments] = _merge(
+            out[run.segments], lse[run.segments] = merge_by_lse(
                 out[run.segments], lse[run.segments], part, part_lse.float()
             )
     if decode_length:
         dk, dv = _segments_view(decode_keys, decode_length), _segments_view(decode_values, decode_length)
         mask = _decode_mask(q, r, decode_length, query) if q > 1 else None
         part, part_lse = _flash(grouped, dk, dv, scaling, mask)
-        out, lse = _merge(out, lse, part, part_lse.float())
+        out, lse = merge_by_lse(out, lse, part, part_lse.float())
     return out.to(query.dtype).reshape(B, H, q, D)

@@ -9,7 +9,9 @@ is all the layer keeps of its prompt (layout and decode attention: :mod:`kvlab.c
 - ``kivi`` (Liu et al. 2024, Sec. 3): asymmetric uniform ``bits``-bit codes; keys per channel
   (a scale and zero point per channel for every ``group`` consecutive tokens of a segment),
   values per token (a scale and zero point per ``group`` channels of a token); the newest
-  ``residual`` tokens (at least, see :func:`~kvlab.cache.packed.body_lengths`) full precision.
+  ``residual`` tokens (at least, see :func:`~kvlab.cache.packed.body_lengths`) full precision,
+  and decoded tokens folded into the codes every ``group`` steps (``fold_every``,
+  :func:`~kvlab.cache.packed.fold`).
 - ``per_token``: keys and values both per token, groups of ``group`` channels, ``bits`` in
   {2, 4, 8} (the int8 / int4 / int2 baselines of KV quantization).
 - ``turboquant`` (Zandieh et al. 2025): a seeded random rotation, then each coordinate coded by
@@ -26,7 +28,7 @@ zero point as stored (the entries' dtype). Codes are packed ``8 / b`` per byte f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -53,6 +55,12 @@ class Quantizer(Component):
     @property
     def row_group(self) -> int:
         return 1
+
+    @property
+    def fold_every(self) -> int | None:
+        """Decoded tokens pending before the layer folds them into the codes
+        (:func:`~kvlab.cache.packed.fold`); None: decoded tokens stay in full precision."""
+        return None
 
     def quantize_keys(self, keys: torch.Tensor) -> PackedCodes:
         raise NotImplementedError
@@ -155,15 +163,47 @@ class GroupCodes:
         q = torch.where(s > 0, (x.float() - z) / torch.where(s > 0, s, 1.0), 0.0)
         return q.round().clamp(0, (1 << bits) - 1)
 
-    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows [m]`` as ``[m, D]`` in the entries' dtype: ``q s + z`` in fp32."""
+    def dequantize_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Rows ``rows`` (``[m]`` long indices, or a slice of consecutive rows) as ``[m, D]`` in the
+        entries' dtype: ``q s + z`` in fp32.
+
+        Parameters are broadcast over their group, not expanded per element, when a group's rows
+        are known to lie together: groups of channels always, groups of tokens for a slice of
+        whole groups (the decode path's body chunks)."""
         codes = unpack_codes(self.packed[rows], self.bits, self.dim).float()
-        s = self._expand(self.scale, rows, self.group, self.along)
-        z = self._expand(self.zero, rows, self.group, self.along)
-        return (codes * s + z).to(self.scale.dtype)
+        m, D, g = codes.shape[0], self.dim, self.group
+        if self.along == "channels":
+            shape, params = (m, D // g, g), rows
+            scale, zero = self.scale[params].float()[..., None], self.zero[params].float()[..., None]
+        elif isinstance(rows, slice) and (rows.start or 0) % g == 0 and m % g == 0:
+            shape, params = (m // g, g, D), slice((rows.start or 0) // g, (rows.start or 0) // g + m // g)
+            scale, zero = self.scale[params].float()[:, None], self.zero[params].float()[:, None]
+        else:
+            index = torch.arange(self.packed.shape[0], device=codes.device)[rows]
+            shape, scale, zero = (
+                codes.shape,
+                *(self._expand(t, index, g, self.along) for t in (self.scale, self.zero)),
+            )
+        return codes.view(shape).mul_(scale).add_(zero).view(m, D).to(self.scale.dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
+
+    def take(self, rows: torch.Tensor) -> GroupCodes:
+        """Rows ``rows [m]`` (``along: tokens``: whole aligned groups of ``group`` rows, in order)."""
+        params = rows
+        if self.along == "tokens":
+            params = torch.div(rows[:: self.group], self.group, rounding_mode="floor")
+        return replace(self, packed=self.packed[rows], scale=self.scale[params], zero=self.zero[params])
+
+    def cat(self, other: GroupCodes) -> GroupCodes:
+        """These rows then ``other`` 's (the same bits, group and axis)."""
+        return replace(
+            self,
+            packed=torch.cat([self.packed, other.packed]),
+            scale=torch.cat([self.scale, other.scale]),
+            zero=torch.cat([self.zero, other.zero]),
+        )
 
     def row_bytes(self) -> float:
         """Bytes per row: its codes, and its share of its group's scale and zero point."""
@@ -195,6 +235,11 @@ class KIVI(Quantizer):
 
     @property
     def row_group(self) -> int:
+        return self.group
+
+    @property
+    def fold_every(self) -> int:
+        """KIVI's streaming residual: every ``group`` decoded tokens are folded into the codes."""
         return self.group
 
     def quantize_keys(self, keys: torch.Tensor) -> GroupCodes:
@@ -306,20 +351,39 @@ class RotatedCodes:
     mse_bits: int
     dim: int
 
-    def _mse_unit(self, rows: torch.Tensor) -> torch.Tensor:
+    def _mse_unit(self, rows: torch.Tensor | slice) -> torch.Tensor:
         """``[m, D]`` fp32 dequantized unit vectors ``Π^T c[idx]`` (zero without MSE bits)."""
         if self.packed is None:
-            return torch.zeros(rows.shape[0], self.dim, device=self.norm.device)
+            return torch.zeros(self.norm[rows].shape[0], self.dim, device=self.norm.device)
         idx = unpack_codes(self.packed[rows], self.mse_bits, self.dim).long()
         return self.codebook[idx] @ self.rotation
 
-    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+    def dequantize_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Rows ``rows`` (``[m]`` long indices or a slice) as ``[m, D]`` in the entries' dtype."""
         unit = self._mse_unit(rows)
         if self.signs is not None:
             signs = unpack_codes(self.signs[rows], 1, self.dim).float() * 2 - 1
             scale = self.gamma[rows].float() * math.sqrt(math.pi / 2) / self.dim
             unit = unit + scale[:, None] * (signs @ self.projection)
         return (unit * self.norm[rows].float()[:, None]).to(self.norm.dtype)
+
+    def take(self, rows: torch.Tensor) -> RotatedCodes:
+        """Rows ``rows [m]`` (the layer's ``Π``, ``S`` and codebook shared)."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
+        return replace(self, packed=pick(self.packed), norm=self.norm[rows], signs=pick(self.signs),
+                       gamma=pick(self.gamma))  # fmt: skip
+
+    def cat(self, other: RotatedCodes) -> RotatedCodes:
+        """These rows then ``other`` 's (codes of the same seed and bits)."""
+
+        def join(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None else torch.cat([a, b])
+
+        return replace(self, packed=join(self.packed, other.packed), norm=torch.cat([self.norm, other.norm]),
+                       signs=join(self.signs, other.signs), gamma=join(self.gamma, other.gamma))  # fmt: skip
 
     def nbytes(self) -> int:
         held = (self.packed, self.norm, self.signs, self.gamma, self.rotation, self.projection, self.codebook)

@@ -47,7 +47,8 @@ def test_every_kernel_row_is_measured_and_rendered(monkeypatch):
     rows = bench.measure(shapes, [96], [0.1, 0.5], WallTimer())
     kernels = [row.kernel for row in rows]
     assert kernels == [
-        "ragged decode attention", "ragged decode attention", "window scores", "compaction", "compaction",
+        "ragged decode attention", "ragged decode attention", "packed decode attention (KIVI-2)",
+        "packed decode attention (KIVI-2)", "window scores", "compaction", "compaction",
         "merge (LOOK-M)", "merge (LOOK-M)", "chunk scores + top-k", "chunk scores + top-k",
         "chunk gather (host)", "chunk gather (host)",
     ]  # fmt: skip

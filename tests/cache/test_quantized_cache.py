@@ -9,6 +9,7 @@ stays under a ceiling computed from the bits, and falls with them.
 
 import pytest
 import torch
+from naive.quantization import naive_group_round_trip
 
 from kvlab.cache.layer import CompressedLayer
 from kvlab.cache.options import AttentionOptions
@@ -27,7 +28,7 @@ QUANTIZERS = {
 }
 
 
-def compressed_layer(counts, quantizer, T=40, seed=0, decode=2):
+def compressed_layer(counts, quantizer, T=40, seed=0, decode=2, sliding_window=None):
     """A layer compressed to ``counts [B][Hkv]`` random entries of a ``T``-token prefill, then
     ``decode`` appended tokens; with its dense prefill K/V."""
     g = torch.Generator().manual_seed(seed)
@@ -38,7 +39,7 @@ def compressed_layer(counts, quantizer, T=40, seed=0, decode=2):
     )
     layer = CompressedLayer(decode_capacity=4)
     layer.update(keys, values)
-    layer.compress(selection)
+    layer.compress(selection, sliding_window)
     for _ in range(decode):
         layer.update(torch.randn(B, HKV, 1, D, generator=g), torch.randn(B, HKV, 1, D, generator=g))
     return layer
@@ -155,3 +156,105 @@ def test_memory_held_stays_under_the_ceiling_of_the_bits(quantizer, bits_per_num
     assert held_bytes(plain) == plain.kv_bytes()
     # fp32 entries are 32 bits a number: the held bytes fall with the bits
     assert measured < held_bytes(plain) * (bits_per_number + 4) / 32
+
+
+# --- KIVI's streaming residual: decoded tokens folded into the codes ---------------------------------
+FOLD = KIVI(bits=2, group=4, residual=4)
+FOLD_COUNTS = [[5, 17, 0], [11, 3, 9]]  # ragged, an empty head, heads under the residual
+
+
+def naive_segment(keys, values, quantizer):
+    """One segment's entries ``[n, D]`` as a pack then dequantization gives them, naively: the oldest
+    ``group * floor((n - residual) / group)`` rows round-tripped group by group (keys per channel,
+    values per token), the rest as they are."""
+    n_q = quantizer.group * (max(keys.shape[0] - quantizer.residual, 0) // quantizer.group)
+    out = []
+    for x, along in ((keys, "tokens"), (values, "channels")):
+        body = x[:n_q]
+        if n_q:
+            _, deq = naive_group_round_trip(body.tolist(), quantizer.bits, quantizer.group, along, x.dtype)
+            body = torch.tensor(deq, dtype=x.dtype)
+        out.append(torch.cat([body, x[n_q:]]))
+    return out, n_q
+
+
+def decoded_layers(sliding_window=None):
+    """The quantized layer and the same layer unquantized (its fp entries), and a step function
+    appending the same random token to both."""
+    layers = [compressed_layer(FOLD_COUNTS, q, decode=0, sliding_window=sliding_window) for q in (FOLD, None)]
+    gen = torch.Generator().manual_seed(5)
+
+    def step():
+        k, v = torch.randn(B, HKV, 1, D, generator=gen), torch.randn(B, HKV, 1, D, generator=gen)
+        for layer in layers:
+            layer.update(k, v)
+
+    return layers[0], layers[1], step
+
+
+def test_kivi_folds_every_group_of_decoded_tokens_as_if_quantized_offline():
+    layer, plain, step = decoded_layers()
+    counts = torch.tensor(FOLD_COUNTS)
+    g = FOLD.group
+    for s in range(1, 12):
+        step()
+        folded = g * ((s - 1) // g)
+        assert (layer.folded, layer.decode_length) == (folded, s - folded)
+        assert torch.equal(layer.lengths, counts + folded)
+        if s not in (4, 5, 11):  # before the first fold, after it, after the second (naive loops: slow)
+            continue
+        dense_keys, dense_values = layer.packed.dense()
+        want_bytes = torch.zeros(B, dtype=torch.long)
+        for b in range(B):
+            for h in range(HKV):
+                k, v = plain.segment(b, h)
+                decoded = slice(0, folded)
+                k = torch.cat([k, plain.decode_keys[b, h, decoded]])
+                v = torch.cat([v, plain.decode_values[b, h, decoded]])
+                (want_k, want_v), n_q = naive_segment(k, v, FOLD)
+                start, n = int(layer.starts[b, h]), int(layer.lengths[b, h])
+                assert torch.equal(dense_keys[start : start + n], want_k)
+                assert torch.equal(dense_values[start : start + n], want_v)
+                assert int(layer.packed.body_lengths[b, h]) == n_q
+                coded = min(n_q, int(counts[b, h]))  # prompt entries in the codes
+                row = 2 * (D * FOLD.bits / 8 + 2 * 4 * D / g)  # keys + values: codes, fp32 scale + zero
+                want_bytes[b] += round(coded * row) + (int(counts[b, h]) - coded) * 2 * D * 4
+        assert torch.equal(layer.packed.sample_bytes(layer.folded), want_bytes)
+        assert torch.equal(layer.decode_keys[:, :, : s - folded], plain.decode_keys[:, :, folded:s])
+        query = torch.randn(B, HKV * G, 1, D, generator=torch.Generator().manual_seed(s))
+        torch.testing.assert_close(
+            layer.decode_attention(query, 0.25), reference(layer, query, 0.25), atol=1e-5, rtol=1e-5
+        )
+    assert held_bytes(layer) == layer.kv_bytes()  # what the cache reports is what it holds
+    # kv_bytes_kept: prompt entries folded into the codes are charged at their packed size
+    first = compressed_layer(FOLD_COUNTS, FOLD, decode=0)
+    assert (layer.packed.sample_bytes(layer.folded) < first.packed.sample_bytes()).all()
+
+
+def test_a_checkpoint_taken_before_a_fold_restores_its_decode_entries():
+    layer, _, step = decoded_layers()
+    for _ in range(2):
+        step()
+    state = layer.checkpoint()
+    query = torch.randn(B, HKV * G, 1, D, generator=torch.Generator().manual_seed(9))
+    before = layer.decode_attention(query, 0.25)
+    for _ in range(5):  # folds at the fifth
+        step()
+    assert layer.folded == FOLD.group
+    layer.restore(state)
+    assert layer.folded == 0 and layer.decode_length == 2
+    torch.testing.assert_close(layer.decode_attention(query, 0.25), before, atol=0, rtol=0)
+
+
+def test_a_sliding_layer_folds_the_positions_with_the_entries():
+    layer, plain, step = decoded_layers(sliding_window=6)
+    T = 40
+    for _ in range(5):
+        step()
+    assert layer.folded == FOLD.group
+    for b in range(B):
+        for h in range(HKV):
+            start, n = int(layer.starts[b, h]), int(layer.lengths[b, h])
+            p_start, p_n = int(plain.starts[b, h]), int(plain.lengths[b, h])
+            want = torch.cat([plain.prompt_positions[p_start : p_start + p_n], torch.arange(T, T + 4)])
+            assert torch.equal(layer.prompt_positions[start : start + n], want)

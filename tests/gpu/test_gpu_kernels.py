@@ -25,6 +25,7 @@ from support.kernel_cases import (  # noqa: E402
     gather_inputs,
     merge_case,
     ragged_inputs,
+    run_packed,
     topk_inputs,
     window_inputs,
 )
@@ -75,6 +76,26 @@ def test_ragged_decode_attention_at_real_model_shapes(D, G, q, max_len, dtype, B
     inputs = ragged_inputs(B, Hkv, G, q, D, max_len, dtype, decode_length=5, seed=D + G)
     got = ragged_decode_attention_triton(**inputs)
     want = ragged_decode_attention_reference(**inputs)
+    assert got.shape == (B, Hkv * G, q, D) and got.dtype == dtype
+    assert_close(got, want, dtype)
+
+
+# Decode over packed codes (the fused dequantizing kernel) against the torch path (on CUDA: the
+# entries dequantized into the flat layout, then the masked fp32 attention): D, group, queries,
+# longest kept prompt, dtype, batch, KV heads, format (support.kernel_cases.PACKED_QUANTIZERS).
+PACKED = [
+    (128, 4, 1, 33000, BF16, 1, 8, "kivi2_paper"),  # Llama-3-8B attention at 32k, KIVI-2
+    (128, 4, 2, 4100, FP16, 2, 3, "int4"),
+    (64, 8, 1, 2100, BF16, 2, 3, "int8"),
+    (96, 7, 1, 1500, FP16, 2, 3, "kivi2_paper"),
+    (128, 1, 1, 2100, FP32, 2, 3, "int2"),
+    (128, 4, 1, 100, BF16, 2, 3, "kivi2_paper"),  # every entry in the residual: no body launch
+]
+
+
+@pytest.mark.parametrize("D, G, q, max_len, dtype, B, Hkv, quantizer", PACKED)
+def test_packed_decode_attention_at_real_model_shapes(D, G, q, max_len, dtype, B, Hkv, quantizer):
+    got, want = run_packed(B, Hkv, G, q, D, max_len, None, dtype, quantizer, decode_length=5)
     assert got.shape == (B, Hkv * G, q, D) and got.dtype == dtype
     assert_close(got, want, dtype)
 

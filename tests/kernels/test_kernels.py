@@ -6,6 +6,7 @@ numpy) but cover GQA, odd head dims and lengths, several split-K chunks, padding
 (sample, head) with no kept prompt token. The cases and their inputs: tests/support/kernel_cases.py.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -22,7 +23,9 @@ from support.kernel_cases import (  # noqa: E402
     DEVICE,
     GATHER_CASES,
     MERGE_CASES,
+    PACKED_CASES,
     REAL_DECODE,
+    REAL_PACKED,
     REAL_WINDOW,
     TOPK_CASES,
     WINDOW_CASES,
@@ -34,7 +37,9 @@ from support.kernel_cases import (  # noqa: E402
     run_crowded_merge,
     run_decode,
     run_gather,
+    run_packed,
     run_real_decode,
+    run_real_packed,
     run_real_window,
     run_topk,
     run_window,
@@ -45,6 +50,7 @@ from support.kernel_cases import (  # noqa: E402
 from kvlab.cache.layer import CompressedLayer  # noqa: E402
 from kvlab.cache.selection import Selection  # noqa: E402
 from kvlab.compression.context import LayerContext  # noqa: E402
+from kvlab.compression.quantizers import KIVI  # noqa: E402
 from kvlab.compression.selectors import topk_indices  # noqa: E402
 from kvlab.config.errors import ConfigError  # noqa: E402
 from kvlab.kernels import dispatch  # noqa: E402
@@ -76,6 +82,19 @@ def test_ragged_decode_attention_kernel_matches_reference(B, Hkv, G, q, D, max_l
 def test_ragged_decode_attention_at_real_model_shapes(D, G, dtype, max_len, q):
     got, want = run_real_decode(D, G, dtype, max_len, q)
     assert got.shape == (1, 2 * G, q, D)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("B, Hkv, G, q, D, max_len, split, dtype, quantizer", PACKED_CASES)
+def test_packed_decode_kernel_matches_the_torch_path(B, Hkv, G, q, D, max_len, split, dtype, quantizer):
+    got, want = run_packed(B, Hkv, G, q, D, max_len, split, dtype, quantizer)
+    assert got.dtype == dtype and got.shape == (B, Hkv * G, q, D)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("D, G, dtype, max_len, quantizer", REAL_PACKED)
+def test_packed_decode_kernel_at_real_model_shapes(D, G, dtype, max_len, quantizer):
+    got, want = run_real_packed(D, G, dtype, max_len, quantizer)
     assert_close(got, want, dtype)
 
 
@@ -265,13 +284,14 @@ def _layer_inputs():
     return on(keys), on(values), selection, (on(step[0]), on(step[1])), on(query)
 
 
-def decoded_layer():
-    """A compressed layer (head (0, 0) keeps nothing) after one decode step, and its query."""
+def decoded_layer(quantizer=None, steps=1):
+    """A compressed layer (head (0, 0) keeps nothing) after ``steps`` decode steps, and its query."""
     keys, values, selection, step, query = _layer_inputs()
     layer = CompressedLayer(decode_capacity=2)
     layer.update(keys, values)
-    layer.compress(selection)
-    layer.update(*step)
+    layer.compress(dataclasses.replace(selection, quantizer=quantizer))
+    for _ in range(steps):
+        layer.update(*step)
     return layer, query
 
 
@@ -286,6 +306,21 @@ def test_cache_decode_through_the_kernels_equals_the_reference_path():
         assert torch.equal(getattr(layer, name), getattr(reference_layer, name))
     torch.testing.assert_close(layer.decode_attention(query, 0.3), want, atol=1e-5, rtol=1e-5)
     assert dispatch.CALLS == {("compact_kv", "triton"): 1, ("ragged_decode_attention", "triton"): 1}
+
+
+def test_quantized_cache_decode_runs_the_fused_kernel_under_triton_and_equals_the_torch_path():
+    """KIVI-2 with its residual folded in after 5 steps: the layer's decode attention runs the fused
+    dequantizing kernel when the mode says triton, and gives the torch path's result."""
+    quantizer = KIVI(bits=2, group=4, residual=4)
+    dispatch.set_mode("reference")
+    reference_layer, query = decoded_layer(quantizer, steps=6)
+    assert reference_layer.folded == 4
+    want = reference_layer.decode_attention(query, 0.3)
+    dispatch.set_mode("triton")
+    layer, _ = decoded_layer(quantizer, steps=6)
+    dispatch.CALLS.clear()
+    torch.testing.assert_close(layer.decode_attention(query, 0.3), want, atol=1e-5, rtol=1e-5)
+    assert dispatch.CALLS == {("packed_decode_attention", "triton"): 1}
 
 
 def test_module_kernels_argument_is_the_mode_of_its_steps_alone_and_rejects_unknown_values(monkeypatch):
@@ -319,6 +354,15 @@ def test_bench_commands_print_a_table(bench, extra, capsys):
     assert len(table) == (2 if bench == "decode" else 1)
     if not torch.cuda.is_available():
         assert "need a CUDA device" in out
+
+
+def test_bench_decode_formats_prints_the_16_bit_row_then_one_per_format(capsys):
+    from kvlab.cli.main import main
+
+    main(["bench", "decode", *SMALL, "--formats", "int8,int4,kivi2"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 ")]
+    assert [row[4].strip() for row in rows] == ["bf16", "int8", "int4", "kivi2"]
+    assert rows[0][7].strip() == "1.00" and all(float(row[7]) > 0 for row in rows)
 
 
 def test_unknown_bench_exits_2_and_a_registered_bench_runs(capsys, monkeypatch):

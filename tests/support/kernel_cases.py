@@ -13,12 +13,16 @@ import torch
 
 pytest.importorskip("triton")
 
+from kvlab.cache.packed import packed_decode_attention  # noqa: E402
+from kvlab.compression.quantizers import KIVI, PerToken  # noqa: E402
 from kvlab.compression.selectors import topk_indices  # noqa: E402
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402
+from kvlab.kernels.dispatch import kernel_mode  # noqa: E402
 from kvlab.kernels.merge import merge_scatter_reference  # noqa: E402
 from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
 from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton  # noqa: E402
 from kvlab.kernels.tl.merge import merge_scatter_triton  # noqa: E402
+from kvlab.kernels.tl.packed_attention import packed_decode_attention_triton  # noqa: E402
 from kvlab.kernels.tl.retrieval import chunk_topk_triton, gather_chunks_triton  # noqa: E402
 from kvlab.kernels.tl.window_scores import window_attention_scores_triton  # noqa: E402
 from kvlab.kernels.window_scores import window_attention_scores_reference  # noqa: E402
@@ -93,6 +97,52 @@ def run_decode(B, Hkv, G, q, D, max_len, split, dtype, slots=None, decode_length
 def run_real_decode(D, G, dtype, max_len, q):
     """A real-shape decode case: head (0, 0) keeps nothing, splits sized for ``GPU_SLOTS``."""
     return run_decode(1, 2, G, q, D, max_len, None, dtype, slots=GPU_SLOTS, decode_length=5)
+
+
+# --- decode over packed codes (the fused dequantizing kernel) ------------------------------------------
+PACKED_QUANTIZERS = {  # int8 / int4 / int2 per token, KIVI-2 (per-channel keys) with a residual
+    "int8": PerToken(bits=8, group=32),
+    "int4": PerToken(bits=4, group=32, residual=5),
+    "int2": PerToken(bits=2, group=8),
+    "kivi2": KIVI(bits=2, group=16, residual=20),
+    "kivi4_residual_only": KIVI(bits=4, group=16, residual=64),  # every entry in the residual
+    "kivi2_paper": KIVI(bits=2, group=32, residual=128),  # KIVI's own setting (GPU tier)
+}
+PACKED_CASES = [  # B, Hkv, G, q, D, max_len, split, dtype, quantizer: small shapes for the interpreter
+    (2, 2, 3, 1, 16, 150, None, torch.bfloat16, "kivi2"),  # GQA 3, body and residual splits sized alike
+    (2, 2, 2, 2, 12, 150, 64, torch.float16, "int4"),  # two-token chunk, odd head dim, several splits
+    (1, 3, 1, 1, 16, 90, 64, torch.float32, "int8"),
+    (1, 2, 4, 1, 16, 100, None, torch.float16, "int2"),
+    (1, 2, 2, 1, 16, 60, None, torch.float16, "kivi4_residual_only"),  # no body: no body launch
+]
+REAL_PACKED = [  # D, G, dtype, max_len, quantizer: real head dims, splits sized for GPU_SLOTS
+    (128, 4, torch.bfloat16, 700, "kivi2"),
+    (64, 8, torch.float16, 700, "int4"),
+    (128, 1, torch.float32, 500, "int8"),
+]
+
+
+def run_packed(B, Hkv, G, q, D, max_len, split, dtype, quantizer, slots=None, decode_length=3):
+    """``(triton output, torch-path output)`` of decode attention over ragged inputs packed by
+    :data:`PACKED_QUANTIZERS` ``[quantizer]`` (the torch path: per-chunk dequantization + attention)."""
+    inputs = ragged_inputs(B, Hkv, G, q, D, max_len, dtype, decode_length=decode_length)
+    packed = PACKED_QUANTIZERS[quantizer].pack(
+        inputs["prompt_keys"], inputs["prompt_values"], inputs["starts"], inputs["lengths"]
+    )
+    rest = (inputs["decode_keys"], inputs["decode_values"], decode_length, inputs["scaling"])
+    got = packed_decode_attention_triton(
+        inputs["query"], packed.keys, packed.values, packed.body_starts, packed.body_lengths,
+        packed.residual_keys, packed.residual_values, packed.residual_starts, packed.residual_lengths,
+        *rest, split_size=split, slots=slots,
+    )  # fmt: skip
+    with kernel_mode("reference"):
+        want = packed_decode_attention(inputs["query"], packed, inputs["starts"], inputs["lengths"], *rest)
+    return got, want
+
+
+def run_real_packed(D, G, dtype, max_len, quantizer):
+    """A real-shape packed case: head (0, 0) keeps nothing, splits sized for ``GPU_SLOTS``."""
+    return run_packed(1, 2, G, 1, D, max_len, None, dtype, quantizer, slots=GPU_SLOTS, decode_length=5)
 
 
 def window_inputs(B, Hkv, G, W, T, D, dtype, seed=0):
@@ -256,6 +306,8 @@ def kernel_test_launches() -> Iterator[tuple[Callable[..., object], tuple]]:
     """
     yield from ((run_decode, case) for case in DECODE_CASES)
     yield from ((run_real_decode, case) for case in REAL_DECODE)
+    yield from ((run_packed, case) for case in PACKED_CASES)
+    yield from ((run_real_packed, case) for case in REAL_PACKED)
     yield from ((run_window, case) for case in WINDOW_CASES)
     yield from ((run_real_window, case) for case in REAL_WINDOW)
     yield from ((lambda *c: compact_kv_triton(*compaction_inputs(*c)), case) for case in COMPACTION_CASES)
