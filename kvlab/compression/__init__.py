@@ -8,6 +8,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     decode,
     decode_prefixkv,
     diversity,
+    duo_attention,
     expected_attention,
     fastv,
     hybridkv,

@@ -72,6 +72,7 @@ NEEDS: dict[tuple[str, str], Any] = {
     ("head allocator", "sparsemm"): lambda visual_heads, info: {
         "allocate": {"head": {"artefact": visual_heads(info)}}
     },
+    ("head allocator", "duo_attention"): {"model": TEXT_MODEL},  # head scores shipped for the text models
     ("head allocator", "hybridkv"): {
         "route": {"rule": {"name": "text_sparsity"}, "branches": {"static": {}, "dynamic": {}}}
     },
