@@ -11,6 +11,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     duo_attention,
     expected_attention,
     fastv,
+    headkv,
     hybridkv,
     importance,
     lagkv,

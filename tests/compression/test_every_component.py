@@ -73,6 +73,7 @@ NEEDS: dict[tuple[str, str], Any] = {
         "allocate": {"head": {"artefact": visual_heads(info)}}
     },
     ("head allocator", "duo_attention"): {"model": TEXT_MODEL},  # head scores shipped for the text models
+    ("head allocator", "headkv"): {"model": TEXT_MODEL},  # head scores shipped for the text models
     ("head allocator", "hybridkv"): {
         "route": {"rule": {"name": "text_sparsity"}, "branches": {"static": {}, "dynamic": {}}}
     },

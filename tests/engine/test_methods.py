@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from kvlab.compression.decode import DECODE_POLICIES, ScoredEviction
 from kvlab.compression.retrieval import retrieval_record
-from kvlab.config.artefacts import Artefact
+from kvlab.config.artefacts import Artefact, resolve_path
 from kvlab.config.loader import preset_names, resolve
 from kvlab.engine.masking import load_masked_model
 from kvlab.models.base import TEXT
@@ -64,7 +64,7 @@ def traits(name: str) -> Traits:
         ragged=head != "uniform",
         layerwise=layer != "uniform",
         adakv=head == "adakv",
-        sparsemm=head == "sparsemm",
+        sparsemm=head in ("sparsemm", "headkv"),  # static capacities from calibrated head scores
         model_wide=head == "duo_attention",
         keeps_all_text=modality.get("name") == "text_prior" and modality.get("overflow") == "keep_all_text",
         retrieves=bool(retrieve),
@@ -165,7 +165,8 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
     if trait.sparsemm:  # global over layers and heads: sum of caps, less what short heads could not hold
         free = budget - window
         allocator = pipe.head_allocator
-        head_scores = Artefact.load(allocator.artefact).tensors["scores"]
+        path = resolve_path(allocator.artefact, model, allocator.artefact_kind, "test")
+        head_scores = Artefact.load(path).tensors["scores"]
         caps = allocator.capacities(head_scores, Hkv, free)  # [L, Hkv]
         assert int(caps.sum()) == loaded.info.num_layers * Hkv * free
         kept = torch.stack([r.kept for r in result.reports]) - window  # [L, B, Hkv]
