@@ -8,6 +8,8 @@ import pytest
 import torch
 from naive.context import make_ctx, sample_ctx, sample_lists
 from naive.duo_attention import duo_capacities, needle_mass
+from support import e2e
+from support.presets import budgeted_pipeline, retrieval_samples
 
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, needle_sentence, needle_targets
 from kvlab.compression.allocators import HEAD_ALLOCATORS
@@ -116,3 +118,16 @@ def test_the_preset_is_refused_on_a_model_without_its_artefact_naming_the_comman
     with pytest.raises(ConfigError, match=command):
         pipeline.bind_model("tiny-qwen2-vl")
     pipeline.bind_model("tiny-qwen2")  # a shipped artefact
+
+
+def test_the_duo_mixkv_hybrid_streams_three_quarters_of_the_heads():
+    """``configs/duo_mixkv.yaml`` on tiny-llama (2 layers x 4 KV heads): the 2 best heads share the
+    free budget of all 8 by MixKV's scores, the other 6 keep their 4 sinks and 32 recent tokens."""
+    model = "tiny-llama"
+    pipeline = budgeted_pipeline("duo_mixkv", model, tokens=44)  # 8 free tokens per head
+    result = e2e.run(e2e.kvlab_model(model), pipeline, retrieval_samples(), 2)
+    kept = torch.stack([report.kept for report in result.reports]) - 36  # [L, B, Hkv] beyond protected
+    for b in range(kept.shape[1]):
+        free = kept[:, b].flatten()
+        assert int((free > 0).sum()) == 2 and int(free.sum()) == 8 * 8
+        assert sorted(free.tolist())[-2:] == [32, 32]

@@ -161,7 +161,8 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
         for b in range(len(lengths)):
             available, free = int(lengths[b]) - guarded, min(budget, int(lengths[b])) - guarded
             assert int(kept[:, b].sum()) == loaded.info.num_layers * Hkv * free
-            assert int(((kept[:, b] > 0) & (kept[:, b] < available)).sum()) <= 1  # one head at the boundary
+            if pipe.head_allocator.retrieval_share is None:  # whole heads, one at the boundary
+                assert int(((kept[:, b] > 0) & (kept[:, b] < available)).sum()) <= 1
     if trait.sparsemm:  # global over layers and heads: sum of caps, less what short heads could not hold
         free = budget - window
         allocator = pipe.head_allocator
