@@ -1,4 +1,4 @@
-"""The ``qfilters`` calibration statistic: each KV head's Q-Filter (Godey et al. 2025, Sec. 4).
+"""The ``qfilters`` calibration statistic: each KV head's Q-Filter (Godey et al. 2025).
 
 For layer ``l`` and KV head ``h``, ``Q`` is the matrix whose rows are the rotated queries (as the
 layer's attention sees them, after the rotary embedding: the keys they are compared with are the

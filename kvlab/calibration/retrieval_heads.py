@@ -5,7 +5,7 @@ needle's prompt tokens as targets; :func:`~kvlab.calibration.statistics.needle_t
 - ``duo_attention_heads``: DuoAttention's retrieval-head scores (Xiao et al. 2024), estimated
   without the paper's gate optimisation: each query head's attention mass from the answer tokens
   on the needle (``docs/calibration.md`` says what this replaces and what it costs).
-- ``retrieval_reasoning_heads``: HeadKV's retrieval-reasoning scores (Fu et al. 2024, Sec. 3.2):
+- ``retrieval_reasoning_heads``: HeadKV's retrieval-reasoning scores (Fu et al. 2024):
   the attention each answer token pays the needle among its ``k`` strongest keys (``k`` the
   needle's length), as the authors' ``retrieval_head_detection_r2.py`` computes it.
 
@@ -43,7 +43,7 @@ class NeedleAttention(ImageAttention):
 @CALIBRATIONS.register("retrieval_reasoning_heads")
 @dataclass
 class RetrievalReasoningScores(CalibrationStatistic):
-    """HeadKV's retrieval-reasoning head scores ``scores [L, H]`` fp32 (Fu et al. 2024, Sec. 3.2).
+    """HeadKV's retrieval-reasoning head scores ``scores [L, H]`` fp32 (Fu et al. 2024).
 
     Wu et al.'s retrieval score credits a head when its single strongest key, while the model
     copies an answer token, is that token in the needle. HeadKV's score (the R2 score of the

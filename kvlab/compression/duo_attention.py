@@ -26,7 +26,7 @@ class DuoAttentionHeadAllocator(HeadAllocator, UsesArtefact):
     calibrated retrieval score; the best keep their whole prompt, the others their protected tokens.
 
     A streaming head is one with no free token: it keeps exactly the budget's protected tokens,
-    ``sinks`` + ``window`` (the paper's attention sinks and recent tokens, Sec. 3.1). Per sample,
+    ``sinks`` + ``window`` (the paper's attention sinks and recent tokens). Per sample,
     with ``F`` the free budget per head (budget minus protected) and ``C`` the candidates per head
     (prompt minus protected), the model holds ``N F`` free tokens over its ``N = L Hkv`` KV heads,
     and (scores ``s [L, H]`` of a ``duo_attention_heads`` artefact, reduced over each KV head's

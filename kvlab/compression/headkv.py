@@ -21,7 +21,7 @@ from kvlab.config import papers
 @HEAD_ALLOCATORS.register("headkv")
 @dataclass
 class HeadKVHeadAllocator(StaticHeadAllocator):
-    """HeadKV's head-level budgets (Fu et al. 2024, Sec. 3.3, the allocation equation).
+    """HeadKV's head-level budgets (Fu et al. 2024, the head-level allocation).
 
     With ``B'`` the free budget per head (kvlab's budget minus the window), HeadKV takes a slice
     ``B' // beta`` of every head's budget into a pool shared by all ``L H`` heads and hands it back

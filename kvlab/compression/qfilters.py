@@ -25,11 +25,11 @@ from kvlab.config.capabilities import Capabilities
 class QFiltersScorer(ImportanceScorer, UsesArtefact):
     """Q-Filters: ``s_t = <k_t, u_h>``, the key's projection on its KV head's Q-Filter.
 
-    Godey et al. 2025, Sec. 3: the queries and keys of a head share one dominant direction
+    Godey et al. 2025, the method's observations: the queries and keys of a head share one dominant direction
     ``u_h`` (Observation 1, ``E<Q, u_h> > 0``), and the queries are near-isotropic around it
     (Observation 2), so the attention logit a key can expect is ``E_Q <Q, K_t> ~ kappa_h <K_t, u_h>``
     with ``kappa_h > 0`` (Theorem 1): the keys with the largest projection on ``u_h`` are the ones
-    the next queries attend to most, and the ones kept. ``u_h`` is estimated offline (Sec. 4, the
+    the next queries attend to most, and the ones kept. ``u_h`` is estimated offline (the
     Q-Filters): the first right singular vector of a matrix of the head's (rotated) queries over
     a calibration set, its sign fixed so that the mean projection of the queries is positive.
 
