@@ -26,4 +26,5 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     selectors,
     tova,
     two_stage,
+    vl_cache,
 )

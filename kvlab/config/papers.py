@@ -76,6 +76,10 @@ HEADKV = (
     'Fu et al. 2024, "Not All Heads Matter: A Head-Level KV Cache Compression Method with Integrated '
     'Retrieval and Reasoning"'
 )
+VLCACHE = (
+    'Tu et al. 2024, "VL-Cache: Sparsity and Modality-Aware KV Cache Compression for Vision-Language Model '
+    'Inference Acceleration"'
+)
 KIVI = 'Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"'
 TURBOQUANT = (
     'Zandieh et al. 2025, "TurboQuant: Online Vector Quantization with Near-optimal Distortion Rate" '
