@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from kvlab import models  # module attribute: load_model stays replaceable (tests)
-from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, Recorder, region_targets
+from kvlab.calibration.statistics import (
+    CALIBRATIONS,
+    CalibrationBatch,
+    Recorder,
+    needle_sentence,
+    needle_targets,
+    region_targets,
+)
 from kvlab.config.artefacts import Artefact, cache_path
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import find_config
@@ -65,7 +72,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
     samples = build_dataset(
         dataset_node, "data.dataset", tokenizer=model_name, processors=models.PROCESSORS
     ).samples()
-    if statistic.needs_answers and any(not s.answers for s in samples):
+    if (statistic.needs_answers or statistic.needs_needle) and any(not s.answers for s in samples):
         raise ConfigError(
             f"calibration '{statistic.registry_name}' teacher-forces reference answers, but some samples of "
             "data.dataset have none. Use a dataset with answers (e.g. synthetic_image_qa)."
@@ -87,10 +94,16 @@ def calibrate(settings: dict[str, Any]) -> Path:
     for sample in samples:
         batch = loaded.processor.collate([sample])
         answer = 0
-        if statistic.needs_answers:
+        prompt_ids = batch["input_ids"][0]
+        if statistic.needs_answers or statistic.needs_needle:
             batch, answer = with_answer(loaded, batch, sample.answers[0])
         targets = None
-        if statistic.needs_targets:
+        if statistic.needs_needle:  # the needle's prompt tokens; the answer's tokens are no target
+            needle = needle_sentence(sample.prompt, sample.answers[0])
+            needle_ids = loaded.processor.tokenizer(needle, add_special_tokens=False)["input_ids"]
+            forced = torch.zeros(answer, dtype=torch.bool)
+            targets = torch.cat([needle_targets(prompt_ids, needle_ids), forced])[None]
+        elif statistic.needs_targets:
             targets = region_targets(batch["modality"][0], sample.meta, loaded.extras["tokens_per_image"])[
                 None
             ]

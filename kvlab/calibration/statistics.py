@@ -45,6 +45,9 @@ class CalibrationStatistic:
     registry_name: str = ""
     needs_answers: bool = False
     needs_targets: bool = False
+    #: text needle-in-a-haystack statistics: the targets are the prompt tokens of the needle, the
+    #: sentence that holds the reference answer (:func:`needle_targets`); implies ``needs_answers``
+    needs_needle: bool = False
 
     def start(self, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
         """Reset the accumulators for a model of this shape."""
@@ -142,6 +145,43 @@ class Recorder:
         assert self.batch is not None, "set Recorder.batch before running a batch"
         self.statistic.observe(ctx, self.batch)
         return self.full.compress(ctx, record_scores)
+
+
+def needle_sentence(prompt: str, answer: str) -> str:
+    """The sentence of ``prompt`` that holds ``answer`` (its first occurrence): from the character
+    after the previous sentence end (``.``, ``!``, ``?`` or a line break) through the next ``.``,
+    ``!`` or ``?``. ``synthetic_retrieval``'s needle "The secret code for <key> is <value>.".
+
+    Raises:
+        ValueError: ``answer`` does not occur in ``prompt`` (the sample is not a needle task).
+    """
+    at = prompt.find(answer)
+    if at < 0:
+        raise ValueError(
+            f"the reference answer {answer!r} does not occur in the prompt: the needle statistics need a "
+            "needle-in-a-haystack task whose answer is copied from the context (e.g. synthetic_retrieval)."
+        )
+    start = max(prompt.rfind(mark, 0, at) for mark in ".!?\n") + 1
+    ends = [e for e in (prompt.find(mark, at + len(answer)) for mark in ".!?") if e >= 0]
+    end = min(ends) + 1 if ends else len(prompt)
+    return prompt[start:end].strip()
+
+
+def needle_targets(prompt_ids: torch.Tensor, needle_ids: list[int]) -> torch.Tensor:
+    """``[T]`` bool: the ``len(needle_ids)`` prompt tokens where the needle sits, found as HeadKV's
+    retrieval-head detection finds it (Fu et al. 2024, ``find_needle_idx``): the window of that
+    length whose set of token ids overlaps the needle's most (the last such window on a tie), so
+    a needle tokenised differently inside the prompt (a leading space) is still found."""
+    ids = prompt_ids.tolist()
+    span, wanted = len(needle_ids), set(needle_ids)
+    best, start = -1.0, 0
+    for i in range(max(len(ids) - span + 1, 1)):
+        overlap = len(set(ids[i : i + span]) & wanted) / len(wanted)
+        if overlap >= best:
+            best, start = overlap, i
+    targets = torch.zeros(len(ids), dtype=torch.bool)
+    targets[start : start + span] = True
+    return targets
 
 
 def region_targets(modality: torch.Tensor, meta: dict[str, Any], tokens_per_image: int) -> torch.Tensor:

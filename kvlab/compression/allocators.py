@@ -272,26 +272,82 @@ class AdaKVHeadAllocator(HeadAllocator):
         return torch.bincount(order // P, minlength=Hkv)
 
 
+class StaticHeadAllocator(HeadAllocator, UsesArtefact):
+    """Base of the static, model-wide head budgets from calibrated per-head scores (SparseMM,
+    HeadKV): every KV head gets a guaranteed share of the free budget plus a share of a pool
+    spread by its score. Subclasses give :meth:`shares` (how the ``[L, H]`` scores become shares
+    summing to 1) and :meth:`min_cache` (the guaranteed free tokens of a head)::
+
+        s = shares(scores)                           # [L, H], sums to 1 over the model
+        s_kv[l, j] = gqa_j(s[l, j G : (j + 1) G])    # sum (default) or mean over the group
+        remain = (B' - min_cache(B')) L Hkv
+        cap[l, j] = s_kv[l, j] remain + min_cache(B')  # rounded (``rounding``)
+
+    The allocation is prompt-independent; the total over the model is ``L Hkv B'``.
+    ``rounding: exact_total`` (default) rounds by largest remainder so the total is exact (with
+    ``gqa: mean`` the caps are first rescaled to that total); ``nearest`` is the released codes'
+    ``round``. A cap above a head's candidate count is clamped (the released codes silently
+    truncate; kvlab's per-head kept counts in the predictions show it). ``artefact: auto`` finds
+    the model's artefact in ``$KVLAB_CACHE/calibration`` or among the shipped ones. The artefact's
+    tensor is ``scores [L, H]``. Returns ``[B, Hkv]`` ragged counts.
+    """
+
+    artefact: str = "auto"
+    gqa: Literal["sum", "mean"] = "sum"
+    rounding: Literal["exact_total", "nearest"] = "exact_total"
+
+    def __post_init__(self) -> None:
+        self._caps: dict[int, torch.Tensor] = {}
+
+    def shares(self, head_scores: torch.Tensor) -> torch.Tensor:
+        """``[L, H]`` fp64 shares summing to 1 from the artefact's ``head_scores [L, H]``."""
+        total = head_scores.double().sum()
+        if not total > 0:
+            raise ConfigError(
+                f"{self._where()}: the head scores are all zero (no answer token attended to its target "
+                "during calibration), so they cannot skew budgets. Calibrate on more samples."
+            )
+        return head_scores.double() / total
+
+    def min_cache(self, budget: int) -> int:
+        """The free tokens every head keeps whatever its score, for a free budget ``budget``."""
+        raise NotImplementedError
+
+    def capacities(self, head_scores: torch.Tensor, num_kv_heads: int, budget: int) -> torch.Tensor:
+        """``[L, Hkv]`` free-token caps for a free budget ``budget`` from ``head_scores [L, H]``."""
+        L, H = head_scores.shape
+        if budget <= 0:
+            return torch.zeros(L, num_kv_heads, dtype=torch.long, device=head_scores.device)
+        s = self.shares(head_scores)
+        grouped = s.view(L, num_kv_heads, H // num_kv_heads)
+        s_kv = grouped.sum(-1) if self.gqa == "sum" else grouped.mean(-1)
+        min_cache = self.min_cache(budget)
+        remain = (budget - min_cache) * L * num_kv_heads
+        real = s_kv * remain + min_cache
+        if self.rounding == "nearest":
+            return torch.round(real).long()
+        return round_to_total(real * (L * num_kv_heads * budget) / real.sum(), L * num_kv_heads * budget)
+
+    def allocate(self, scores, free, ctx):
+        head_scores = self.artefact_for(ctx).tensors["scores"]
+        counts = torch.empty(scores.shape[0], ctx.num_kv_heads, dtype=torch.long, device=scores.device)
+        for b, budget in enumerate(free.tolist()):
+            if budget not in self._caps:
+                self._caps[budget] = self.capacities(head_scores, ctx.num_kv_heads, budget)
+            counts[b] = self._caps[budget][ctx.layer_idx].to(scores.device)
+        return counts
+
+
 @HEAD_ALLOCATORS.register("sparsemm")
 @dataclass
-class SparseMMHeadAllocator(HeadAllocator, UsesArtefact):
+class SparseMMHeadAllocator(StaticHeadAllocator):
     """SparseMM (Wang et al. 2025): static head budgets skewed to offline "visual heads".
 
     From a ``visual_heads`` calibration artefact (``scores [L, H]``, mean over calibration
-    samples; see docs/calibration.md), with ``B'`` the free budget per head::
-
-        s = scores / scores.sum()                    # over all L * H query heads
-        s_kv[l, j] = gqa_j(s[l, j G : (j + 1) G])    # sum (default) or mean over the group
-        min_cache = floor(ratio B') ; remain = (B' - min_cache) L Hkv
-        cap[l, j] = s_kv[l, j] remain + min_cache    # rounded (see ``rounding``)
-
-    The allocation is global over layers and heads and prompt-independent; the total over the
-    model is ``L Hkv B'``. ``rounding: exact_total`` (default) rounds by largest remainder so
-    the total is exact (with ``gqa: mean`` the caps are first rescaled to that total);
-    ``nearest`` is the released code's ``round``. A cap above a head's
-    candidate count is clamped (the released code silently truncates; kvlab's per-head kept
-    counts in the predictions show it). ``artefact: auto`` finds the model's artefact in
-    ``$KVLAB_CACHE/calibration`` or among the shipped ones.
+    samples; see docs/calibration.md), with ``B'`` the free budget per head, the
+    :class:`StaticHeadAllocator` rule with ``s = scores / scores.sum()`` (over all ``L H`` query
+    heads) and ``min_cache = floor(ratio B')``: 10% of every head's budget guaranteed by default,
+    the rest spread over the model by the visual-head scores.
 
     Returns ``[B, Hkv]`` ragged counts.
     """
@@ -308,34 +364,7 @@ class SparseMMHeadAllocator(HeadAllocator, UsesArtefact):
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
-        self._caps: dict[int, torch.Tensor] = {}
+        super().__post_init__()
 
-    def capacities(self, head_scores: torch.Tensor, num_kv_heads: int, budget: int) -> torch.Tensor:
-        """``[L, Hkv]`` free-token caps for a free budget ``budget`` from ``head_scores [L, H]``."""
-        L, H = head_scores.shape
-        if budget <= 0:
-            return torch.zeros(L, num_kv_heads, dtype=torch.long, device=head_scores.device)
-        total = head_scores.double().sum()
-        if not total > 0:
-            raise ConfigError(
-                f"{self._where()}: the visual-head scores are all zero (no answer token attended to its "
-                "image region during calibration), so they cannot skew budgets. Calibrate on more samples."
-            )
-        s = head_scores.double() / total
-        grouped = s.view(L, num_kv_heads, H // num_kv_heads)
-        s_kv = grouped.sum(-1) if self.gqa == "sum" else grouped.mean(-1)
-        min_cache = int(budget * self.ratio)
-        remain = (budget - min_cache) * L * num_kv_heads
-        real = s_kv * remain + min_cache
-        if self.rounding == "nearest":
-            return torch.round(real).long()
-        return round_to_total(real * (L * num_kv_heads * budget) / real.sum(), L * num_kv_heads * budget)
-
-    def allocate(self, scores, free, ctx):
-        head_scores = self.artefact_for(ctx).tensors["scores"]
-        counts = torch.empty(scores.shape[0], ctx.num_kv_heads, dtype=torch.long, device=scores.device)
-        for b, budget in enumerate(free.tolist()):
-            if budget not in self._caps:
-                self._caps[budget] = self.capacities(head_scores, ctx.num_kv_heads, budget)
-            counts[b] = self._caps[budget][ctx.layer_idx].to(scores.device)
-        return counts
+    def min_cache(self, budget: int) -> int:
+        return int(budget * self.ratio)

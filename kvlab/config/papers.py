@@ -67,6 +67,19 @@ FASTV = (
     'Chen et al. 2024, "An Image is Worth 1/2 Tokens After Layer 2: Plug-and-Play Inference Acceleration '
     'for Large Vision-Language Models"'
 )
+QFILTERS = 'Godey et al. 2025, "Q-Filters: Leveraging QK Geometry for Efficient KV Cache Compression"'
+DUOATTENTION = (
+    'Xiao et al. 2024, "DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming '
+    'Heads"'
+)
+HEADKV = (
+    'Fu et al. 2024, "Not All Heads Matter: A Head-Level KV Cache Compression Method with Integrated '
+    'Retrieval and Reasoning"'
+)
+VLCACHE = (
+    'Tu et al. 2024, "VL-Cache: Sparsity and Modality-Aware KV Cache Compression for Vision-Language Model '
+    'Inference Acceleration"'
+)
 KIVI = 'Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"'
 TURBOQUANT = (
     'Zandieh et al. 2025, "TurboQuant: Online Vector Quantization with Near-optimal Distortion Rate" '

@@ -59,7 +59,9 @@ NEEDS: dict[tuple[str, str], Any] = {
         "mixer": {"extrinsic": "attention", "intrinsic": ["value_norm"], "diversity": ["mean_key_diversity"]},
     },
     ("layer allocator", "prefix_threshold"): {"schedule": "global"},
+    ("layer allocator", "vl_cache"): {"schedule": "global"},
     ("importance scorer", "expected_attention"): {"model": TEXT_MODEL},  # Qwen2-VL's 3-D rotary: refused
+    ("importance scorer", "qfilters"): {"model": TEXT_MODEL},  # filters shipped for the text models
     # FastV's K is its layer allocator's; K = 1 so that the two-layer tiny VLM evicts at all
     ("importance scorer", "fastv_attention"): {"allocate": {"layer": {"name": "fastv", "layer": 1}}},
     ("layer allocator", "fastv"): {"allocate": {"layer": {"layer": 1}}},
@@ -71,6 +73,8 @@ NEEDS: dict[tuple[str, str], Any] = {
     ("head allocator", "sparsemm"): lambda visual_heads, info: {
         "allocate": {"head": {"artefact": visual_heads(info)}}
     },
+    ("head allocator", "duo_attention"): {"model": TEXT_MODEL},  # head scores shipped for the text models
+    ("head allocator", "headkv"): {"model": TEXT_MODEL},  # head scores shipped for the text models
     ("head allocator", "hybridkv"): {
         "route": {"rule": {"name": "text_sparsity"}, "branches": {"static": {}, "dynamic": {}}}
     },

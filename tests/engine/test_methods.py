@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from kvlab.compression.decode import DECODE_POLICIES, ScoredEviction
 from kvlab.compression.retrieval import retrieval_record
-from kvlab.config.artefacts import Artefact
+from kvlab.config.artefacts import Artefact, resolve_path
 from kvlab.config.loader import preset_names, resolve
 from kvlab.engine.masking import load_masked_model
 from kvlab.models.base import TEXT
@@ -43,6 +43,7 @@ class Traits:
     adakv: bool  # heads of a layer share its budget: their kept counts sum to it
     sparsemm: bool  # static per-head capacities from a visual-head artefact
     keeps_all_text: bool  # a text prior keeping every text token, even beyond the budget
+    model_wide: bool = False  # heads ranked over the model (DuoAttention): the model's total is the budget
     retrieves: bool = False  # some heads retrieve (a `retrieve` selector, maybe in a per-head route branch)
     local: str = "none"  # what a retrieving head holds resident: `none`, or its `protected` tokens
     chunk: int = 8  # a retrieving head's tokens per chunk
@@ -63,7 +64,8 @@ def traits(name: str) -> Traits:
         ragged=head != "uniform",
         layerwise=layer != "uniform",
         adakv=head == "adakv",
-        sparsemm=head == "sparsemm",
+        sparsemm=head in ("sparsemm", "headkv"),  # static capacities from calibrated head scores
+        model_wide=head == "duo_attention",
         keeps_all_text=modality.get("name") == "text_prior" and modality.get("overflow") == "keep_all_text",
         retrieves=bool(retrieve),
         local=retrieve[0].get("local", "none") if retrieve else "none",
@@ -128,7 +130,9 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
         return
     for report in result.reports:
         expected = torch.minimum(report.budget, lengths)
-        if trait.ragged:  # heads differ; the layer (AdaKV) or the model (SparseMM) sums to the budget
+        if trait.model_wide:  # whole and streaming heads; a layer may hold streaming heads only
+            pass
+        elif trait.ragged:  # heads differ; the layer (AdaKV) or the model (SparseMM) sums to the budget
             assert len(set(report.kept.flatten().tolist())) > 1, report.layer_idx
         elif trait.keeps_all_text:  # the budget, raised to the text tokens it must keep
             assert bool((report.kept >= expected[:, None]).all()), report.layer_idx
@@ -150,10 +154,20 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
                     assert text <= set(kept)
     if not trait.layerwise:
         assert all(int(r.budget.max()) == budget for r in result.reports)
+    if trait.model_wide:  # over the model: the budget's free tokens, heads kept whole or at their protected
+        guarded = window + protected(preset, T)[1]  # window and sinks
+        kept = torch.stack([r.kept for r in result.reports]) - guarded  # [L, B, Hkv]
+        assert len(set(kept.flatten().tolist())) > 1
+        for b in range(len(lengths)):
+            available, free = int(lengths[b]) - guarded, min(budget, int(lengths[b])) - guarded
+            assert int(kept[:, b].sum()) == loaded.info.num_layers * Hkv * free
+            if pipe.head_allocator.retrieval_share is None:  # whole heads, one at the boundary
+                assert int(((kept[:, b] > 0) & (kept[:, b] < available)).sum()) <= 1
     if trait.sparsemm:  # global over layers and heads: sum of caps, less what short heads could not hold
         free = budget - window
         allocator = pipe.head_allocator
-        head_scores = Artefact.load(allocator.artefact).tensors["scores"]
+        path = resolve_path(allocator.artefact, model, allocator.artefact_kind, "test")
+        head_scores = Artefact.load(path).tensors["scores"]
         caps = allocator.capacities(head_scores, Hkv, free)  # [L, Hkv]
         assert int(caps.sum()) == loaded.info.num_layers * Hkv * free
         kept = torch.stack([r.kept for r in result.reports]) - window  # [L, B, Hkv]

@@ -12,5 +12,9 @@ the papers' formulas (never from kvlab's code), and the random contexts they are
 - :mod:`naive.retrieval`: chunk retrieval's choice of chunks by mean keys.
 - :mod:`naive.expected_attention`: Expected Attention's query statistics, future rotation and scores.
 - :mod:`naive.criticalkv`: CriticalKV's projected value norm and second-stage score.
+- :mod:`naive.qfilters`: Q-Filters' first right singular vector (power iteration) and projections.
+- :mod:`naive.duo_attention`: DuoAttention's head split on a budget and the needle attention mass.
+- :mod:`naive.headkv`: HeadKV's retrieval-reasoning score and head budgets.
+- :mod:`naive.vl_cache`: VL-Cache's post-vision scores, layer density and layer budgets.
 - :mod:`naive.fastv`: FastV's received attention at layer K - 1 and the tokens kept from layer K on.
 """
