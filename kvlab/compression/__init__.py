@@ -19,6 +19,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     prefixkv,
     quantizers,
     retrieval,
+    rkv,
     routing,
     selectors,
     tova,
