@@ -283,16 +283,16 @@ class ScoredEviction(DecodePolicy):
     ``budget.window`` when that is a token count.
 
     **Periodic eviction** (``every > 1``; R-KV's buffer, :mod:`kvlab.compression.rkv`): the entries
-    are still scored after every step (:meth:`update`), but a layer evicts only once every
-    ``every`` steps, many entries at once: each (sample, KV head) holding more than ``capacity -
-    every + 1`` entries keeps the ``capacity - every + 1`` of highest :meth:`eviction_scores`, the
+    are still scored after every step (:meth:`update`), but each (sample, KV head) evicts only once
+    every ``every`` steps, many entries at once: at the step it would exceed its capacity ``C`` (its
+    first eviction, :attr:`ScoredLayer.room`) and every ``every`` steps after (``C`` steps when
+    ``C < every``), it keeps its ``C - every + 1`` entries of highest :meth:`eviction_scores`, the
     ``recent`` newest positions always among them (:meth:`periodic_keep`), through
-    :meth:`~kvlab.cache.slots.SlotLayout.keep_slots`. The first eviction comes at the step the first
-    row would exceed its capacity (:attr:`ScoredLayer.room`), the next ones ``every`` steps apart, so
-    after every step each row holds at most its capacity, as with ``every == 1`` (1 is the
-    one-entry-per-step path above, unchanged). An eviction step reads each evicting layer's new
-    prompt size on the host (:meth:`~kvlab.cache.slots.SlotLayout.keep_slots`); the steps between
-    read nothing. :attr:`ScoredEntries.countdown` tells :meth:`update` how far the next eviction is.
+    :meth:`~kvlab.cache.slots.SlotLayout.keep_slots`. After every step each row holds at most its
+    capacity, as with ``every == 1`` (1 is the one-entry-per-step path above, unchanged), and a row's
+    schedule depends on its own sizes only (a padded batch equals its samples alone). An eviction
+    step reads the evicting layers' new prompt sizes on the host once; the steps between read
+    nothing. :attr:`ScoredEntries.countdown` tells :meth:`update` how far each row's next eviction is.
 
     A subclass supplies :meth:`prefill_scores` (the seed, default 0) and :meth:`update`, and may
     override :meth:`capacity` and, for a periodic eviction, :meth:`eviction_scores`. The state
