@@ -87,6 +87,12 @@ class SlotLayout:
         _, valid = self.slot_rows()
         return torch.cat([valid, self._decode_slot_valid()], -1)
 
+    def slot_keys(self) -> torch.Tensor:
+        """``[B, Hkv, K + decode_length, D]``: the stored keys in the slot layout (:meth:`slot_valid`),
+        in the cache's dtype; an empty slot holds another entry's key (mask it with :meth:`slot_valid`)."""
+        rows, _ = self.slot_rows()
+        return torch.cat([self.prompt_keys[rows], self.decode_keys[:, :, : self.decode_length]], 2)
+
     def _decode_slot_valid(self) -> torch.Tensor:
         """``[B, Hkv, decode_length]`` bool: the real entries of the decode region."""
         B, Hkv = self.lengths.shape
@@ -279,7 +285,7 @@ class SlotLayout:
         self.move_entries(source, victim, rows & (source != victim), tracked)
         self.lengths = self.lengths - rows.long()
 
-    def keep_slots(self, keep: torch.Tensor) -> None:
+    def keep_slots(self, keep: torch.Tensor, prompt_slots: int | None = None) -> None:
         """Keep the entries ``keep [B, Hkv, K + decode_length]`` marks (slot layout) and drop the rest.
 
         The kept entries of each (sample, head), prompt and decode alike, become its new prompt
@@ -287,6 +293,10 @@ class SlotLayout:
         padding marks cleared. Logical length and positions are unchanged (RoPE positions are in
         the keys already; sliding layers keep each entry's original position). Invalidates any
         slot-indexed state a decode policy holds for this layer.
+
+        ``prompt_slots``: the most entries a row keeps (``keep.sum(-1).max()``), when the caller has
+        read it already (a periodic decode policy reads every layer's at once); the check that
+        ``keep`` marks only stored entries is then the caller's too. None: both are done here.
 
         Raises:
             ValueError: ``keep`` has the wrong shape or marks a slot that holds no entry.
@@ -297,7 +307,7 @@ class SlotLayout:
                 f"keep_slots: keep must be {tuple(valid.shape)} (slot layout), got {tuple(keep.shape)}"
             )
         keep = keep.to(valid.device)
-        if bool((keep & ~valid).any()):
+        if prompt_slots is None and bool((keep & ~valid).any()):
             raise ValueError("keep_slots: keep marks slots that hold no entry (see slot_valid)")
         rows, _ = self.slot_rows()
         dl = self.decode_length
@@ -311,7 +321,10 @@ class SlotLayout:
             positions = torch.cat([self.prompt_positions[rows], self.decode_positions[:, :, :dl]], 2)
             kept = torch.arange(order.shape[-1], device=order.device) < counts[..., None]
             self.prompt_positions = positions.gather(2, order)[kept]
-        self.max_prompt_length = int(self.lengths.max()) if self.lengths.numel() else 0
+        if prompt_slots is not None:
+            self.max_prompt_length = prompt_slots
+        else:
+            self.max_prompt_length = int(self.lengths.max()) if self.lengths.numel() else 0
         if self.shares_buffers:  # a checkpoint holds the decode buffers: later appends go to new ones
             self.decode_keys = torch.empty_like(self.decode_keys)
             self.decode_values = torch.empty_like(self.decode_values)

@@ -22,6 +22,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     qfilters,
     quantizers,
     retrieval,
+    rkv,
     routing,
     selectors,
     tova,

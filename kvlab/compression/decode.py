@@ -68,8 +68,9 @@ class EvictionRecord:
         steps: one mapping per :meth:`DecodePolicy.after_step` call, in order: layer index ->
             ``[B, Hkv]`` long, the position each (sample, KV head) evicted in that step, in the
             padded batch's coordinates (a prompt token its index ``t < T``, the i-th decoded token
-            ``T + i``), -1 where the row evicted nothing. A layer that evicted nothing in a step may
-            be left out.
+            ``T + i``), -1 where the row evicted nothing; or ``[B, Hkv, n]`` when a step evicts
+            several entries per row (a periodic eviction), -1 past a row's evictions. A layer that
+            evicted nothing in a step may be left out.
     """
 
     steps: list[dict[int, torch.Tensor]] = field(default_factory=list)
@@ -140,6 +141,14 @@ def evict_rows_of_layers(pending: Sequence[RowEviction]) -> None:
         layer.evict_rows(victim, rows, capacity, list(tracked), flags=layer_flags)
 
 
+def grow_to_budget(kept: torch.Tensor, budget: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv]`` decode capacity: the layer ``budget [B]`` where the prefill kept the whole prompt
+    (``budget >= lengths [B]``), so the cache grows to the budget while generating, else the kept
+    count ``kept [B, Hkv]`` (TOVA's multi-state size, R-KV's budget)."""
+    uncompressed = (budget >= lengths)[:, None]  # [B, 1]
+    return torch.where(uncompressed, budget[:, None].expand_as(kept), kept)
+
+
 @dataclass
 class ScoredEntries:
     """A scored policy's bookkeeping for one layer: the score and position of every stored entry.
@@ -153,10 +162,15 @@ class ScoredEntries:
         scores: ``[B, Hkv, S]`` fp32 score of each entry (higher: kept longer).
         positions: ``[B, Hkv, S]`` long, the entry's position in the padded batch (a prompt token
             its index ``t < T``, the i-th decoded token ``T + i``).
+        countdown: with a periodic eviction (``ScoredEviction.every > 1``), ``[B, Hkv]`` long, the
+            decode steps left before each row's next eviction as :meth:`ScoredEviction.update` sees
+            them (0: this step's); a method observing only the queries right before an eviction
+            reads it (R-KV). None with ``every == 1``.
     """
 
     scores: torch.Tensor
     positions: torch.Tensor
+    countdown: torch.Tensor | None = None
 
     @classmethod
     def seed(cls, layer: CompressedLayer, scores: torch.Tensor, positions: torch.Tensor) -> ScoredEntries:
@@ -215,12 +229,22 @@ class ScoredLayer:
             what :meth:`~kvlab.cache.slots.SlotLayout.evict_rows` needs.
         growth: decode steps before every row is at its capacity (from then on every step evicts
             from every row: :meth:`~kvlab.cache.slots.SlotLayout.evict_one`).
+        room: with a periodic eviction (``ScoredEviction.every > 1``), ``[B, Hkv]`` long, the step
+            of each row's first eviction (the first step it would hold more than its capacity);
+            None otherwise.
+        period: ``[B, Hkv]`` long, the steps between a row's evictions (``every``, or its capacity
+            when that is smaller); None without a periodic eviction.
+        schedule: the distinct ``(room, period)`` pairs of the rows, on the host: a layer evicts
+            at a step where one of them is due, with no host read.
     """
 
     entries: ScoredEntries
     capacity: torch.Tensor
     physical: torch.Tensor
     growth: int
+    room: torch.Tensor | None = None
+    period: torch.Tensor | None = None
+    schedule: frozenset[tuple[int, int]] = frozenset()
 
 
 #: one layer's prefill seed: ``(scores [B, Hkv, K'], positions [B, Hkv, K'], budget [B], lengths [B])``
@@ -258,18 +282,33 @@ class ScoredEviction(DecodePolicy):
     step) until every row is at capacity. Inside a pipeline, ``recent`` comes from
     ``budget.window`` when that is a token count.
 
+    **Periodic eviction** (``every > 1``; R-KV's buffer, :mod:`kvlab.compression.rkv`): the entries
+    are still scored after every step (:meth:`update`), but each (sample, KV head) evicts only once
+    every ``every`` steps, many entries at once: at the step it would exceed its capacity ``C`` (its
+    first eviction, :attr:`ScoredLayer.room`) and every ``every`` steps after (``C`` steps when
+    ``C < every``), it keeps its ``C - every + 1`` entries of highest :meth:`eviction_scores`, the
+    ``recent`` newest positions always among them (:meth:`periodic_keep`), through
+    :meth:`~kvlab.cache.slots.SlotLayout.keep_slots`. After every step each row holds at most its
+    capacity, as with ``every == 1`` (1 is the one-entry-per-step path above, unchanged), and a row's
+    schedule depends on its own sizes only (a padded batch equals its samples alone). An eviction
+    step reads the evicting layers' new prompt sizes on the host once; the steps between read
+    nothing. :attr:`ScoredEntries.countdown` tells :meth:`update` how far each row's next eviction is.
+
     A subclass supplies :meth:`prefill_scores` (the seed, default 0) and :meth:`update`, and may
-    override :meth:`capacity`. The state lives in the batch's run state
-    (:class:`ScoredEvictionState`), never on the policy.
+    override :meth:`capacity` and, for a periodic eviction, :meth:`eviction_scores`. The state
+    lives in the batch's run state (:class:`ScoredEvictionState`), never on the policy.
     """
 
     recent: int = 32
+    every: int = 1
 
     capabilities: ClassVar[Capabilities] = Capabilities(decode_attention=True)
 
     def __post_init__(self) -> None:
         if self.recent < 0:
             raise ValueError(f"recent must be >= 0, got {self.recent}")
+        if self.every < 1:
+            raise ValueError(f"every must be >= 1 (decode steps between evictions), got {self.every}")
 
     # --- what a method supplies -------------------------------------------------------------------
     def prefill_scores(self, ctx: LayerContext) -> torch.Tensor | None:
@@ -287,6 +326,11 @@ class ScoredEviction(DecodePolicy):
         [B, Hkv]`` count, the layer ``budget [B]`` and the prompt ``lengths [B]``. Default: the
         post-prefill size (``kept``), so every step evicts one entry."""
         return kept
+
+    def eviction_scores(self, entries: ScoredEntries, layer: CompressedLayer) -> torch.Tensor:
+        """``[B, Hkv, S]`` fp32 rank of every slot at a periodic eviction (``every > 1``; higher: kept),
+        over the ``S = K + decode_length`` slots of ``layer``. Default: ``entries.scores``."""
+        return entries.scores[:, :, : layer.prompt_slots + layer.decode_length]
 
     # --- the step -----------------------------------------------------------------------------------
     def state(self, run: RunState) -> ScoredEvictionState:
@@ -334,6 +378,23 @@ class ScoredEviction(DecodePolicy):
             layer_idx: ScoredLayer(entries, capacity, kept, int(grows))
             for layer_idx, ((entries, capacity, kept), grows) in enumerate(zip(built, growth, strict=True))
         }
+        if self.every > 1:
+            self.schedule(state)
+
+    def schedule(self, state: ScoredEvictionState) -> None:
+        """Each row's periodic eviction schedule (``every > 1``): its first eviction at the step it
+        would exceed its capacity ``C`` (``room = C - kept``), then one every ``period = min(every, C)``
+        steps, each down to ``C - period + 1`` entries; the layers' pairs read at once."""
+        layers = list(state.layers.values())
+        for scored in layers:
+            scored.room = scored.capacity - scored.physical
+            scored.period = scored.capacity.clamp(min=1, max=self.every)
+        if not layers:
+            return
+        device = layers[0].capacity.device
+        pairs = torch.stack([torch.stack([s.room, s.period], -1).flatten(0, 1).to(device) for s in layers])
+        for scored, rows in zip(layers, pairs.tolist(), strict=True):  # one host read
+            scored.schedule = frozenset((int(room), int(period)) for room, period in rows)
 
     def entries(self, run: RunState) -> dict[int, ScoredEntries]:
         """The batch's :class:`ScoredEntries` per layer index (after :meth:`start`)."""
@@ -346,6 +407,9 @@ class ScoredEviction(DecodePolicy):
         return self.state(run).record
 
     def after_step(self, run: RunState, step: int) -> None:
+        if self.every > 1:
+            self.periodic_step(run, step)
+            return
         state = self.state(run)
         attention = run.take_decode_attention()  # by layer: [B, Hkv, G, 1, slots]
         evicted: dict[int, torch.Tensor] = {}
@@ -367,6 +431,68 @@ class ScoredEviction(DecodePolicy):
                 evicted[layer_idx] = torch.where(rows, evicted[layer_idx], -1)
             pending.append((layer, victim, rows, scored.physical, (tracked.scores, tracked.positions)))
         evict_rows_of_layers(pending)
+        if state.record is not None:
+            state.record.steps.append(evicted)
+
+    @staticmethod
+    def due(step: int, schedule: frozenset[tuple[int, int]]) -> bool:
+        """Whether a row of a layer with this ``schedule`` evicts at ``step`` (host values only)."""
+        return any(step >= room and (step - room) % period == 0 for room, period in schedule)
+
+    def periodic_keep(
+        self, layer: CompressedLayer, entries: ScoredEntries, target: torch.Tensor
+    ) -> torch.Tensor:
+        """``[B, Hkv, S]`` bool, the slots each row keeps at a periodic eviction: its ``target [B, Hkv]``
+        entries of highest :meth:`eviction_scores`, the ``recent`` newest positions first (every
+        entry where the row holds no more than ``target``, e.g. a row that is not due; ties go to the
+        lower slot)."""
+        valid = layer.slot_valid()  # [B, Hkv, S]
+        S = valid.shape[-1]
+        recent = entries.positions[:, :, :S] > layer.cumulative_length - 1 - self.recent
+        rank_by = self.eviction_scores(entries, layer).float().masked_fill(recent, float("inf"))
+        order = rank_by.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(S, device=order.device).expand_as(order)
+        )
+        return valid & (rank < target[..., None])
+
+    def periodic_step(self, run: RunState, step: int) -> None:
+        """One decode step of the periodic eviction (``every > 1``, see the class docstring)."""
+        state = self.state(run)
+        attention = run.take_decode_attention()  # by layer: [B, Hkv, G, 1, slots]
+        evicted: dict[int, torch.Tensor] = {}
+        due = []
+        for layer_idx, layer in enumerate(run.cache.layers):
+            scored = state.layers[layer_idx]
+            tracked = scored.entries
+            tracked.arrive(layer)
+            since = step - scored.room  # [B, Hkv]
+            tracked.countdown = torch.where(since < 0, -since, (-since).remainder(scored.period))
+            self.update(tracked, attention[layer_idx], layer)
+            if self.due(step, scored.schedule):
+                target = scored.capacity - scored.period + 1  # [B, Hkv]
+                target = torch.where(tracked.countdown == 0, target, torch.iinfo(target.dtype).max)
+                due.append((layer_idx, layer, scored, self.periodic_keep(layer, tracked, target)))
+        if not due:
+            if state.record is not None:
+                state.record.steps.append(evicted)
+            return
+        device = due[0][3].device
+        sizes = torch.stack([keep.sum(-1).amax().to(device) for *_, keep in due]).tolist()  # one host read
+        for (layer_idx, layer, scored, keep), size in zip(due, sizes, strict=True):
+            tracked = scored.entries
+            S = keep.shape[-1]
+            positions = tracked.positions[:, :, :S]
+            if state.record is not None:  # every evicted position of a row, -1 past them
+                gone = layer.slot_valid() & ~keep
+                evicted[layer_idx] = torch.where(gone, positions, -1).sort(-1, descending=True).values
+            order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices  # kept slots first
+            layer.keep_slots(keep, prompt_slots=int(size))
+            scored.entries = ScoredEntries.seed(
+                layer, tracked.scores[:, :, :S].gather(-1, order), positions.gather(-1, order)
+            )
+            scored.entries.countdown = tracked.countdown
+            scored.physical = layer.lengths.clone()
         if state.record is not None:
             state.record.steps.append(evicted)
 

@@ -41,7 +41,7 @@ import torch
 
 from kvlab.cache.layer import CompressedLayer
 from kvlab.compression.context import LayerContext
-from kvlab.compression.decode import DECODE_POLICIES, ScoredEntries, ScoredEviction
+from kvlab.compression.decode import DECODE_POLICIES, ScoredEntries, ScoredEviction, grow_to_budget
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.compression.ops import layer_mean
 from kvlab.config import papers
@@ -92,8 +92,7 @@ class TovaDecodePolicy(ScoredEviction):
 
     def capacity(self, kept: torch.Tensor, budget: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The layer budget where the prefill kept the whole prompt, else the kept count."""
-        uncompressed = (budget >= lengths)[:, None]  # [B, 1]
-        return torch.where(uncompressed, budget[:, None].expand_as(kept), kept)
+        return grow_to_budget(kept, budget, lengths)
 
     def update(self, entries: ScoredEntries, probs: torch.Tensor, layer: CompressedLayer) -> None:
         """Replace every score by the step's attention averaged over the layer's ``H`` heads, by

@@ -52,6 +52,10 @@ EXPECTED_ATTENTION = (
     'Queries Distribution"'
 )
 TOVA = 'Oren et al. 2024, "Transformers are Multi-State RNNs" (TOVA, arXiv 2401.06104)'
+RKV = (
+    'Cai et al. 2025, "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models" '
+    "(R-KV, arXiv 2505.24133)"
+)
 LAGKV = (
     'Liang et al. 2025, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important"'
 )

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvlab.compression.decode import EvictionRecord
 from kvlab.pipeline import LayerReport
@@ -161,8 +162,8 @@ class EvictionLog:
             length, last = int(self.prompt_lengths[b]), max(int(count) - 1, 0)
             final = self._mask(self._prefill, layers, b, length, 0, last)  # [L, Hkv, length + last]
             for i, layer in enumerate(layers):
-                victims = evicted[layer][: max(last - 1, 0), b]  # [steps before the last fed token, Hkv]
-                heads = torch.arange(victims.shape[1]).expand_as(victims)
+                victims = evicted[layer][: max(last - 1, 0), b]  # [steps before the last fed token, Hkv, n]
+                heads = torch.arange(victims.shape[1])[:, None].expand_as(victims)
                 # in the sample's own coordinates: prompt t -> t - padding, generated T + i -> length + i
                 own = torch.where(victims < T, victims - (T - length), victims - T + length)
                 hit = victims >= 0
@@ -171,15 +172,19 @@ class EvictionLog:
         return out
 
     def _evicted(self, record: EvictionRecord, layer: int) -> torch.Tensor:
-        """``[steps, B, Hkv]`` long on the host: the positions layer ``layer`` evicted at each step of
-        ``record`` (padded batch coordinates, -1 for none), read in one copy."""
+        """``[steps, B, Hkv, n]`` long on the host: the positions layer ``layer`` evicted at each step of
+        ``record`` (padded batch coordinates, -1 for none; ``n`` the most any row evicted in a step,
+        1 for a policy evicting one entry per step), read in one copy."""
         B, Hkv = self._slots[layer].shape[:2]
         steps = [step.get(layer) for step in record.steps]
         device = next((v.device for v in steps if v is not None), torch.device("cpu"))
-        none = torch.full((B, Hkv), -1, dtype=torch.long, device=device)
+        views = [None if v is None else v.long().to(device).view(B, Hkv, -1) for v in steps]
+        n = max([1] + [v.shape[-1] for v in views if v is not None])
+        none = torch.full((B, Hkv, n), -1, dtype=torch.long, device=device)
         if not steps:
             return none.cpu()[None][:0]
-        return torch.stack([none if v is None else v.long().to(device) for v in steps]).cpu()
+        padded = [none if v is None else F.pad(v, (0, n - v.shape[-1]), value=-1) for v in views]
+        return torch.stack(padded).cpu()
 
     @staticmethod
     def _mask(

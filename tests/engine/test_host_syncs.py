@@ -44,7 +44,10 @@ def compression(name: str, model: str, visual_heads) -> dict:
 
 
 def counted(origin: str) -> bool:
-    return not (origin.split(" at ", 1)[1].startswith(CPU_ONLY[0]) and origin.endswith(CPU_ONLY[1]))
+    where = origin.split(" at ", 1)[1]  # kernels/... or kvlab/kernels/... (a linked kernels folder)
+    return not (
+        (where.startswith(CPU_ONLY[0]) or f"/{CPU_ONLY[0]}" in where) and origin.endswith(CPU_ONLY[1])
+    )
 
 
 @functools.cache

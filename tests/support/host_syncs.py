@@ -51,8 +51,9 @@ READ_OPS = {
 #: Python methods that hand tensor data to the host without an aten op on a CPU tensor
 READ_METHODS = ("tolist", "numpy", "cpu")
 #: decode policy -> host reads it needs per decode step, on top of greedy decoding's stop check
-#: (PrefixKV's rule reads every layer's eviction decisions once: the decode region's new length)
-POLICY_READS = {"none": 0, "h2o": 0, "tova": 1, "fixed_index_evict": 1}
+#: (PrefixKV's rule reads every layer's eviction decisions once: the decode region's new length;
+#: a periodic eviction, R-KV's, reads the evicting layers' new prompt sizes once at an eviction step)
+POLICY_READS = {"none": 0, "h2o": 0, "tova": 1, "fixed_index_evict": 1, "rkv": 1}
 
 
 def _bool_index(indices) -> bool:

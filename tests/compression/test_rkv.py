@@ -1,0 +1,155 @@
+"""R-KV (Cai et al. 2025): the key redundancy against the formula on lists (fp64), the decode policy
+against a naive list simulation of the periodic eviction (a prompt kept whole growing to its budget,
+ragged compressed heads, a padded batch), the budget held after every decode step, and the preset
+end to end on a tiny model (the budget after every step, a padded batch equal to each sample alone,
+the evictions recorded for ``positions.jsonl``)."""
+
+import pytest
+import torch
+from naive.rkv import naive_redundancy, naive_rkv_decode
+from support import e2e
+from support.e2e import kvlab_model
+from support.presets import budgeted_pipeline, retrieval_samples
+
+from kvlab.cache.cache import CompressedCache
+from kvlab.cache.selection import Selection
+from kvlab.cache.state import RunState
+from kvlab.compression.decode import DECODE_POLICIES
+from kvlab.compression.rkv import key_redundancy
+from kvlab.engine.attention import kvlab_attention
+from kvlab.engine.generation import decode, prefill
+from kvlab.engine.session import CompressionSession, compression_session
+
+B, HKV, G, D, T = 2, 2, 2, 4, 10
+
+
+def test_key_redundancy_matches_the_formula():
+    """Random keys with near-duplicates (so the threshold rule applies), padded slots ignored."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 3, 9, D, generator=gen)
+    keys[:, :, 5] = keys[:, :, 1] + 0.05 * torch.randn(2, 3, D, generator=gen)  # near-duplicates
+    valid = torch.ones(2, 3, 9, dtype=torch.bool)
+    valid[1, :, 7:] = False
+    positions = torch.randperm(9, generator=gen).expand(2, 3, 9)
+    for threshold in (0.5, None):
+        got = key_redundancy(keys, valid, positions, threshold)
+        for b in range(2):
+            for h in range(3):
+                n = int(valid[b, h].sum())
+                want = naive_redundancy(
+                    keys[b, h, :n].double().tolist(), positions[b, h, :n].tolist(), threshold
+                )
+                torch.testing.assert_close(
+                    got[b, h, :n].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=0
+                )
+                assert bool((got[b, h, n:] == 0).all())
+
+
+def test_rkv_decode_matches_naive_simulation_and_holds_the_budget_after_every_step():
+    """Sample 0 was kept whole (budget 14 above its 10 tokens): it grows for four steps, then evicts
+    every 4 steps down to 11; sample 1 was compressed to ragged heads of 7 and 6 entries and evicts
+    from the first step, down to 4 and 3. Outputs, sizes after every step and the positions left
+    equal the list simulation's; no row ever holds more than its budget after a step."""
+    gen = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(B, HKV, T, D, generator=gen), torch.randn(B, HKV, T, D, generator=gen)
+    counts = [[list(range(10)), list(range(10))], [[0, 1, 3, 4, 6, 7, 9], [0, 2, 5, 7, 8, 9]]]
+    K = max(len(c) for row in counts for c in row)
+    indices = torch.tensor([[c + [0] * (K - len(c)) for c in row] for row in counts])
+    lengths = torch.tensor([[len(c) for c in row] for row in counts])
+    cache = CompressedCache(num_layers=1, decode_capacity=2)  # grows while decoding
+    layer = cache.layers[0]
+    layer.update(keys, values)
+    layer.compress(Selection(indices=indices, counts=lengths))
+    policy = DECODE_POLICIES.build({"name": "rkv", "every": 4, "recent": 2})
+    run = RunState(cache=cache, valid=torch.ones(B, T, dtype=torch.bool), modality=torch.zeros(B, T))
+    session = CompressionSession(run, pipeline=None)
+    policy.seed(run, 0, torch.zeros(B, HKV, K), indices, torch.tensor([14, 7]), torch.tensor([10, 10]))
+    run.want_decode_attention(policy, policy.capabilities.decode_attention)
+    policy.record_evictions(run)
+    policy.start(run)
+    attention = torch.nn.Module()
+    attention.layer_idx = 0
+    steps, scaling = 13, D**-0.5
+    queries = [torch.randn(B, HKV * G, 1, D, generator=gen) * 2 for _ in range(steps)]
+    new_kv = [
+        (torch.randn(B, HKV, 1, D, generator=gen), torch.randn(B, HKV, 1, D, generator=gen))
+        for _ in range(steps)
+    ]
+    got, sizes = [], []
+    for step in range(steps):
+        layer.update(*new_kv[step])
+        with compression_session(session):
+            out, _ = kvlab_attention(attention, queries[step], *new_kv[step], None, scaling)
+        got.append(out.transpose(1, 2))
+        policy.after_step(run, step)
+        sizes.append(layer.slot_valid().sum(-1))
+    capacity = {(0, 0): 14, (0, 1): 14, (1, 0): 7, (1, 1): 6}
+    budget = torch.tensor([[14, 14], [7, 6]])
+    assert all(bool((size <= budget).all()) for size in sizes)  # the budget after every step
+    k64, v64 = keys.double().tolist(), values.double().tolist()
+    entries = {
+        (b, h): [[p, k64[b][h][p], v64[b][h][p]] for p in counts[b][h]] for b in range(B) for h in range(HKV)
+    }
+    want, held, kept = naive_rkv_decode(
+        entries,
+        capacity,
+        [q[:, :, 0].double().tolist() for q in queries],
+        [(k[:, :, 0].double().tolist(), v[:, :, 0].double().tolist()) for k, v in new_kv],
+        first_position=T,
+        scaling=scaling,
+        recent=2,
+        every=4,
+        mix_lambda=0.1,
+        kernel=7,
+    )
+    for step in range(steps):
+        torch.testing.assert_close(
+            got[step][:, :, 0].double(), torch.tensor(want[step], dtype=torch.float64), atol=1e-5, rtol=0
+        )
+        assert sizes[step].tolist() == [[held[step][(b, h)] for h in range(HKV)] for b in range(B)]
+    assert [s[0, 0].item() for s in sizes] == [11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13, 14, 11]
+    assert [s[1, 0].item() for s in sizes] == [4, 5, 6, 7] * 3 + [4]
+    tracked = policy.entries(run)[0]
+    valid = layer.slot_valid()
+    for (b, h), positions in kept.items():
+        assert sorted(tracked.positions[b, h, : valid.shape[-1]][valid[b, h]].tolist()) == positions
+    assert any(p < T for positions in kept.values() for p in positions)  # prompt entries compete and stay
+    record = policy.evicted_positions(run)
+    evicted = record.steps[4][0][1, 0]  # sample 1, head 0 evicts 4 entries at step 4
+    assert int((evicted >= 0).sum()) == 4
+
+
+@pytest.mark.parametrize("tokens", [40, 300])
+def test_rkv_preset_holds_its_budget_after_every_decode_step(tokens):
+    """On a tiny model, a compressed prompt (budget 40) and prompts kept whole that grow to the
+    budget (300): after every decode step each (sample, KV head) holds at most the budget, and it
+    does evict (the cache is not simply appended to)."""
+    loaded = kvlab_model("tiny-qwen2")
+    pipeline = budgeted_pipeline("rkv", tokens=tokens)
+    pipeline.decode_policy.every = 16
+    state = prefill(loaded, pipeline, loaded.processor.collate(retrieval_samples(2, 60)), decode_capacity=40)
+    held = []
+    decode(
+        state,
+        40,
+        on_step=lambda *_: held.append([layer.slot_valid().sum(-1) for layer in state.cache.layers]),
+    )
+    sizes = torch.stack([torch.stack(step) for step in held])  # [steps, L, B, Hkv]
+    assert int(sizes.amax()) <= tokens
+    assert int(sizes[-1].amax()) < int(state.cache.layers[0].cumulative_length)  # it evicted
+
+
+def test_rkv_padded_batch_equals_one_by_one():
+    """Each row's schedule and scores depend on its own entries only: a padded batch gives each
+    sample the tokens and logits it gets alone (the kept prompt counts are not compared: an eviction
+    moves every row's decode entries into its prompt region, whichever rows were due)."""
+    loaded = kvlab_model("tiny-qwen2")
+    items = retrieval_samples(2, 60)
+    for tokens in (40, 290):
+        pipeline = budgeted_pipeline("rkv", tokens=tokens)
+        pipeline.decode_policy.every = 8
+        batched = e2e.run(loaded, pipeline, items, 24)
+        for b, item in enumerate(items):
+            alone = e2e.run(loaded, pipeline, [item], 24)
+            assert batched.tokens[b] == alone.tokens[0]
+            torch.testing.assert_close(batched.step_logits[b], alone.step_logits[0], atol=1e-4, rtol=1e-4)
