@@ -10,11 +10,8 @@ from typing import Any, Literal
 import lightning as L
 import torch
 
-from kvlab.api import load_model, load_pipeline
-from kvlab.compression.retrieval import retrieval_record
-from kvlab.compression.routing import route_metric, switch_layers
+from kvlab.api import Output, batch_outputs, load_model, load_pipeline
 from kvlab.config.errors import ConfigError
-from kvlab.engine.generation import GenerationResult
 from kvlab.engine.prefill_plan import check_prefill_chunk, chunked_vlm_message
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.engine.verify import verify_engine
@@ -31,7 +28,7 @@ from kvlab.models import MODELS, validate_model_dtype, validate_model_name
 from kvlab.models.base import LoadedModel
 from kvlab.models.fingerprint import model_fingerprint, reproduce_record
 from kvlab.models.placement import validate_device_map
-from kvlab.pipeline.report import budget_overshoot
+from kvlab.pipeline.report import LayerReport, budget_overshoot
 from kvlab.runner.fidelity_run import FidelityEvaluator
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.positions import RECORD_FIELD as POSITIONS_FIELD
@@ -264,7 +261,9 @@ class KVLabModule(L.LightningModule):
         else:  # a high-water mark over the process's life: rss_before says where the batch started
             peak, kind = process_peak_rss_bytes(), "process_rss_high_water"
         rows = position_rows(run, batch, self.protocol.registry_name) if self.record_positions else None
-        records = self.records(result, batch, rows)
+        report = self.pipeline.report(result.reports, result.kv_bytes_kept)  # the components' fields
+        outputs = batch_outputs(self.loaded, batch, result, report.samples)
+        records = self.records(outputs, result.reports, batch, rows)
         for record, extra in zip(records, run.extras, strict=True):
             record["protocol"] = self.protocol.registry_name
             record.update(extra)
@@ -291,7 +290,7 @@ class KVLabModule(L.LightningModule):
             for record, fidelity in zip(records, values, strict=True):
                 record.update(fidelity)
         if self.inspector is not None:
-            self.inspector.log_batch(result, batch, step=batch_idx, processor=self.loaded.processor)
+            self.inspector.log_batch(result, batch, batch_idx, self.loaded.processor, report.scalars)
         return records
 
     def verify_engine(self, batch: dict[str, Any]) -> None:
@@ -317,41 +316,27 @@ class KVLabModule(L.LightningModule):
         )
 
     def records(
-        self, result: GenerationResult, batch: dict[str, Any], positions: list[dict[str, Any]] | None = None
+        self,
+        outputs: list[Output],
+        reports: list[LayerReport],
+        batch: dict[str, Any],
+        positions: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
-        """Per-sample JSON-ready records of a batch's :class:`GenerationResult`; ``positions``: each
-        sample's ``positions.jsonl`` row (``model.record_positions``), handed to the writer."""
+        """Per-sample JSON-ready records of a batch: each sample's :class:`~kvlab.api.Output`
+        (:meth:`~kvlab.api.Output.record`, then the components' :attr:`~kvlab.api.Output.reported`
+        fields) with its id, answers, budget overshoot, task scores and kept modalities;
+        ``positions``: each sample's ``positions.jsonl`` row (``model.record_positions``), handed
+        to the writer."""
         records = []
-        B = len(batch["ids"])
-        switch = switch_layers(result.reports)  # routed pipelines (DAVID): first layer switched
-        overshoot = budget_overshoot(result.reports)  # [B] or None (full cache)
-        for b, sample in enumerate(batch["samples"]):
-            text = self.loaded.processor.decode(result.tokens[b])
-            record = {
-                "id": sample.id,
-                "output": text,
-                "output_tokens": len(result.tokens[b]),
-                "prompt_tokens": int(result.prompt_lengths[b]),
-                "kept_per_layer_head": result.kept[:, b].tolist(),
-                "kv_bytes_full": int(result.kv_bytes_full[b]),
-                "kv_bytes_kept": int(result.kv_bytes_kept[b]),
-                "kv_ratio": float(result.kv_bytes_kept[b]) / max(int(result.kv_bytes_full[b]), 1),
-                "batch_size": B,
-                "prefill_seconds": result.prefill_seconds / B,
-                "compression_seconds": result.compression_seconds / B,
-                "decode_seconds": result.decode_seconds / B,
-                "answers": sample.answers,
-                "meta": sample.meta,
-            }
+        overshoot = budget_overshoot(reports)  # [B] or None (full cache)
+        for b, (sample, output) in enumerate(zip(batch["samples"], outputs, strict=True)):
+            record = {"id": sample.id, **output.record(), "answers": sample.answers, "meta": sample.meta}
             if overshoot is not None:
                 record["budget_overshoot"] = int(overshoot[b])
-            record.update(score_output(text, sample, self.task_metrics))
-            if switch is not None:
-                record["route_switch_layer"] = switch[b]
-                record["route_metric"] = [route_metric(r, b) for r in result.reports]
-            record.update(retrieval_record(result.reports, b, int(result.kv_bytes_kept[b])))
+            record.update(score_output(output.text, sample, self.task_metrics))
+            record.update(output.reported)
             if "modality" in batch:  # what it kept of each modality: the end-of-run figure's numbers
-                record.update(modality_record(result.reports, batch["modality"], b))
+                record.update(modality_record(reports, batch["modality"], b))
             if positions is not None:  # the writer moves it to positions.jsonl
                 record[POSITIONS_FIELD] = positions[b]
             records.append(record)

@@ -20,7 +20,6 @@ from support.presets import budgeted_compression, budgeted_pipeline, retrieval_s
 from transformers import DynamicCache
 
 from kvlab.compression.decode import DECODE_POLICIES, ScoredEviction
-from kvlab.compression.retrieval import retrieval_record
 from kvlab.config.artefacts import Artefact
 from kvlab.config.loader import preset_names, resolve
 from kvlab.engine.masking import load_masked_model
@@ -268,10 +267,10 @@ def check_device_bytes_fall(preset, trait, loaded, model, per_token):
     per_entry = per_token // (info.num_layers * info.num_kv_heads)
     device, budgeted, host = {}, {}, {}
     for budget in (64, 32):
-        result = run(loaded, budgeted_pipeline(preset, model, tokens=budget), samples_for(model))
+        pipeline = budgeted_pipeline(preset, model, tokens=budget)
+        result = run(loaded, pipeline, samples_for(model))
         assert torch.equal(result.kv_bytes_full, result.prompt_lengths * per_token)
-        records = [retrieval_record(result.reports, b, int(result.kv_bytes_kept[b]))
-                   for b in range(len(result.prompt_lengths))]  # fmt: skip
+        records = pipeline.report(result.reports, result.kv_bytes_kept).samples  # the retrieve selector's
         device[budget] = torch.tensor([r["kv_bytes_device"] for r in records])
         host[budget] = torch.tensor([r["kv_bytes_offloaded"] for r in records])
         entries = sum(resident + fetched for resident, fetched, _ in map(device_counts, result.reports))

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 import kvlab.data.glyphs as glyphs
-from kvlab.compression.routing import switch_layers
 from kvlab.engine.generation import GenerationResult
 from kvlab.models.base import IMAGE, TEXT, VIDEO
 from kvlab.pipeline.report import budget_overshoot
@@ -137,9 +136,15 @@ class Inspector:
         self.writer.add_image(tag, render(fig), step, dataformats="HWC")
 
     def log_batch(
-        self, result: GenerationResult, batch: dict[str, Any], step: int, processor: Any = None
+        self,
+        result: GenerationResult,
+        batch: dict[str, Any],
+        step: int,
+        processor: Any = None,
+        scalars: Mapping[str, float] | None = None,
     ) -> None:
-        """Per-batch scalars and (for the first batches) detailed views."""
+        """Per-batch scalars, the components' own among them (``scalars`` by tag, from
+        :meth:`kvlab.pipeline.Pipeline.report`), and (for the first batches) detailed views."""
         w = self.writer
         ratio = (result.kv_bytes_kept.float() / result.kv_bytes_full.clamp(min=1).float()).mean()
         w.add_scalar("cost/kv_kept_over_full", float(ratio), step)
@@ -151,10 +156,8 @@ class Inspector:
             result.compression_seconds / max(result.prefill_seconds, 1e-9),
             step,
         )
-        switch = switch_layers(result.reports)
-        if switch is not None:  # routed pipelines: mean switch layer (never switched = number of layers)
-            layers = [len(result.reports) if s is None else s for s in switch]
-            w.add_scalar("route/switch_layer_mean", sum(layers) / len(layers), step)
+        for tag, value in (scalars or {}).items():
+            w.add_scalar(tag, value, step)
         if not self.detailed(step):
             return
         if result.kept.numel():
