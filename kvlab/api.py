@@ -27,7 +27,7 @@ import torch
 import kvlab.models as models
 from kvlab.config.compression import PipelineSource, compression_config
 from kvlab.config.errors import ConfigError
-from kvlab.engine.generation import GenerationResult
+from kvlab.engine.generation import GenerationResult, RunOptions
 from kvlab.engine.prefill_plan import check_prefill_chunk
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.engine.registration import ATTENTION_NAME, enable_kvlab_attention
@@ -326,12 +326,13 @@ def compress_and_generate(
     protocol = build_protocol(protocol)
     protocol.check(pipeline)
     check_prefill_chunk(pipeline, prefill_chunk)
+    options = RunOptions(max_new_tokens, prefill_chunk=prefill_chunk)
     items = prompt_items(model, prompts, images)
     _ensure_kvlab_attention(model)
     outputs: list[Output | None] = [None] * len(items)
     for chunk in prompt_batches(items, batch_size, protocol.groups_contexts):
         batch = collate_items(model, chunk)
-        result = protocol.run(model, pipeline, batch, max_new_tokens, prefill_chunk=prefill_chunk).result
+        result = protocol.run(model, pipeline, batch, options).result
         reported = pipeline.report(result.reports, result.kv_bytes_kept).samples
         for item, output in zip(chunk, batch_outputs(model, batch, result, reported), strict=True):
             output.prompt = item.prompt

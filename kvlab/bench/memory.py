@@ -41,7 +41,7 @@ from transformers import DynamicCache
 import kvlab
 from kvlab.bench.common import add_threads_option, context_label, parse_list, print_table
 from kvlab.calibration.synthetic import synthetic_visual_heads
-from kvlab.engine.generation import generate, prefill
+from kvlab.engine.generation import RunOptions, generate, prefill
 from kvlab.engine.masking import load_masked_model
 from kvlab.engine.prefill_plan import check_prefill_chunk
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
@@ -111,7 +111,7 @@ def fastest(loaded: Any, pipe: Any, batch: dict[str, Any], opts: argparse.Namesp
     """(result, seconds per decode step) of the fastest of ``opts.repeat`` runs (one decode per run)."""
     best = None
     for _ in range(opts.repeat):
-        result = generate(loaded, pipe, batch, max_new_tokens=opts.steps + 1)
+        result = generate(loaded, pipe, batch, RunOptions(opts.steps + 1))
         if best is None or result.decode_seconds < best.decode_seconds:
             best = result
     return best, best.decode_seconds / opts.steps
@@ -224,7 +224,7 @@ def measure_prefill(
     reset = reset_peak_rss()
     before = process_rss_bytes()
     start = time.perf_counter()
-    state = prefill(loaded, pipeline, batch, decode_capacity=1, prefill_chunk=chunk)
+    state = prefill(loaded, pipeline, batch, 1, RunOptions(prefill_chunk=chunk))
     seconds = time.perf_counter() - start
     peak = process_peak_rss_bytes()
     return {"T": max(lengths), "lengths": lengths, "rss_before": before, "peak": peak, "reset": reset,

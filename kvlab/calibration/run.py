@@ -28,7 +28,7 @@ from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import find_config
 from kvlab.config.yaml_text import load_yaml_file
 from kvlab.data import build_dataset
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.engine.registration import enable_kvlab_attention
 from kvlab.pipeline import Pipeline
 
@@ -95,7 +95,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
                 None
             ]
         recorder.batch = CalibrationBatch(answer_tokens=torch.tensor([answer]), targets=targets)
-        generate(loaded, recorder, batch, max_new_tokens=1)
+        generate(loaded, recorder, batch, RunOptions(max_new_tokens=1))
     artefact = Artefact(
         kind=statistic.registry_name,
         model=model_name,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.engine.registration import enable_kvlab_attention
 from kvlab.models.base import TEXT, LoadedModel
 from kvlab.models.common import text_config
@@ -201,7 +201,7 @@ def _compare(name: str, loaded: LoadedModel, batch: dict[str, Any], steps: int, 
     """Run one check on a one-sample ``batch`` (``input_ids [1, T]``) and fold it into ``result``."""
     native_logits, native_tokens, native_seconds = _native(loaded, batch, steps)
     start = time.perf_counter()
-    ours = generate(loaded, Pipeline.from_config(None), batch, max_new_tokens=steps, return_logits=True)
+    ours = generate(loaded, Pipeline.from_config(None), batch, RunOptions(steps, return_logits=True))
     result.seconds_kvlab += time.perf_counter() - start
     result.seconds_native += native_seconds
     kvlab_logits = ours.step_logits[0].float()  # [S', V]; stops early only at eos

@@ -23,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.engine.generation import GenerationResult
+import torch
+
+from kvlab.engine.generation import GenerationResult, RunOptions
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.metrics.fidelity import Reference, fidelity_values, teacher_tokens
 from kvlab.metrics.reference import ReferenceStore, reference_key
@@ -38,9 +40,9 @@ class FidelityEvaluator:
     Args:
         loaded: the model.
         store: where references are cached (``ReferenceStore(None)``: not cached).
-        max_new_tokens: the runs' decode limit (part of the reference key).
+        options: the run's options (its ``max_new_tokens``, part of the reference key, and its
+            ``prefill_chunk`` hold for every extra run, which returns logits).
         dtype: the model dtype name (part of the reference key).
-        generate_kwargs: passed to every extra run (e.g. ``prefill_chunk``).
         protocol: how the method's teacher-forced run compresses (``model.protocol``,
             :mod:`kvlab.engine.protocols`; default ``query_aware``). The references stay the full
             cache on the whole prompt, which every protocol gives when nothing is evicted; each
@@ -49,9 +51,8 @@ class FidelityEvaluator:
 
     loaded: LoadedModel
     store: ReferenceStore
-    max_new_tokens: int
+    options: RunOptions
     dtype: str
-    generate_kwargs: dict[str, Any] = field(default_factory=dict)
     protocol: Protocol = field(default_factory=lambda: build_protocol("query_aware"))
 
     def references(self, batch: dict[str, Any], own: GenerationResult | None = None) -> list[Reference]:
@@ -62,7 +63,9 @@ class FidelityEvaluator:
         valid = batch["attention_mask"].bool()
         name = self.loaded.info.name
         keys = [
-            reference_key(name, self.dtype, self.max_new_tokens, sample, batch["input_ids"][b][valid[b]])
+            reference_key(
+                name, self.dtype, self.options.max_new_tokens, sample, batch["input_ids"][b][valid[b]]
+            )
             for b, sample in enumerate(batch["samples"])
         ]
         refs = [self.store.load(key) for key in keys]
@@ -84,19 +87,15 @@ class FidelityEvaluator:
             forced = result.step_logits
         else:
             pad = self.loaded.processor.eos_token_ids[0]
-            forced = self.run(pipeline, batch, teacher_tokens=teacher_tokens(refs, pad)).step_logits
+            forced = self.run(pipeline, batch, teacher_tokens(refs, pad)).step_logits
         return [fidelity_values(ref, result.tokens[b], forced[b]) for b, ref in enumerate(refs)]
 
-    def run(self, pipeline: Pipeline, batch: dict[str, Any], **kwargs: Any) -> GenerationResult:
-        """``pipeline`` on ``batch`` with step logits: through :attr:`protocol` when it compresses,
-        ``query_aware`` (prefill, then decode) for the full cache."""
+    def run(
+        self, pipeline: Pipeline, batch: dict[str, Any], teacher: torch.Tensor | None = None
+    ) -> GenerationResult:
+        """``pipeline`` on ``batch`` with step logits (teacher-forced by ``teacher`` ``[B, S]``):
+        through :attr:`protocol` when it compresses, ``query_aware`` (prefill, then decode) for the
+        full cache."""
         protocol = self.protocol if pipeline.compresses else build_protocol("query_aware")
-        return protocol.run(
-            self.loaded,
-            pipeline,
-            batch,
-            self.max_new_tokens,
-            return_logits=True,
-            **kwargs,
-            **self.generate_kwargs,
-        ).result
+        options = RunOptions(self.options.max_new_tokens, True, False, teacher, self.options.prefill_chunk)
+        return protocol.run(self.loaded, pipeline, batch, options).result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,6 +13,7 @@ import torch
 
 from kvlab.api import Output, batch_outputs, load_model, load_pipeline
 from kvlab.config.errors import ConfigError
+from kvlab.engine.generation import RunOptions
 from kvlab.engine.prefill_plan import check_prefill_chunk, chunked_vlm_message
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.engine.verify import verify_engine
@@ -129,12 +131,11 @@ class KVLabModule(L.LightningModule):
         self.protocol: Protocol = build_protocol(protocol)
         self.protocol.check(self.pipeline)
         check_prefill_chunk(self.pipeline, prefill_chunk)
-        self.prefill_chunk = prefill_chunk
-        self.max_new_tokens = max_new_tokens
+        #: every batch's options (``record_scores`` also holds for the inspected batches)
+        self.options = RunOptions(
+            max_new_tokens, fidelity, record_scores, None, prefill_chunk, record_positions
+        )
         self.dtype_name = dtype
-        self.record_scores = record_scores
-        self.record_positions = record_positions
-        self.fidelity = fidelity
         self.inspect_samples = inspect_samples
         if isinstance(inspect_layers, str) and inspect_layers != "all":
             raise ConfigError(f"model.inspect_layers must be a list of layers or 'all': {inspect_layers!r}")
@@ -165,8 +166,8 @@ class KVLabModule(L.LightningModule):
             )
         # attention routed through kvlab
         self.loaded = load_model(self.model_name, self.dtype_name, device_map=self.device_map)
-        if self.prefill_chunk is not None and self.loaded.info.vision_language:
-            raise ConfigError(chunked_vlm_message(self.model_name, self.prefill_chunk))
+        if self.options.prefill_chunk is not None and self.loaded.info.vision_language:
+            raise ConfigError(chunked_vlm_message(self.model_name, self.options.prefill_chunk))
         if self.device_map is None:
             self.language_model = self.loaded.model  # registered so Lightning moves it to the device
         # with a device_map the model stays unregistered: Lightning's move of the module to its root
@@ -245,22 +246,14 @@ class KVLabModule(L.LightningModule):
         if not cuda_devices:
             rss_before = process_rss_bytes()
         detailed = self.inspector is not None and self.inspector.detailed(batch_idx)
-        run = self.protocol.run(
-            self.loaded,
-            self.pipeline,
-            batch,
-            self.max_new_tokens,
-            return_logits=self.fidelity,
-            record_scores=self.record_scores or detailed,
-            prefill_chunk=self.prefill_chunk,
-            record_positions=self.record_positions,
-        )
+        options = replace(self.options, record_scores=True) if detailed else self.options
+        run = self.protocol.run(self.loaded, self.pipeline, batch, options)
         result = run.result
         if cuda_devices:  # summed over the devices a device_map spreads the model over
             peak, kind = sum(torch.cuda.max_memory_allocated(d) for d in cuda_devices), "cuda_allocated"
         else:  # a high-water mark over the process's life: rss_before says where the batch started
             peak, kind = process_peak_rss_bytes(), "process_rss_high_water"
-        rows = position_rows(run, batch, self.protocol.registry_name) if self.record_positions else None
+        rows = position_rows(run, batch, self.protocol.registry_name) if options.record_positions else None
         report = self.pipeline.report(result.reports, result.kv_bytes_kept)  # the components' fields
         outputs = batch_outputs(self.loaded, batch, result, report.samples)
         records = self.records(outputs, result.reports, batch, rows)
@@ -277,15 +270,9 @@ class KVLabModule(L.LightningModule):
                 record["peak_memory_kind"] = kind
             if rss_before is not None:
                 record["peak_memory_rss_before_bytes"] = rss_before
-        if self.fidelity:
-            evaluator = FidelityEvaluator(
-                self.loaded,
-                ReferenceStore(self.reference_dir),
-                self.max_new_tokens,
-                self.dtype_name,
-                generate_kwargs={"prefill_chunk": self.prefill_chunk},
-                protocol=self.protocol,
-            )
+        if options.return_logits:  # model.fidelity
+            store = ReferenceStore(self.reference_dir)
+            evaluator = FidelityEvaluator(self.loaded, store, self.options, self.dtype_name, self.protocol)
             values = evaluator.evaluate(self.pipeline, batch, result)
             for record, fidelity in zip(records, values, strict=True):
                 record.update(fidelity)

@@ -23,6 +23,7 @@ from kvlab.config.errors import ConfigError
 from kvlab.data.contexts import ContextBatchSampler, check_contexts, context_batches
 from kvlab.data.long_prompts import truncate_left
 from kvlab.data.sample import Sample
+from kvlab.engine.generation import RunOptions
 from kvlab.engine.protocols import PROTOCOLS, build_protocol, protocol_node
 from kvlab.models.processors import ChatProcessor
 from kvlab.pipeline import Pipeline
@@ -34,7 +35,9 @@ UNLIMITED = {"budget": {"tokens": 10_000, "window": 4}}
 def run(protocol, pipeline, samples, steps=6, **kwargs):
     loaded = kvlab_model("tiny-qwen2")
     batch = loaded.processor.collate(list(samples))
-    return build_protocol(protocol).run(loaded, pipeline, batch, steps, return_logits=True, **kwargs)
+    return build_protocol(protocol).run(
+        loaded, pipeline, batch, RunOptions(max_new_tokens=steps, return_logits=True, **kwargs)
+    )
 
 
 def assert_same(result, expected, b=None, e=None):
@@ -176,9 +179,13 @@ def test_vision_language_contexts_keep_their_images_and_positions():
     split = loaded.processor.context_token_count(samples[0], ids)
     assert bool((modality[:split] == 1).any()) and not bool((modality[split:] == 1).any())  # images: context
     assert loaded.processor.tokenizer.decode(ids[split:]).endswith("assistant\nIt is")
-    full = build_protocol("query_aware").run(loaded, Pipeline.from_config(None), batch, 5, return_logits=True)
+    full = build_protocol("query_aware").run(
+        loaded, Pipeline.from_config(None), batch, RunOptions(max_new_tokens=5, return_logits=True)
+    )
     snapkv = load_pipeline("snapkv", UNLIMITED)
-    out = build_protocol("multi_question").run(loaded, snapkv, batch, 5, return_logits=True)
+    out = build_protocol("multi_question").run(
+        loaded, snapkv, batch, RunOptions(max_new_tokens=5, return_logits=True)
+    )
     assert_same(out.result, full.result)
 
 
@@ -280,7 +287,11 @@ def test_decode_time_chooses_what_a_prefill_of_the_same_tokens_chooses():
         "samples": [],
     }
     snapkv = load_pipeline("snapkv", {"budget": {"tokens": target, "window": W}})
-    aware = build_protocol("query_aware").run(loaded, snapkv, batch, 4, return_logits=True).result
+    aware = (
+        build_protocol("query_aware")
+        .run(loaded, snapkv, batch, RunOptions(max_new_tokens=4, return_logits=True))
+        .result
+    )
     assert decode_time.result.tokens[0][W:] == aware.tokens[0][: len(decode_time.result.tokens[0]) - W]
     torch.testing.assert_close(
         decode_time.result.step_logits[0, W + 1 :], aware.step_logits[0, 1:4], atol=1e-4, rtol=1e-4

@@ -30,7 +30,7 @@ from kvlab.cache.state import RunState
 from kvlab.compression.context import LayerContext
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.engine.prefill_attention import prefill_attention
 from kvlab.engine.verify import _native, verify_engine
 from kvlab.models.base import IMAGE, TEXT, LoadedModel
@@ -412,9 +412,11 @@ def assert_full_cache_matches_transformers(loaded: LoadedModel, sample: Sample) 
         loaded,
         Pipeline.from_config(None),
         batch,
-        max_new_tokens=len(native_tokens),
-        return_logits=True,
-        teacher_tokens=torch.tensor([native_tokens]),
+        RunOptions(
+            max_new_tokens=len(native_tokens),
+            return_logits=True,
+            teacher_tokens=torch.tensor([native_tokens]),
+        ),
     )
     torch.testing.assert_close(ours.step_logits[0], native_logits.cpu(), atol=1e-4, rtol=0)
 

@@ -10,6 +10,7 @@ from support.cli import predict, write_jsonl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kvlab.cache.selection import Selection
+from kvlab.engine.generation import RunOptions
 from kvlab.runner.views.figures import render
 from kvlab.runner.views.inspector import modality_counts
 from kvlab.runner.views.patches import image_grids, patch_figure
@@ -193,7 +194,9 @@ def test_routed_samples_on_two_branches_keep_their_scorer_scores():
     node["route"]["rule"].update(threshold=-1e9, metric={"name": "ncar", "window": WINDOW})  # never trips
     items = [mixed_samples()[1], mixed_samples()[2]]  # one image; text only (NCAR NaN: switches at once)
     batch = loaded.processor.collate(items)
-    result = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=1, record_scores=True)
+    result = generate(
+        loaded, Pipeline.from_config(node), batch, RunOptions(max_new_tokens=1, record_scores=True)
+    )
     report = result.reports[0]
     assert report.route.branches == ["decoupled", "unified"]  # the two samples took different branches
     assert set(report.scorer_scores) == {"attention", "value_norm", "mean_key_diversity"}

@@ -20,6 +20,7 @@ from kvlab.cli.main import main
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.engine.generation import RunOptions
 from kvlab.engine.protocols import build_protocol
 from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
@@ -144,7 +145,7 @@ def test_positions_equal_the_selections_of_the_reports():
     batch = loaded.processor.collate(samples)
     from kvlab.engine.generation import generate
 
-    result = generate(loaded, pipeline, batch, max_new_tokens=1)
+    result = generate(loaded, pipeline, batch, RunOptions(max_new_tokens=1))
     masks = kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)
     T = batch["attention_mask"].shape[1]
     for b in range(2):
@@ -219,7 +220,7 @@ def test_keydiff_on_a_tiny_model_keeps_kvpress_positions():
     batch = loaded.processor.collate(samples)
     from kvlab.engine.generation import generate
 
-    result = generate(loaded, pipeline, batch, max_new_tokens=1)
+    result = generate(loaded, pipeline, batch, RunOptions(max_new_tokens=1))
     kept = decode_row(
         encode_row("s", kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)[0])
     )
@@ -309,7 +310,9 @@ def protocol_rows(protocol, pipeline, samples, steps=6):
     loaded = e2e.kvlab_model("tiny-qwen2")
     batch = loaded.processor.collate(list(samples))
     name = protocol if isinstance(protocol, str) else protocol["name"]
-    out = build_protocol(protocol).run(loaded, pipeline, batch, steps, record_positions=True)
+    out = build_protocol(protocol).run(
+        loaded, pipeline, batch, RunOptions(max_new_tokens=steps, record_positions=True)
+    )
     rows = [json.loads(json.dumps(row)) for row in position_rows(out, batch, name)]
     assert all(row["protocol"] == name for row in rows)
     return out, {row["id"]: decode_row(row) for row in rows}
@@ -319,7 +322,7 @@ def aware_kept(pipeline, ids):
     """``[L, Hkv, len(ids)]``: what a ``query_aware`` prefill of the token ids ``ids`` alone keeps."""
     loaded = e2e.kvlab_model("tiny-qwen2")
     batch = collate_ids(loaded, [ids])
-    result = build_protocol("query_aware").run(loaded, pipeline, batch, 1).result
+    result = build_protocol("query_aware").run(loaded, pipeline, batch, RunOptions(max_new_tokens=1)).result
     return kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)[0]
 
 
@@ -420,7 +423,7 @@ def test_decode_time_positions_equal_the_cache_positions_of_sliding_layers(monke
         {"budget": {"tokens": 10_000, "window": 2}, "importance": {"key_norm": {"name": "key_norm"}}}
     )
     protocol = build_protocol({"name": "decode_time", "interval": 3, "target_size": 4})
-    out = protocol.run(loaded, pipeline, batch, 8, record_positions=True)
+    out = protocol.run(loaded, pipeline, batch, RunOptions(max_new_tokens=8, record_positions=True))
     layer_types = loaded.model.config.layer_types
     sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
     assert len(snapshots) == 2 * len(sliding)  # after 3 and 6 fed tokens
