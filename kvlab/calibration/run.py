@@ -74,7 +74,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
     path = cache_path(model_name, statistic.registry_name) if output in (None, "auto") else Path(output)
 
     loaded = models.load_model(model_name, settings.get("dtype", "float32"))
-    if statistic.needs_targets and not loaded.extras.get("tokens_per_image"):
+    if statistic.needs_targets and not loaded.tokens_per_image:
         raise ConfigError(
             f"calibration '{statistic.registry_name}' needs image tokens, but model '{model_name}' takes no "
             "images. Use a vision-language model (e.g. smollm2-qwen2-vl)."
@@ -91,9 +91,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
             batch, answer = with_answer(loaded, batch, sample.answers[0])
         targets = None
         if statistic.needs_targets:
-            targets = region_targets(batch["modality"][0], sample.meta, loaded.extras["tokens_per_image"])[
-                None
-            ]
+            targets = region_targets(batch["modality"][0], sample.meta, loaded.tokens_per_image)[None]
         recorder.batch = CalibrationBatch(answer_tokens=torch.tensor([answer]), targets=targets)
         generate(loaded, recorder, batch, RunOptions(max_new_tokens=1))
     artefact = Artefact(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -75,9 +75,28 @@ class Processor(Protocol):
 
 @dataclass
 class LoadedModel:
-    """A model ready to run: the HF model (eval mode), its processor and its :class:`ModelInfo`."""
+    """A model ready to run: the HF model (eval mode), its processor and its :class:`ModelInfo`, and
+    where it came from.
+
+    Attributes:
+        source: ``builtin`` (``kvlab list``), ``pretrained`` (a directory or Hub id) or ``wrapped``
+            (``kvlab.wrap_model``).
+        path: where its weights live (a built-in's cache directory, the directory or the Hub id);
+            None for a random or wrapped model.
+        dtype: the dtype it was loaded in (a wrapped model's parameters' dtype).
+        load_seconds: how long loading took (None when wrapped).
+        image_size: built-in VLMs: the side of the square images they are built for.
+        tokens_per_image: built-in VLMs: the image tokens one such image expands to.
+        device_map: the resolved ``{module: device}`` when loaded with a ``device_map``.
+    """
 
     model: torch.nn.Module
     processor: Processor
     info: ModelInfo
-    extras: dict[str, Any] = field(default_factory=dict)
+    source: Literal["builtin", "pretrained", "wrapped"] = "wrapped"
+    path: str | None = None
+    dtype: torch.dtype | None = None
+    load_seconds: float | None = None
+    image_size: int | None = None
+    tokens_per_image: int | None = None
+    device_map: dict[str, str] | None = None

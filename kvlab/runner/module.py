@@ -151,6 +151,8 @@ class KVLabModule(L.LightningModule):
         validate_device_map(device_map)
         self.device_map = device_map
         self.loaded: LoadedModel | None = None
+        #: the loaded model's fingerprint (reproduce.json), computed when first written
+        self.fingerprint: dict[str, Any] | None = None
         self.save_hyperparameters()
 
     def configure_model(self) -> None:
@@ -199,16 +201,15 @@ class KVLabModule(L.LightningModule):
             atomic_write_text(Path(run_dir) / REPRODUCE, json.dumps(record, indent=2) + "\n")
 
     def reproduce_record(self) -> dict[str, Any]:
-        """:func:`kvlab.models.fingerprint.reproduce_record` of this run (the fingerprint is computed
-        once per loaded model and kept in ``loaded.extras["fingerprint"]``)."""
-        extras = self.loaded.extras
-        if "fingerprint" not in extras:
-            extras["fingerprint"] = model_fingerprint(self.loaded.model)
+        """:func:`kvlab.models.fingerprint.reproduce_record` of this run (the model's fingerprint is
+        computed once, :attr:`fingerprint`)."""
+        if self.fingerprint is None:
+            self.fingerprint = model_fingerprint(self.loaded.model)
         seed = os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything (the CLI's seed_everything)
         builtin = MODELS.get(self.model_name) if self.model_name in MODELS else None
         return reproduce_record(
             model=self.model_name,
-            fingerprint=extras["fingerprint"],
+            fingerprint=self.fingerprint,
             model_seed=builtin.seed if builtin is not None else None,
             seed=int(seed) if seed is not None else None,
             dtype=self.dtype_name,

@@ -72,7 +72,7 @@ def test_only_language_model_layers_are_compressed_and_image_tokens_found(name):
     batch = loaded.processor.collate(items)
     image_id = loaded.info.image_token_ids[0]
     assert torch.equal(batch["modality"] == IMAGE, batch["input_ids"] == image_id)
-    per_image = loaded.extras["tokens_per_image"]
+    per_image = loaded.tokens_per_image
     assert (batch["modality"] == IMAGE).sum(-1).tolist() == [2 * per_image, per_image, 0]
     result = run(loaded, SNAP, items)
     assert result.kept.shape == (loaded.info.num_layers, 3, loaded.info.num_kv_heads)

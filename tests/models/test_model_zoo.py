@@ -530,7 +530,7 @@ def test_kvlab_predict_takes_the_directory_as_model_model(zoo, tmp_path):
 
     name, loaded = zoo
     dataset = "{name: synthetic_image_qa, num_samples: 2, images_per_sample: 2, seed: 1}"
-    args = ("--model.model", loaded.extras["path"], "--model.compression.budget", str(BUDGET))
+    args = ("--model.model", loaded.path, "--model.compression.budget", str(BUDGET))
     quiet = ("--trainer.enable_progress_bar", "false", "--model.max_new_tokens", "3")
     predict(tmp_path, "--config", "snapkv", *args, "--data.dataset", dataset, *quiet)
     lines = (tmp_path / "runs" / "exp" / "snapkv" / "predictions.jsonl").read_text().splitlines()
