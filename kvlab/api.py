@@ -31,7 +31,7 @@ from kvlab.engine.generation import GenerationResult, RunOptions
 from kvlab.engine.prefill_plan import check_prefill_chunk
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.engine.registration import ATTENTION_NAME, enable_kvlab_attention
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.models.common import text_config
 from kvlab.models.prompts import ImagesArg, collate_items, prompt_batches, prompt_items
 from kvlab.pipeline import Pipeline
@@ -341,24 +341,24 @@ def compress_and_generate(
 
 
 def batch_outputs(
-    loaded: LoadedModel, batch: dict[str, Any], result: GenerationResult, reported: Sequence[dict[str, Any]]
+    loaded: LoadedModel, batch: Batch, result: GenerationResult, reported: Sequence[dict[str, Any]]
 ) -> list[Output]:
     """One :class:`Output` per sample of a batch's :class:`GenerationResult` (padding removed; its
     ``prompt`` the prompt's ids until the caller sets it); ``reported``: each sample's fields from
     the pipeline's components (:meth:`kvlab.pipeline.Pipeline.report`)."""
-    B, T = batch["input_ids"].shape
+    B, T = batch.input_ids.shape
     outputs = []
     for b in range(B):
         length = int(result.prompt_lengths[b])
         pad = T - length
         full, kept = int(result.kv_bytes_full[b]), int(result.kv_bytes_kept[b])
-        prompt_ids = batch["input_ids"][b, pad:].tolist()
+        prompt_ids = batch.input_ids[b, pad:].tolist()
         outputs.append(Output(
             prompt=prompt_ids,
             text=loaded.processor.decode(result.tokens[b]),
             token_ids=list(result.tokens[b]),
             prompt_ids=prompt_ids,
-            modality=batch["modality"][b, pad:].tolist(),
+            modality=batch.modality[b, pad:].tolist(),
             prompt_tokens=length,
             kept=result.kept[:, b].clone(),
             kv_bytes_full=full,

@@ -10,7 +10,7 @@ restored between them (:meth:`~kvlab.cache.state.RunState.checkpoint`). docs/pro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -28,14 +28,14 @@ from kvlab.engine.generation import (
 )
 from kvlab.engine.prompt_split import PromptSplit, question_block, report_rows, split_prompts
 from kvlab.engine.protocols import PROTOCOLS, WHERE, Protocol, ProtocolResult, cut_at_limits, sample_limits
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.pipeline import Pipeline
 
 
 def _context_run(
     loaded: LoadedModel,
     pipeline: Pipeline,
-    batch: dict[str, Any],
+    batch: Batch,
     options: RunOptions,
     group: bool,
 ) -> ProtocolResult:

@@ -37,7 +37,7 @@ from kvlab.engine.prefill_plan import (
 )
 from kvlab.engine.schedule import check_prefill_done
 from kvlab.engine.session import CompressionSession, compression_session
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.models.facts import ModelFacts
 from kvlab.models.placement import input_device
 from kvlab.pipeline import LayerReport, Pipeline
@@ -204,7 +204,7 @@ def stop_tokens(loaded: LoadedModel, device: torch.device) -> torch.Tensor:
 def prefill(
     loaded: LoadedModel,
     pipeline: Pipeline,
-    batch: dict[str, Any],
+    batch: Batch,
     decode_capacity: int = 32,
     options: RunOptions = DEFAULT_OPTIONS,
     block_elements: int | None = None,
@@ -243,17 +243,17 @@ def prefill(
         if info.vision_language:
             raise ConfigError(chunked_vlm_message(info.name, prefill_chunk))
     device = input_device(model)  # embeddings' device: with a device_map, not the first parameter's
-    input_ids = batch["input_ids"].to(device)
-    attention_mask = batch["attention_mask"].to(device)
+    input_ids = batch.input_ids.to(device)
+    attention_mask = batch.attention_mask.to(device)
     valid = attention_mask.bool()
-    extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.get("model_inputs", {}).items()}
+    extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.model_inputs.items()}
     cache = CompressedCache(info.num_layers, decode_capacity=decode_capacity)
     T = input_ids.shape[1]
     chunk = prefill_chunk if prefill_chunk is not None and prefill_chunk < T else None
     run = RunState(
         cache=cache,
         valid=valid,
-        modality=batch["modality"].to(device),
+        modality=batch.modality.to(device),
         bidirectional_image_blocks=info.bidirectional_image_blocks,
     )
     session = CompressionSession(
@@ -422,7 +422,7 @@ def extend(state: PrefillState, input_ids: torch.Tensor, valid: torch.Tensor) ->
 def generate(
     loaded: LoadedModel,
     pipeline: Pipeline,
-    batch: dict[str, Any],
+    batch: Batch,
     options: RunOptions = DEFAULT_OPTIONS,
 ) -> GenerationResult:
     """Prefill ``batch`` (a processor's collate output), compress every layer, decode greedily:

@@ -48,7 +48,7 @@ from kvlab.engine.generation import (
     generation_result,
     prefill,
 )
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.pipeline import Pipeline
 
 WHERE = "model.protocol"
@@ -100,7 +100,7 @@ class Protocol:
         self,
         loaded: LoadedModel,
         pipeline: Pipeline,
-        batch: dict[str, Any],
+        batch: Batch,
         options: RunOptions = DEFAULT_OPTIONS,
     ) -> ProtocolResult:
         """Generate for ``batch`` (a processor's ``collate`` output) as ``options`` say
@@ -134,11 +134,11 @@ def protocol_node(node: Any) -> dict[str, Any]:
     return build_protocol(node).node()
 
 
-def sample_limits(batch: dict[str, Any], default: int) -> torch.Tensor:
+def sample_limits(batch: Batch, default: int) -> torch.Tensor:
     """``[B]`` long: each sample's ``max_new_tokens`` (``default`` where it has none)."""
-    samples = batch.get("samples") or []
+    samples = batch.samples
     if not samples:
-        return torch.full((batch["input_ids"].shape[0],), default, dtype=torch.long)
+        return torch.full((batch.input_ids.shape[0],), default, dtype=torch.long)
     return torch.tensor([s.max_new_tokens or default for s in samples], dtype=torch.long)
 
 

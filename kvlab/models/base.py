@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
@@ -47,20 +47,34 @@ class ModelInfo:
         return self.num_heads // self.num_kv_heads
 
 
+@dataclass
+class Batch:
+    """A left-padded batch of B prompts, T tokens the longest (what ``collate`` returns).
+
+    Attributes:
+        input_ids: ``[B, T]`` long.
+        attention_mask: ``[B, T]`` long, 0 on padding.
+        modality: ``[B, T]`` long: 0 text, 1 image, 2 video, -1 padding, found from the model
+            config's special token ids (never from span lengths).
+        model_inputs: extra ``forward()`` keyword arguments (``pixel_values``,
+            ``image_grid_thw``, ``mm_token_type_ids``, ...); empty for text-only models.
+        ids: the samples' ids.
+        samples: the samples (empty for token-id prompts).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    modality: torch.Tensor
+    model_inputs: dict[str, Any] = field(default_factory=dict)
+    ids: list[str] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+
 class Processor(Protocol):
     """Turns samples into a padded model batch, and token ids back into text."""
 
-    def collate(self, samples: list[Sample]) -> dict[str, Any]:
-        """Batch of samples -> dict with (B = len(samples), T = longest prompt, left padded):
-
-        - ``input_ids`` LongTensor [B, T]
-        - ``attention_mask`` LongTensor [B, T] (0 on padding)
-        - ``modality`` LongTensor [B, T]: 0 text, 1 image, 2 video, -1 padding, found from
-          the model config's special token ids (never from span lengths)
-        - ``model_inputs`` dict of extra forward() kwargs (pixel_values, image_grid_thw,
-          mm_token_type_ids, ...) — empty for text-only models
-        - ``ids`` list[str], ``samples`` list[Sample]
-        """
+    def collate(self, samples: list[Sample]) -> Batch:
+        """Batch of samples -> :class:`Batch` (B = len(samples), T = longest prompt, left padded)."""
         ...
 
     def decode(self, token_ids: list[int]) -> str:

@@ -21,7 +21,6 @@ Definitions and the caching rules: ``docs/evaluation.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -29,7 +28,7 @@ from kvlab.engine.generation import GenerationResult, RunOptions
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.metrics.fidelity import Reference, fidelity_values, teacher_tokens
 from kvlab.metrics.reference import ReferenceStore, reference_key
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.pipeline import Pipeline
 
 
@@ -55,18 +54,16 @@ class FidelityEvaluator:
     dtype: str
     protocol: Protocol = field(default_factory=lambda: build_protocol("query_aware"))
 
-    def references(self, batch: dict[str, Any], own: GenerationResult | None = None) -> list[Reference]:
+    def references(self, batch: Batch, own: GenerationResult | None = None) -> list[Reference]:
         """One full-cache :class:`Reference` per sample (loaded, or computed and stored).
 
         ``own``: the batch's result with a pipeline that does not compress (used as the reference).
         """
-        valid = batch["attention_mask"].bool()
+        valid = batch.attention_mask.bool()
         name = self.loaded.info.name
         keys = [
-            reference_key(
-                name, self.dtype, self.options.max_new_tokens, sample, batch["input_ids"][b][valid[b]]
-            )
-            for b, sample in enumerate(batch["samples"])
+            reference_key(name, self.dtype, self.options.max_new_tokens, sample, batch.input_ids[b][valid[b]])
+            for b, sample in enumerate(batch.samples)
         ]
         refs = [self.store.load(key) for key in keys]
         if all(ref is not None for ref in refs):
@@ -78,9 +75,7 @@ class FidelityEvaluator:
                 self.store.save(key, refs[b])
         return refs  # type: ignore[return-value]
 
-    def evaluate(
-        self, pipeline: Pipeline, batch: dict[str, Any], result: GenerationResult
-    ) -> list[dict[str, float]]:
+    def evaluate(self, pipeline: Pipeline, batch: Batch, result: GenerationResult) -> list[dict[str, float]]:
         """Per-sample fidelity fields of ``result`` (``pipeline``'s run, with ``return_logits=True``)."""
         refs = self.references(batch, None if pipeline.compresses else result)
         if all(tokens == ref.tokens for tokens, ref in zip(result.tokens, refs, strict=True)):
@@ -90,9 +85,7 @@ class FidelityEvaluator:
             forced = self.run(pipeline, batch, teacher_tokens(refs, pad)).step_logits
         return [fidelity_values(ref, result.tokens[b], forced[b]) for b, ref in enumerate(refs)]
 
-    def run(
-        self, pipeline: Pipeline, batch: dict[str, Any], teacher: torch.Tensor | None = None
-    ) -> GenerationResult:
+    def run(self, pipeline: Pipeline, batch: Batch, teacher: torch.Tensor | None = None) -> GenerationResult:
         """``pipeline`` on ``batch`` with step logits (teacher-forced by ``teacher`` ``[B, S]``):
         through :attr:`protocol` when it compresses, ``query_aware`` (prefill, then decode) for the
         full cache."""

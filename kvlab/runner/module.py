@@ -27,7 +27,7 @@ from kvlab.metrics.tasks import (
     validate_task_metrics,
 )
 from kvlab.models import MODELS, validate_model_dtype, validate_model_name
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.models.fingerprint import model_fingerprint, reproduce_record
 from kvlab.models.placement import validate_device_map
 from kvlab.pipeline.report import LayerReport, budget_overshoot
@@ -230,13 +230,13 @@ class KVLabModule(L.LightningModule):
         if self.inspector is not None:
             self.inspector.finish()
 
-    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
+    def predict_step(self, batch: Batch, batch_idx: int) -> list[dict[str, Any]]:
         """One batch -> one prediction record per sample (written by the prediction writer), with
         the kernels of this run's ``model.kernels`` (the mode is the step's, not the process's)."""
         with kernel_mode(self.kernels):
             return self.predict_batch(batch, batch_idx)
 
-    def predict_batch(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
+    def predict_batch(self, batch: Batch, batch_idx: int) -> list[dict[str, Any]]:
         """:meth:`predict_step`'s work: verify (first batch), run the protocol, build the records."""
         if self.verify == "first_batch" and self.verify_seconds is None:
             self.verify_engine(batch)
@@ -281,7 +281,7 @@ class KVLabModule(L.LightningModule):
             self.inspector.log_batch(result, batch, batch_idx, self.loaded.processor, report.scalars)
         return records
 
-    def verify_engine(self, batch: dict[str, Any]) -> None:
+    def verify_engine(self, batch: Batch) -> None:
         """``model.verify: first_batch``: compare the batch's first sample under kvlab's engine (full
         cache) with transformers' own forward (:func:`kvlab.engine.verify.verify_engine`).
 
@@ -307,7 +307,7 @@ class KVLabModule(L.LightningModule):
         self,
         outputs: list[Output],
         reports: list[LayerReport],
-        batch: dict[str, Any],
+        batch: Batch,
         positions: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         """Per-sample JSON-ready records of a batch: each sample's :class:`~kvlab.api.Output`
@@ -317,14 +317,13 @@ class KVLabModule(L.LightningModule):
         to the writer."""
         records = []
         overshoot = budget_overshoot(reports)  # [B] or None (full cache)
-        for b, (sample, output) in enumerate(zip(batch["samples"], outputs, strict=True)):
+        for b, (sample, output) in enumerate(zip(batch.samples, outputs, strict=True)):
             record = {"id": sample.id, **output.record(), "answers": sample.answers, "meta": sample.meta}
             if overshoot is not None:
                 record["budget_overshoot"] = int(overshoot[b])
             record.update(score_output(output.text, sample, self.task_metrics))
             record.update(output.reported)
-            if "modality" in batch:  # what it kept of each modality: the end-of-run figure's numbers
-                record.update(modality_record(reports, batch["modality"], b))
+            record.update(modality_record(reports, batch.modality, b))  # for the end-of-run figure
             if positions is not None:  # the writer moves it to positions.jsonl
                 record[POSITIONS_FIELD] = positions[b]
             records.append(record)

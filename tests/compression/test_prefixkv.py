@@ -512,7 +512,7 @@ def test_global_prefill_compresses_every_layer_once_the_last_is_observed(monkeyp
     h2o = online(decode={"name": "h2o", "recent": 1})  # its seed reads every prompt query
     waiting.clear()
     prefill(loaded, h2o, batch)
-    assert all(w[2] == batch["input_ids"].shape[1] for w in waiting)
+    assert all(w[2] == batch.input_ids.shape[1] for w in waiting)
 
 
 def test_online_threshold_on_a_model_with_sliding_window_layers():

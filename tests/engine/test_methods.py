@@ -118,7 +118,7 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
     result = run(loaded, pipe, items)
     lengths = result.prompt_lengths
     batch = batch_of(loaded, items)
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     trait = traits(preset)
     window = protected(preset, T)[0]  # an int window in the ragged checks below (AdaKV, SparseMM)
     Hkv = loaded.info.num_kv_heads
@@ -138,7 +138,7 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
         for b in range(len(lengths)):
             pad = T - int(lengths[b])
             recent, sinks = protected(preset, int(lengths[b]))
-            text = {p for p in range(pad, T) if int(batch["modality"][b, p]) == TEXT}
+            text = {p for p in range(pad, T) if int(batch.modality[b, p]) == TEXT}
             for h in range(report.kept.shape[1]):
                 kept = report.selection.kept_positions(b, h)
                 assert len(set(kept)) == len(kept)
@@ -221,7 +221,7 @@ def check_retrieval_budgets(preset, trait, result, batch, budget, Hkv):
     """
     chunk = trait.chunk
     lengths = result.prompt_lengths
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     for report in result.reports:
         expected = torch.minimum(report.budget, lengths)  # [B]
         resident, fetched, stored = device_counts(report)
@@ -295,7 +295,7 @@ def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
     result = run(loaded, budgeted_pipeline(preset, tokens=40), item)
     T = int(result.prompt_lengths[0])
     reference, _ = load_masked_model("tiny-qwen2", result.reports, T)  # full K/V, evicted entries masked
-    ids = batch_of(loaded, item)["input_ids"]
+    ids = batch_of(loaded, item).input_ids
     cache = DynamicCache()
     with torch.no_grad():
         out = reference.model(input_ids=ids, cache=cache, use_cache=True)

@@ -25,6 +25,7 @@ from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.generation import RunOptions, generate, prefill
 from kvlab.engine.prefill_plan import check_prefill_chunk
+from kvlab.models.base import Batch
 from kvlab.pipeline import Pipeline
 from kvlab.runner.module import KVLabModule
 
@@ -32,7 +33,7 @@ STEPS = 4
 
 
 @functools.cache
-def padded_batch() -> dict:
+def padded_batch() -> Batch:
     """A 60-word and a 35-word retrieval prompt: 283 and 215 tokens, left padded."""
     items = SyntheticRetrieval(num_samples=1, context_words=60, seed=1).samples()
     items += SyntheticRetrieval(num_samples=1, context_words=35, seed=5).samples()
@@ -84,7 +85,7 @@ def test_chunks_reach_every_layer_and_only_the_last_one_compresses(monkeypatch):
     monkeypatch.setattr(pipeline, "compress", compressing)
     state = prefill(loaded, pipeline, batch, options=RunOptions(prefill_chunk=100))
     assert seen == [100, 100, 83] and contexts == [32 + 83] * loaded.info.num_layers
-    assert state.next_positions.flatten().tolist() == batch["attention_mask"].sum(-1).tolist()
+    assert state.next_positions.flatten().tolist() == batch.attention_mask.sum(-1).tolist()
 
 
 @pytest.mark.parametrize("name", ["mistral-sliding", "gemma2", "gpt-oss-sinks"])
@@ -193,7 +194,7 @@ def test_vision_language_models_are_refused():
 
 def test_the_python_api_passes_prefill_chunk_through():
     loaded = e2e.kvlab_model("tiny-qwen2")
-    prompt = padded_batch()["input_ids"][0].tolist()
+    prompt = padded_batch().input_ids[0].tolist()
     [whole] = kvlab.compress_and_generate(loaded, "snapkv", [prompt], max_new_tokens=STEPS)
     [chunked] = kvlab.compress_and_generate(
         loaded, "snapkv", [prompt], max_new_tokens=STEPS, prefill_chunk=64

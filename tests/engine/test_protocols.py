@@ -25,6 +25,7 @@ from kvlab.data.long_prompts import truncate_left
 from kvlab.data.sample import Sample
 from kvlab.engine.generation import RunOptions
 from kvlab.engine.protocols import PROTOCOLS, build_protocol, protocol_node
+from kvlab.models.base import Batch
 from kvlab.models.processors import ChatProcessor
 from kvlab.pipeline import Pipeline
 from kvlab.runner.fingerprint import check_run, fingerprint_fields, record_run
@@ -174,8 +175,8 @@ def test_vision_language_contexts_keep_their_images_and_positions():
         sample("c", "Q?", "Short. "),
     ]
     batch = loaded.processor.collate(samples)
-    valid = batch["attention_mask"][0].bool()
-    ids, modality = batch["input_ids"][0][valid].tolist(), batch["modality"][0][valid]
+    valid = batch.attention_mask[0].bool()
+    ids, modality = batch.input_ids[0][valid].tolist(), batch.modality[0][valid]
     split = loaded.processor.context_token_count(samples[0], ids)
     assert bool((modality[:split] == 1).any()) and not bool((modality[split:] == 1).any())  # images: context
     assert loaded.processor.tokenizer.decode(ids[split:]).endswith("assistant\nIt is")
@@ -196,7 +197,7 @@ def test_query_agnostic_compresses_the_context_alone():
     out, extras = protocol.result, protocol.extras
     loaded = kvlab_model("tiny-qwen2")
     batch = loaded.processor.collate(QUESTIONS)
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     for b, s in enumerate(QUESTIONS):
         q = extras[b]["question_tokens"]
         assert q == len(loaded.processor.prompt_ids(s)) - loaded.processor.context_token_count(
@@ -279,13 +280,11 @@ def test_decode_time_chooses_what_a_prefill_of_the_same_tokens_chooses():
     fed = decode_time.result.tokens[0][:W]
     assert decode_time.extras[0]["decode_compressions"] == 1
     ids = loaded.processor.prompt_ids(s) + fed
-    batch = {
-        "input_ids": torch.tensor([ids]),
-        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-        "modality": torch.zeros(1, len(ids), dtype=torch.long),
-        "model_inputs": {},
-        "samples": [],
-    }
+    batch = Batch(
+        torch.tensor([ids]),
+        torch.ones(1, len(ids), dtype=torch.long),
+        torch.zeros(1, len(ids), dtype=torch.long),
+    )
     snapkv = load_pipeline("snapkv", {"budget": {"tokens": target, "window": W}})
     aware = (
         build_protocol("query_aware")

@@ -444,8 +444,8 @@ def test_image_tokens_are_found(zoo):
     items = vlm_samples()
     batch = loaded.processor.collate(items)
     image_ids = torch.tensor(loaded.info.image_token_ids)
-    assert torch.equal(batch["modality"] == IMAGE, torch.isin(batch["input_ids"], image_ids))
-    per_sample = (batch["modality"] == IMAGE).sum(-1).tolist()
+    assert torch.equal(batch.modality == IMAGE, torch.isin(batch.input_ids, image_ids))
+    per_sample = (batch.modality == IMAGE).sum(-1).tolist()
     assert per_sample[0] > 0 and per_sample[1] > 0 and per_sample[2] == 0
 
 
@@ -460,9 +460,9 @@ def test_prompt_equals_the_family_processors_own(zoo):
     theirs = processor.images.processor(
         text=[processor.prompt_text(sample)], images=sample.images, return_tensors="pt"
     )
-    assert ours["input_ids"][0].tolist() == theirs["input_ids"][0].tolist()
-    assert ours["model_inputs"].keys() <= theirs.keys()
-    for key, value in ours["model_inputs"].items():
+    assert ours.input_ids[0].tolist() == theirs["input_ids"][0].tolist()
+    assert ours.model_inputs.keys() <= theirs.keys()
+    for key, value in ours.model_inputs.items():
         assert torch.equal(value, theirs[key]), key
 
 
@@ -485,7 +485,7 @@ def assert_keeps_its_budget(preset: str, loaded: LoadedModel, items: list[Sample
     result = e2e.run(loaded, pipeline, items, STEPS)
     batch = loaded.processor.collate(items)
     lengths = result.prompt_lengths
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     heads = loaded.info.num_kv_heads
     assert len(result.reports) == loaded.info.num_layers
     for report, sliding in zip(result.reports, sliding_layers(loaded), strict=True):
@@ -503,11 +503,11 @@ def assert_keeps_its_budget(preset: str, loaded: LoadedModel, items: list[Sample
             assert torch.equal(report.kept.sum(-1), heads * expected), layer
             assert bool((report.kept <= lengths[:, None]).all()), layer
         elif preset == "lookm":
-            text = ((batch["modality"] == TEXT) & batch["attention_mask"].bool()).sum(-1)
+            text = ((batch.modality == TEXT) & batch.attention_mask.bool()).sum(-1)
             want = torch.maximum(expected, text)
             assert torch.equal(report.kept, want[:, None].expand_as(report.kept)), layer
             for b in range(len(items)):
-                text_positions = {p for p in range(T) if int(batch["modality"][b, p]) == TEXT}
+                text_positions = {p for p in range(T) if int(batch.modality[b, p]) == TEXT}
                 for h in range(heads):
                     assert text_positions <= set(report.selection.kept_positions(b, h)), layer
         else:
@@ -712,9 +712,9 @@ def test_gemma3_with_images_has_image_blocks(zoo):
     name, loaded = zoo
     assert loaded.info.bidirectional_image_blocks
     batch = loaded.processor.collate(vlm_samples())
-    blocks = image_block_ids(batch["modality"])
+    blocks = image_block_ids(batch.modality)
     assert blocks.amax(-1).tolist() == [1, 0, -1]  # two images, one image, text only
-    assert torch.equal(batch["model_inputs"]["token_type_ids"].bool(), blocks >= 0)
+    assert torch.equal(batch.model_inputs["token_type_ids"].bool(), blocks >= 0)
 
 
 # ---- refused families ----------------------------------------------------------------------------

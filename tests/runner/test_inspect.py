@@ -200,7 +200,7 @@ def test_routed_samples_on_two_branches_keep_their_scorer_scores():
     report = result.reports[0]
     assert report.route.branches == ["decoupled", "unified"]  # the two samples took different branches
     assert set(report.scorer_scores) == {"attention", "value_norm", "mean_key_diversity"}
-    valid = batch["attention_mask"][0].bool()
+    valid = batch.attention_mask[0].bool()
     heads = report.scores.shape[1]
     histograms = score_histograms(report, valid)
     assert histograms["mixed"].numel() == heads * (int(valid.sum()) - WINDOW)  # no protected entry

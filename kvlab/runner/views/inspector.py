@@ -10,7 +10,7 @@ import torch
 
 import kvlab.data.glyphs as glyphs
 from kvlab.engine.generation import GenerationResult
-from kvlab.models.base import IMAGE, TEXT, VIDEO
+from kvlab.models.base import IMAGE, TEXT, VIDEO, Batch
 from kvlab.pipeline.report import budget_overshoot
 from kvlab.runner.views.figures import fitted_range, heatmap_figure, layer_curves_figure, render
 from kvlab.runner.views.labels import titled
@@ -138,7 +138,7 @@ class Inspector:
     def log_batch(
         self,
         result: GenerationResult,
-        batch: dict[str, Any],
+        batch: Batch,
         step: int,
         processor: Any = None,
         scalars: Mapping[str, float] | None = None,
@@ -162,7 +162,7 @@ class Inspector:
             return
         if result.kept.numel():
             self._budget_views(result, batch, step)
-        valid = batch["attention_mask"][0].bool() if "attention_mask" in batch else None
+        valid = batch.attention_mask[0].bool()
         for report in self.inspected(result.reports):
             if valid is None or (report.scores is None and not getattr(report, "scorer_scores", None)):
                 continue
@@ -170,12 +170,12 @@ class Inspector:
                 self.writer.add_histogram(f"scores/{role}/layer_{report.layer_idx}", values, step)
         self._patches(result, batch, step, processor)
 
-    def _budget_views(self, result: GenerationResult, batch: dict[str, Any], step: int) -> None:
+    def _budget_views(self, result: GenerationResult, batch: Batch, step: int) -> None:
         """The first sample's heatmap (not for a uniform allocation: one number, in the per-layer
         plot and the TEXT summary) and per-layer curves."""
         length = int(result.prompt_lengths[0])
         share, budget = layer_budget_share(result, 0)  # [L, Hkv], [L]
-        about = f"sample {batch['samples'][0].id} ({length} tok)"
+        about = f"sample {batch.samples[0].id} ({length} tok)"
         if not fitted_range(share)[2]:
             self._figure("budget/kept_layer_head", heatmap_figure(share, titled(self.label, about)), step)
         reports = sorted(result.reports, key=lambda r: r.layer_idx)
@@ -187,9 +187,9 @@ class Inspector:
         self._figure("budget/kept_per_layer", curves, step)
 
     @staticmethod
-    def _modality_share(reports: list[Any], batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _modality_share(reports: list[Any], batch: Batch) -> dict[str, torch.Tensor]:
         """``{name: [L]}`` kept share of each modality of the first sample (only with image or video)."""
-        modality = batch["modality"][0].cpu()
+        modality = batch.modality[0].cpu()
         present = {m: int((modality == m).sum()) for m in MODALITY_NAMES}
         if not (present[IMAGE] or present[VIDEO]) or any(r.selection is None for r in reports):
             return {}
@@ -203,13 +203,13 @@ class Inspector:
                 out[name] = torch.tensor(values)
         return out
 
-    def _patches(self, result: GenerationResult, batch: dict[str, Any], step: int, processor: Any) -> None:
+    def _patches(self, result: GenerationResult, batch: Batch, step: int, processor: Any) -> None:
         grids = image_grids(batch, 0, processor)
         reports = [r for r in result.reports if r.selection is not None]
         if not grids or not reports:
             return
-        T = batch["modality"].shape[1]
-        sample = batch["samples"][0]
+        T = batch.modality.shape[1]
+        sample = batch.samples[0]
         cells = sample.meta.get("image_cells") or []  # smollm2-reader tasks: each image's glyphs
         for report in self.inspected(reports):
             heads = int(report.selection.counts.shape[1])
