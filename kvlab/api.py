@@ -204,14 +204,9 @@ class Output:
     @property
     def costs(self) -> dict[str, float]:
         """The cost figures as one dict (prompt tokens, KV bytes full/kept, kv ratio, seconds)."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "kv_bytes_full": self.kv_bytes_full,
-            "kv_bytes_kept": self.kv_bytes_kept,
-            "kv_ratio": self.kv_ratio,
-            "prefill_seconds": self.prefill_seconds,
-            "compression_seconds": self.compression_seconds,
-            "decode_seconds": self.decode_seconds,
+        record = self.record()
+        return {k: record[k] for k in ("prompt_tokens", "kv_bytes_full", "kv_bytes_kept", "kv_ratio")} | {
+            k: v for k, v in record.items() if k.endswith("_seconds")
         }
 
     def record(self) -> dict[str, Any]:

@@ -91,12 +91,11 @@ class RecordField:
     Attributes:
         about: what the value is (units, shape), as the docs state it.
         metric: how ``metrics.json`` aggregates it over the records that hold a number there
-            (``mean``, ``sum`` or ``max``, under the field's own name); None: not aggregated (a
-            per-layer list, or a figure :mod:`kvlab.metrics.cost` already aggregates).
+            (``mean`` or ``sum``, under the field's own name); None: not aggregated.
     """
 
     about: str
-    metric: Literal["mean", "sum", "max"] | None = None
+    metric: Literal["mean", "sum"] | None = None
 
 
 @dataclass(frozen=True)

@@ -6,55 +6,31 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torchmetrics import Metric
 
 from kvlab.config.registry import record_fields
 from kvlab.metrics.cost import CostMetrics
 from kvlab.metrics.fidelity import GreedyAgreement, TeacherForcedAgreement
-from kvlab.metrics.means import record_values
+from kvlab.metrics.means import SampleMeans
 from kvlab.metrics.tasks import TaskScores
 
 
-class ReportedMetrics(Metric):
+class ReportedMetrics(SampleMeans):
     """The run figures of the record fields components declare with a ``metric``
-    (:class:`kvlab.config.capabilities.RecordField`): each field's mean, sum or max over the
-    records that hold a number there, under the field's name. States are sums, counts and maxima:
-    exact under DDP."""
-
-    full_state_update = False
+    (:class:`kvlab.config.capabilities.RecordField`): each field's mean or sum over the records
+    that hold a number there, under the field's name (sums and counts: exact under DDP)."""
 
     def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        #: field -> its aggregate, for every declared field with one
-        self.aggregates = {name: f.metric for name, f in record_fields().items() if f.metric is not None}
-        for name in self.aggregates:
-            self.add_state(f"sum_{name}", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-            self.add_state(f"count_{name}", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-            self.add_state(f"max_{name}", torch.tensor(-torch.inf, dtype=torch.float64), dist_reduce_fx="max")
+        aggregates = {name: f.metric for name, f in record_fields().items() if f.metric is not None}
+        super().__init__(tuple(aggregates), **kwargs)
+        self.aggregates = aggregates  #: field -> ``mean`` or ``sum``
 
-    def update(self, values: dict[str, torch.Tensor]) -> None:
-        """``values``: ``{field: [B] float64}``, NaN where a record has no number."""
-        for name, column in values.items():
-            present = column[~torch.isnan(column)]
-            setattr(self, f"sum_{name}", getattr(self, f"sum_{name}") + present.sum())
-            setattr(self, f"count_{name}", getattr(self, f"count_{name}") + present.numel())
-            if present.numel():
-                setattr(self, f"max_{name}", torch.maximum(getattr(self, f"max_{name}"), present.max()))
-
-    def update_records(self, records: list[dict[str, Any]]) -> None:
+    def update_records(self, records: Sequence[dict[str, Any]]) -> None:
         """Update from prediction records (a value that is not a number is not counted)."""
-        if records and self.aggregates:
-            numbers = [{k: v for k, v in r.items() if isinstance(v, int | float)} for r in records]
-            self.update(record_values(numbers, self.aggregates))
+        super().update_records([{k: v for k, v in r.items() if isinstance(v, int | float)} for r in records])
 
     def compute(self) -> dict[str, float]:
-        out = {}
-        for name, aggregate in self.aggregates.items():
-            count = float(getattr(self, f"count_{name}"))
-            if count:
-                total, most = float(getattr(self, f"sum_{name}")), float(getattr(self, f"max_{name}"))
-                out[name] = {"sum": total, "mean": total / count, "max": most}[aggregate]
-        return out
+        sums = {n: float(getattr(self, f"{n}_sum")) for n, a in self.aggregates.items() if a == "sum"}
+        return {n: sums.get(n, m) for n, m in super().compute().items()}
 
 
 class RunMetrics(torch.nn.Module):

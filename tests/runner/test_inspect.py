@@ -11,8 +11,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from kvlab.cache.selection import Selection
 from kvlab.engine.generation import RunOptions
+from kvlab.pipeline.report import LayerReport
 from kvlab.runner.views.figures import render
-from kvlab.runner.views.inspector import modality_counts
+from kvlab.runner.views.inspector import modality_record
 from kvlab.runner.views.patches import image_grids, patch_figure
 
 
@@ -104,18 +105,21 @@ def naive_kept(selection, length):
     return out
 
 
-def test_kept_mask_and_modality_counts_match_loops():
+def test_kept_mask_and_modality_record_match_loops():
     indices = torch.tensor([[[0, 2, 5], [1, 4, 0]], [[3, 0, 0], [2, 3, 5]]])
     counts = torch.tensor([[3, 2], [1, 3]])
     selection = Selection(indices, counts)
     modality = torch.tensor([[0, 1, 1, 1, 0, 0], [-1, 0, 1, 1, 0, 0]])
     mask = selection.kept_mask(6)
     assert torch.equal(mask, naive_kept(selection, 6))
-    kept, present = modality_counts(selection, modality)
-    for m in range(3):
-        assert kept[m] == sum(int(mask[b, h, t]) for b in range(2) for h in range(2) for t in range(6)
-                              if modality[b, t] == m)  # fmt: skip
-        assert present[m] == 2 * int((modality == m).sum())
+    report = LayerReport(0, counts, torch.tensor([3, 3]), selection)
+    for b in range(2):
+        row = modality_record([report], modality, b)
+        assert row["kv_heads"] == 2
+        for m, name in ((0, "text"), (1, "image")):
+            kept = sum(int(mask[b, h, t]) for h in range(2) for t in range(6) if modality[b, t] == m)
+            assert row["modality_kept"][name] == [kept]
+            assert row["modality_tokens"][name] == int((modality[b] == m).sum())
 
 
 def test_image_grids_and_overlay():

@@ -36,19 +36,6 @@ def layer_budget_share(result: GenerationResult, b: int = 0) -> tuple[torch.Tens
     return share, budget / max(length, 1)
 
 
-def modality_counts(selection: Any, modality: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept and present token counts per modality id (0 text, 1 image, 2 video), each ``[3]``.
-
-    Present counts are multiplied by the number of KV heads, so kept / present is the fraction.
-    """
-    modality = modality.cpu()
-    kept = selection.kept_mask(modality.shape[1]).cpu()  # [B, Hkv, T]
-    Hkv = kept.shape[1]
-    kept_counts = torch.stack([(kept & (modality == m)[:, None]).sum() for m in MODALITY_NAMES])
-    present = torch.stack([(modality == m).sum() * Hkv for m in MODALITY_NAMES])
-    return kept_counts, present
-
-
 def modality_record(reports: Sequence[Any], modality: torch.Tensor, b: int) -> dict[str, Any]:
     """What sample ``b`` kept of each modality, for its prediction record (read back by the
     end-of-run figure, :func:`kvlab.runner.views.summary.modality_fractions`, so a resumed run's
@@ -188,20 +175,12 @@ class Inspector:
 
     @staticmethod
     def _modality_share(reports: list[Any], batch: Batch) -> dict[str, torch.Tensor]:
-        """``{name: [L]}`` kept share of each modality of the first sample (only with image or video)."""
-        modality = batch.modality[0].cpu()
-        present = {m: int((modality == m).sum()) for m in MODALITY_NAMES}
-        if not (present[IMAGE] or present[VIDEO]) or any(r.selection is None for r in reports):
-            return {}
-        out = {}
-        for m, name in MODALITY_NAMES.items():
-            if present[m]:
-                values = []
-                for report in reports:
-                    kept = report.selection.kept_mask(modality.shape[0])[0].cpu()  # [Hkv, T]
-                    values.append(float((kept & (modality == m)).sum()) / (present[m] * kept.shape[0]))
-                out[name] = torch.tensor(values)
-        return out
+        """``{name: [L]}`` kept share of each modality of the first sample (only with image or video):
+        :func:`modality_record`'s counts over the modality's tokens times the KV heads."""
+        row = {} if any(r.selection is None for r in reports) else modality_record(reports, batch.modality, 0)
+        heads, tokens = row.get("kv_heads"), row.get("modality_tokens", {})
+        return {name: torch.tensor([c / (tokens[name] * heads) for c in counts])
+                for name, counts in row.get("modality_kept", {}).items()}  # fmt: skip
 
     def _patches(self, result: GenerationResult, batch: Batch, step: int, processor: Any) -> None:
         grids = image_grids(batch, 0, processor)
