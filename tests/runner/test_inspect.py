@@ -2,6 +2,7 @@
 card per layer and role, TEXT summary, an HPARAMS trial); helpers vs naive loops."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -132,9 +133,10 @@ def test_image_grids_and_overlay():
     sample = type("S", (), {"images": [Image.new("RGB", (8, 8))] * 2})()
     modality = torch.tensor([[-1, 0, 1, 1, 1, 1, 0, 1, 1, 0]])
     grid_thw = torch.tensor([[1, 4, 4], [1, 4, 2]])  # merged 2x2: 2x2 and 2x1 tokens
-    batch = {"samples": [sample], "modality": modality, "model_inputs": {"image_grid_thw": grid_thw}}
+    batch = SimpleNamespace(samples=[sample], modality=modality, model_inputs={"image_grid_thw": grid_thw})
     assert image_grids(batch, 0, Proc()) == [(2, 2, 2), (7, 2, 1)]
-    square_plus_cls = {"samples": [sample], "modality": torch.tensor([[0] + [1] * 10])}
+    modality = torch.tensor([[0] + [1] * 10])
+    square_plus_cls = SimpleNamespace(samples=[sample], modality=modality, model_inputs={})
     assert image_grids(square_plus_cls, 0, None) == [(2, 2, 2), (7, 2, 2)]  # 5 tokens: CLS + 2x2
     kept = render(patch_figure(Image.new("RGB", (10, 10), "white"), torch.tensor([[1.0, 0.0]]), "t"))
     dropped = render(patch_figure(Image.new("RGB", (10, 10), "white"), torch.tensor([[0.0, 0.0]]), "t"))
