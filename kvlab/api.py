@@ -17,8 +17,9 @@ them: the compression node (:func:`kvlab.config.compression.compression_config`)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -26,14 +27,15 @@ import torch
 import kvlab.models as models
 from kvlab.config.compression import PipelineSource, compression_config
 from kvlab.config.errors import ConfigError
-from kvlab.engine.generation import GenerationResult
+from kvlab.engine.generation import GenerationResult, RunOptions
 from kvlab.engine.prefill_plan import check_prefill_chunk
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.engine.registration import ATTENTION_NAME, enable_kvlab_attention
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.models.common import text_config
 from kvlab.models.prompts import ImagesArg, collate_items, prompt_batches, prompt_items
 from kvlab.pipeline import Pipeline
+from kvlab.pipeline.report import LayerReport
 
 __all__ = [
     "Output",
@@ -155,7 +157,8 @@ class Output:
     """What one prompt gave: its text, what the cache kept and what it cost.
 
     Positions count from the prompt's first token (0-based; padding of the batch removed), so a
-    prompt's output is the same in a batch and alone.
+    prompt's output is the same in a batch and alone. A prediction record (``predictions.jsonl``)
+    holds :meth:`record` and :attr:`reported`.
 
     Attributes:
         prompt: the prompt as given (string, chat messages or token ids).
@@ -166,17 +169,16 @@ class Output:
         modality: per prompt token: 0 text, 1 image, 2 video.
         prompt_tokens: the prompt's length in tokens.
         kept: ``[L, Hkv]`` long tensor, prompt tokens kept per layer and KV head.
-        kept_positions: ``kept_positions[layer][head]``: the kept prompt positions, ascending
-            (``len == kept[layer, head]``). With a merging method (LOOK-M) an entry at a kept
-            position may hold a merge of evicted ones.
-        layer_budgets: the budget each layer got for this prompt (tokens per head, protected
-            tokens included); a budget of at least ``prompt_tokens`` keeps the whole prompt.
         kv_bytes_full: bytes of the prompt's K/V in an uncompressed cache (all layers and heads).
         kv_bytes_kept: bytes of the prompt's kept K/V.
         kv_ratio: ``kv_bytes_kept / kv_bytes_full``.
+        batch_size: prompts in the batch this one ran in (the seconds below are its share).
         prefill_seconds: prefill time without compression; the batch's time divided by its size.
         compression_seconds: scoring and selection time, all layers (batch time / batch size).
         decode_seconds: greedy decode time (batch time / batch size).
+        reported: the fields the pipeline's components report for this prompt
+            (:meth:`kvlab.pipeline.Pipeline.report`; e.g. a retrieving method's device and host bytes).
+        kept_positions, layer_budgets: see the properties (computed when first read).
     """
 
     prompt: Any
@@ -186,27 +188,66 @@ class Output:
     modality: list[int]
     prompt_tokens: int
     kept: torch.Tensor
-    kept_positions: list[list[list[int]]]
-    layer_budgets: list[int]
     kv_bytes_full: int
     kv_bytes_kept: int
     kv_ratio: float
+    batch_size: int
     prefill_seconds: float
     compression_seconds: float
     decode_seconds: float
+    reported: dict[str, Any] = field(default_factory=dict)
+    #: the batch's layer reports, this prompt's row in them and its left padding
+    _layers: Sequence[LayerReport] = field(default=(), repr=False, compare=False)
+    _row: int = field(default=0, repr=False, compare=False)
+    _pad: int = field(default=0, repr=False, compare=False)
 
     @property
     def costs(self) -> dict[str, float]:
         """The cost figures as one dict (prompt tokens, KV bytes full/kept, kv ratio, seconds)."""
+        record = self.record()
+        return {k: record[k] for k in ("prompt_tokens", "kv_bytes_full", "kv_bytes_kept", "kv_ratio")} | {
+            k: v for k, v in record.items() if k.endswith("_seconds")
+        }
+
+    def record(self) -> dict[str, Any]:
+        """This prompt's figures as a prediction record writes them (``docs/evaluation.md``), in
+        the file's order: output text and tokens, prompt tokens, kept per layer and head, bytes,
+        batch size and seconds."""
         return {
+            "output": self.text,
+            "output_tokens": len(self.token_ids),
             "prompt_tokens": self.prompt_tokens,
+            "kept_per_layer_head": self.kept.tolist(),
             "kv_bytes_full": self.kv_bytes_full,
             "kv_bytes_kept": self.kv_bytes_kept,
             "kv_ratio": self.kv_ratio,
+            "batch_size": self.batch_size,
             "prefill_seconds": self.prefill_seconds,
             "compression_seconds": self.compression_seconds,
             "decode_seconds": self.decode_seconds,
         }
+
+    @cached_property
+    def kept_positions(self) -> list[list[list[int]]]:
+        """``kept_positions[layer][head]``: the kept prompt positions, ascending (``len ==
+        kept[layer, head]``). With a merging method (LOOK-M) an entry at a kept position may hold
+        a merge of evicted ones."""
+        return [[[p - self._pad for p in report.selection.kept_positions(self._row, h)]  # type: ignore[union-attr]
+                 for h in range(self.kept.shape[1])] for report in self._ordered_layers()]  # fmt: skip
+
+    @cached_property
+    def layer_budgets(self) -> list[int]:
+        """The budget each layer got for this prompt (tokens per head, protected tokens included);
+        a budget of at least ``prompt_tokens`` keeps the whole prompt."""
+        return [int(report.budget[self._row]) for report in self._ordered_layers()]
+
+    def _ordered_layers(self) -> list[LayerReport]:
+        """The layer reports in layer order, one per layer, each with its selection."""
+        reports = {report.layer_idx: report for report in self._layers}
+        for layer in range(self.kept.shape[0]):
+            if reports.get(layer) is None or reports[layer].selection is None:
+                raise RuntimeError(f"layer {layer} produced no compression report")
+        return [reports[layer] for layer in range(self.kept.shape[0])]
 
     def kept_mask(self) -> torch.Tensor:
         """``[L, Hkv, prompt_tokens]`` bool: True where a layer's head kept the prompt position."""
@@ -280,50 +321,51 @@ def compress_and_generate(
     protocol = build_protocol(protocol)
     protocol.check(pipeline)
     check_prefill_chunk(pipeline, prefill_chunk)
+    options = RunOptions(max_new_tokens, prefill_chunk=prefill_chunk)
     items = prompt_items(model, prompts, images)
     _ensure_kvlab_attention(model)
     outputs: list[Output | None] = [None] * len(items)
     for chunk in prompt_batches(items, batch_size, protocol.groups_contexts):
         batch = collate_items(model, chunk)
-        result = protocol.run(model, pipeline, batch, max_new_tokens, prefill_chunk=prefill_chunk).result
-        for b, item in enumerate(chunk):
-            outputs[item.index] = _output(model, batch, result, b, item.prompt)
+        result = protocol.run(model, pipeline, batch, options).result
+        reported = pipeline.report(result.reports, result.kv_bytes_kept).samples
+        for item, output in zip(chunk, batch_outputs(model, batch, result, reported), strict=True):
+            output.prompt = item.prompt
+            outputs[item.index] = output
     return outputs  # type: ignore[return-value]
 
 
-def _output(
-    loaded: LoadedModel, batch: dict[str, Any], result: GenerationResult, b: int, prompt: Any
-) -> Output:
-    """Sample ``b`` of a batch's :class:`GenerationResult` as an :class:`Output` (padding removed)."""
-    B, T = batch["input_ids"].shape
-    length = int(result.prompt_lengths[b])
-    pad = T - length
-    reports = {report.layer_idx: report for report in result.reports}
-    num_layers, num_heads = result.kept.shape[0], result.kept.shape[2]
-    positions, budgets = [], []
-    for layer in range(num_layers):
-        report = reports.get(layer)
-        if report is None or report.selection is None:
-            raise RuntimeError(f"layer {layer} produced no compression report")
-        selection = report.selection
-        positions.append([[p - pad for p in selection.kept_positions(b, h)] for h in range(num_heads)])
-        budgets.append(int(report.budget[b]))
-    full, kept = int(result.kv_bytes_full[b]), int(result.kv_bytes_kept[b])
-    modality = batch["modality"][b, pad:]
-    return Output(
-        prompt=prompt,
-        text=loaded.processor.decode(result.tokens[b]),
-        token_ids=list(result.tokens[b]),
-        prompt_ids=batch["input_ids"][b, pad:].tolist(),
-        modality=modality.tolist(),
-        prompt_tokens=length,
-        kept=result.kept[:, b].clone(),
-        kept_positions=positions,
-        layer_budgets=budgets,
-        kv_bytes_full=full,
-        kv_bytes_kept=kept,
-        kv_ratio=kept / max(full, 1),
-        prefill_seconds=result.prefill_seconds / B,
-        compression_seconds=result.compression_seconds / B,
-        decode_seconds=result.decode_seconds / B,
-    )
+def batch_outputs(
+    loaded: LoadedModel, batch: Batch, result: GenerationResult, reported: Sequence[dict[str, Any]]
+) -> list[Output]:
+    """One :class:`Output` per sample of a batch's :class:`GenerationResult` (padding removed; its
+    ``prompt`` the prompt's ids until the caller sets it); ``reported``: each sample's fields from
+    the pipeline's components (:meth:`kvlab.pipeline.Pipeline.report`)."""
+    B, T = batch.input_ids.shape
+    outputs = []
+    for b in range(B):
+        length = int(result.prompt_lengths[b])
+        pad = T - length
+        full, kept = int(result.kv_bytes_full[b]), int(result.kv_bytes_kept[b])
+        prompt_ids = batch.input_ids[b, pad:].tolist()
+        outputs.append(Output(
+            prompt=prompt_ids,
+            text=loaded.processor.decode(result.tokens[b]),
+            token_ids=list(result.tokens[b]),
+            prompt_ids=prompt_ids,
+            modality=batch.modality[b, pad:].tolist(),
+            prompt_tokens=length,
+            kept=result.kept[:, b].clone(),
+            kv_bytes_full=full,
+            kv_bytes_kept=kept,
+            kv_ratio=kept / max(full, 1),
+            batch_size=B,
+            prefill_seconds=result.prefill_seconds / B,
+            compression_seconds=result.compression_seconds / B,
+            decode_seconds=result.decode_seconds / B,
+            reported=reported[b],
+            _layers=result.reports,
+            _row=b,
+            _pad=pad,
+        ))  # fmt: skip
+    return outputs

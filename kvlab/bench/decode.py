@@ -87,6 +87,7 @@ from kvlab.engine.generation import decode, prefill
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention_reference
 from kvlab.kernels.dispatch import kernel_mode, triton_available
 from kvlab.kernels.types import segment_starts
+from kvlab.models.base import Batch
 
 HEADERS = [
     "context", "budget", "kept/head", "triton", "reference", "sdpa full", "sdpa padded",
@@ -305,15 +306,15 @@ class Contender:
 
 
 def _transformers_contenders(
-    loaded: Any, batch: dict[str, Any], tokens: torch.Tensor, budgets: list[float], clock: Callable[[], float]
+    loaded: Any, batch: Batch, tokens: torch.Tensor, budgets: list[float], clock: Callable[[], float]
 ) -> list[Contender]:
     """transformers' ``DynamicCache`` + sdpa over the whole prompt (the baseline), and the same cache
     cropped to each budget's kept count (its most recent entries: uniform eviction on transformers'
     own cache)."""
-    model, T = loaded.model, batch["input_ids"].shape[1]
+    model, T = loaded.model, batch.input_ids.shape[1]
     with sdpa_attention(model), torch.no_grad():
         full = DynamicCache(config=model.config)
-        model(input_ids=batch["input_ids"], cache=full, use_cache=True, logits_to_keep=1)
+        model(input_ids=batch.input_ids, cache=full, use_cache=True, logits_to_keep=1)
     caches = [("transformers DynamicCache + sdpa", T, full)]
     for budget in budgets:
         kept = kept_count(budget, T)
@@ -352,7 +353,7 @@ def _transformers_decode(
 
 def _kvlab_contender(
     loaded: Any,
-    batch: dict[str, Any],
+    batch: Batch,
     tokens: torch.Tensor,
     method: str,
     budget: float | None,
@@ -362,7 +363,7 @@ def _kvlab_contender(
     """kvlab's prefill (compression inside) once; each timed run restores the compressed cache and
     decodes teacher-forced ``tokens`` through :func:`kvlab.engine.generation.decode`. ``quantize``:
     a ``model.compression.quantize`` node, the kept entries stored as codes."""
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     overrides: dict[str, Any] = {} if budget is None else {"budget.tokens": kept_count(budget, T)}
     if quantize is not None:
         overrides["quantize"] = quantize
@@ -475,12 +476,11 @@ def target_lines(
     return lines
 
 
-def random_prompt(loaded: Any, T: int) -> dict[str, Any]:
+def random_prompt(loaded: Any, T: int) -> Batch:
     """A batch of one seeded random prompt of ``T`` token ids (time does not depend on the words)."""
     gen = torch.Generator().manual_seed(T)
     ids = torch.randint(100, loaded.model.config.get_text_config().vocab_size, (1, T), generator=gen)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "modality": torch.zeros_like(ids),
-            "model_inputs": {}}  # fmt: skip
+    return Batch(ids, torch.ones_like(ids), torch.zeros_like(ids))
 
 
 def run(args: list[str]) -> None:

@@ -41,11 +41,11 @@ from transformers import DynamicCache
 import kvlab
 from kvlab.bench.common import add_threads_option, context_label, parse_list, print_table
 from kvlab.calibration.synthetic import synthetic_visual_heads
-from kvlab.engine.generation import generate, prefill
+from kvlab.engine.generation import RunOptions, generate, prefill
 from kvlab.engine.masking import load_masked_model
 from kvlab.engine.prefill_plan import check_prefill_chunk
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
-from kvlab.models.base import PAD
+from kvlab.models.base import PAD, Batch
 
 
 def parse(args: list[str]) -> argparse.Namespace:
@@ -76,27 +76,20 @@ def pipeline_for(method: str, budget: int, info: Any, directory: str) -> kvlab.P
     return kvlab.load_pipeline(method, overrides)
 
 
-def prompt_batch(loaded: Any, T: int, batch: int) -> dict[str, Any]:
+def prompt_batch(loaded: Any, T: int, batch: int) -> Batch:
     gen = torch.Generator().manual_seed(T)
     vocab = loaded.model.config.get_text_config().vocab_size
     ids = torch.randint(100, vocab, (batch, T), generator=gen)
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "modality": torch.zeros_like(ids),
-        "model_inputs": {},
-    }
+    return Batch(ids, torch.ones_like(ids), torch.zeros_like(ids))
 
 
-def masked_decode(
-    model_name: str, batch: dict[str, Any], reports: list[Any], tokens: list[list[int]], steps: int
-):
+def masked_decode(model_name: str, batch: Batch, reports: list[Any], tokens: list[list[int]], steps: int):
     """(bytes, seconds per step) of the masked baseline for the kept sets in ``reports``."""
-    B, T = batch["input_ids"].shape
+    B, T = batch.input_ids.shape
     loaded, masks = load_masked_model(model_name, reports, T)
     cache = DynamicCache()
     with torch.no_grad():
-        loaded.model(input_ids=batch["input_ids"], cache=cache, use_cache=True, logits_to_keep=1)
+        loaded.model(input_ids=batch.input_ids, cache=cache, use_cache=True, logits_to_keep=1)
         start = time.perf_counter()
         for step in range(steps):
             token = torch.tensor([[row[min(step, len(row) - 1)]] for row in tokens])
@@ -107,11 +100,11 @@ def masked_decode(
     return kv + sum(m.numel() for m in masks.values()), seconds
 
 
-def fastest(loaded: Any, pipe: Any, batch: dict[str, Any], opts: argparse.Namespace) -> tuple[Any, float]:
+def fastest(loaded: Any, pipe: Any, batch: Batch, opts: argparse.Namespace) -> tuple[Any, float]:
     """(result, seconds per decode step) of the fastest of ``opts.repeat`` runs (one decode per run)."""
     best = None
     for _ in range(opts.repeat):
-        result = generate(loaded, pipe, batch, max_new_tokens=opts.steps + 1)
+        result = generate(loaded, pipe, batch, RunOptions(opts.steps + 1))
         if best is None or result.decode_seconds < best.decode_seconds:
             best = result
     return best, best.decode_seconds / opts.steps
@@ -180,7 +173,7 @@ def padded_lengths(T: int, batch: int, spread: float) -> list[int]:
     return [max(1, int(T * (1 - spread * i))) for i in range(batch)]
 
 
-def padded_batch(loaded: Any, lengths: list[int]) -> dict[str, Any]:
+def padded_batch(loaded: Any, lengths: list[int]) -> Batch:
     """A left-padded batch of seeded random token ids with the given prompt lengths."""
     T = max(lengths)
     gen = torch.Generator().manual_seed(T)
@@ -189,12 +182,7 @@ def padded_batch(loaded: Any, lengths: list[int]) -> dict[str, Any]:
     mask = torch.zeros_like(ids)
     for b, length in enumerate(lengths):
         mask[b, T - length :] = 1
-    return {
-        "input_ids": ids.masked_fill(mask == 0, 0),
-        "attention_mask": mask,
-        "modality": torch.zeros_like(ids).masked_fill(mask == 0, PAD),
-        "model_inputs": {},
-    }
+    return Batch(ids.masked_fill(mask == 0, 0), mask, torch.zeros_like(ids).masked_fill(mask == 0, PAD))
 
 
 def reset_peak_rss() -> bool:
@@ -224,7 +212,7 @@ def measure_prefill(
     reset = reset_peak_rss()
     before = process_rss_bytes()
     start = time.perf_counter()
-    state = prefill(loaded, pipeline, batch, decode_capacity=1, prefill_chunk=chunk)
+    state = prefill(loaded, pipeline, batch, 1, RunOptions(prefill_chunk=chunk))
     seconds = time.perf_counter() - start
     peak = process_peak_rss_bytes()
     return {"T": max(lengths), "lengths": lengths, "rss_before": before, "peak": peak, "reset": reset,

@@ -16,6 +16,7 @@ before the model loads. The command line (``kvlab calibrate``) is :mod:`kvlab.cl
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,9 @@ from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import find_config
 from kvlab.config.yaml_text import load_yaml_file
 from kvlab.data import build_dataset
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.engine.registration import enable_kvlab_attention
+from kvlab.models.base import Batch
 from kvlab.pipeline import Pipeline
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -81,7 +83,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
     path = cache_path(model_name, statistic.registry_name) if output in (None, "auto") else Path(output)
 
     loaded = models.load_model(model_name, settings.get("dtype", "float32"))
-    if statistic.needs_targets and not loaded.extras.get("tokens_per_image"):
+    if statistic.needs_targets and not loaded.tokens_per_image:
         raise ConfigError(
             f"calibration '{statistic.registry_name}' needs image tokens, but model '{model_name}' takes no "
             "images. Use a vision-language model (e.g. smollm2-qwen2-vl)."
@@ -94,7 +96,7 @@ def calibrate(settings: dict[str, Any]) -> Path:
     for sample in samples:
         batch = loaded.processor.collate([sample])
         answer = 0
-        prompt_ids = batch["input_ids"][0]
+        prompt_ids = batch.input_ids[0]
         if statistic.needs_answers or statistic.needs_needle:
             batch, answer = with_answer(loaded, batch, sample.answers[0])
         targets = None
@@ -104,11 +106,9 @@ def calibrate(settings: dict[str, Any]) -> Path:
             forced = torch.zeros(answer, dtype=torch.bool)
             targets = torch.cat([needle_targets(prompt_ids, needle_ids), forced])[None]
         elif statistic.needs_targets:
-            targets = region_targets(batch["modality"][0], sample.meta, loaded.extras["tokens_per_image"])[
-                None
-            ]
+            targets = region_targets(batch.modality[0], sample.meta, loaded.tokens_per_image)[None]
         recorder.batch = CalibrationBatch(answer_tokens=torch.tensor([answer]), targets=targets)
-        generate(loaded, recorder, batch, max_new_tokens=1)
+        generate(loaded, recorder, batch, RunOptions(max_new_tokens=1))
     artefact = Artefact(
         kind=statistic.registry_name,
         model=model_name,
@@ -121,20 +121,22 @@ def calibrate(settings: dict[str, Any]) -> Path:
     return artefact.save(path)
 
 
-def with_answer(loaded: Any, batch: dict[str, Any], answer: str) -> tuple[dict[str, Any], int]:
+def with_answer(loaded: Any, batch: Batch, answer: str) -> tuple[Batch, int]:
     """Append the tokens of ``answer`` to a one-sample batch (teacher forcing); returns (batch, count)."""
     ids = loaded.processor.tokenizer(answer, add_special_tokens=False)["input_ids"]
     extra = torch.tensor([ids], dtype=torch.long)
     n = extra.shape[1]
-    out = dict(batch)
-    out["input_ids"] = torch.cat([batch["input_ids"], extra], dim=1)
-    out["attention_mask"] = torch.cat([batch["attention_mask"], torch.ones_like(extra)], dim=1)
-    out["modality"] = torch.cat([batch["modality"], torch.zeros_like(extra)], dim=1)
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     inputs = {}
-    for key, value in batch.get("model_inputs", {}).items():
+    for key, value in batch.model_inputs.items():
         if torch.is_tensor(value) and value.dim() == 2 and value.shape == (1, T):
             value = torch.cat([value, torch.zeros(1, n, dtype=value.dtype)], dim=1)  # token-type ids: text
         inputs[key] = value
-    out["model_inputs"] = inputs
+    out = replace(
+        batch,
+        input_ids=torch.cat([batch.input_ids, extra], dim=1),
+        attention_mask=torch.cat([batch.attention_mask, torch.ones_like(extra)], dim=1),
+        modality=torch.cat([batch.modality, torch.zeros_like(extra)], dim=1),
+        model_inputs=inputs,
+    )
     return out, n

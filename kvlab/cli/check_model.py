@@ -33,7 +33,7 @@ def prompt_ids(loaded: LoadedModel, length: int) -> list[int]:
     words = length
     while True:
         batch = loaded.processor.collate([Sample(id="check", prompt=" ".join([WORDS] * (words // 16 + 1)))])
-        ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+        ids = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
         if len(ids) >= length:
             tail = min(TAIL, length // 4)
             return ids[: length - tail] + ids[len(ids) - tail :]

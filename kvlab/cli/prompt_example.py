@@ -32,7 +32,7 @@ def describe_prompt(processor: Any, sample: Sample) -> tuple[str, int]:
     A sample with a ``question`` shows its context and its question part (question, assistant
     opening, answer prefix) on either side of :data:`QUESTION_LINE`, each elided on its own.
     """
-    ids = processor.collate([sample])["input_ids"][0]
+    ids = processor.collate([sample]).input_ids[0]
     tokens = [int(t) for t in ids.tolist()]
     tokenizer = getattr(processor, "tokenizer", None)
     if tokenizer is None:  # a custom processor without a tokenizer: the ids themselves

@@ -33,6 +33,7 @@ from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
 from kvlab.compression.selectors import SELECTORS, Selector, topk_indices
 from kvlab.config import papers
+from kvlab.config.capabilities import Outcome, RecordField, Report
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention, reads_in_place
 from kvlab.kernels.retrieval import chunk_topk, gather_chunks
@@ -64,6 +65,13 @@ class RetrieveSelector(Selector):
 
     paper: ClassVar[str | None] = papers.HYBRIDKV
     offloads: ClassVar[bool] = True
+    record_fields: ClassVar[dict[str, RecordField]] = {
+        "retrieval_heads_per_layer": RecordField("[L] KV heads that retrieve at decode"),
+        "retrieval_bytes_per_step_per_layer": RecordField("[L] K/V bytes fetched per decode step"),
+        "retrieval_bytes_per_step": RecordField("the same, summed over the layers"),
+        "kv_bytes_device": RecordField("resident prompt K/V: kept, chunk index, fetch buffer"),
+        "kv_bytes_offloaded": RecordField("K/V held in host memory"),
+    }  # fmt: skip
 
     chunk: int = 8
     local: Literal["none", "protected"] = "none"
@@ -71,6 +79,24 @@ class RetrieveSelector(Selector):
     def __post_init__(self) -> None:
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1 token, got {self.chunk}")
+
+    def report(self, outcome: Outcome) -> Report:
+        """Each sample's retrieving heads and fetched bytes per layer, its device and host bytes
+        (the figures of :meth:`ChunkStore.sample_figures`; 0 at a layer that offloaded nothing)."""
+        stores = [r.selection.offloaded if r.selection is not None else None for r in outcome.layers]
+        empty = {"heads": 0, "device_bytes": 0, "offloaded_bytes": 0, "moved_per_step": 0.0}
+        samples = []
+        for b, kept in enumerate(outcome.kv_bytes_kept.tolist()):
+            figures = [empty if s is None else s.sample_figures(b) for s in stores]
+            moved = [f["moved_per_step"] for f in figures]
+            samples.append({
+                "retrieval_heads_per_layer": [f["heads"] for f in figures],
+                "retrieval_bytes_per_step_per_layer": moved,
+                "retrieval_bytes_per_step": sum(moved),
+                "kv_bytes_device": int(kept) + sum(f["device_bytes"] for f in figures),
+                "kv_bytes_offloaded": sum(f["offloaded_bytes"] for f in figures),
+            })  # fmt: skip
+        return Report(samples)
 
     def select(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> Selection:
         valid = ctx.valid[:, None, :].expand_as(scores)  # [B, Hkv, T]
@@ -384,37 +410,4 @@ def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
     """A host copy of ``tensor`` (page-locked when ``pinned``, so the device can read it directly)."""
     out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
     out.copy_(tensor)
-    return out
-
-
-def retrieval_record(reports: list[Any], b: int, kept_bytes: int) -> dict[str, Any]:
-    """Prediction fields of sample ``b`` for pipelines that retrieve or route per head ({} otherwise).
-
-    - ``route_heads_per_layer``: ``{branch: [KV heads routed there, per layer]}`` (per-head routes,
-      e.g. HybridKV's ``static`` / ``dynamic``);
-    - ``retrieval_heads_per_layer``: heads that retrieve at decode, per layer;
-    - ``retrieval_bytes_per_step_per_layer`` / ``retrieval_bytes_per_step``: K/V bytes fetched
-      from the host per decode step (mean over the steps), per layer and summed;
-    - ``kv_bytes_device``: accelerator-resident prompt KV: ``kept_bytes`` (the kept prompt entries)
-      plus every store's chunk index and one step's fetch buffer;
-    - ``kv_bytes_offloaded``: K/V held in host memory.
-    """
-    stores = [getattr(r.selection, "offloaded", None) if r.selection is not None else None for r in reports]
-    routes = [r.route for r in reports if r.route is not None and getattr(r.route, "heads", None) is not None]
-    if not routes and all(s is None for s in stores):
-        return {}
-    out: dict[str, Any] = {}
-    if routes:
-        names = routes[0].head_names
-        out["route_heads_per_layer"] = {
-            name: [int((route.heads[b] == i).sum()) for route in routes] for i, name in enumerate(names)
-        }
-    figures = [s.sample_figures(b) if s is not None else None for s in stores]
-    empty = {"heads": 0, "device_bytes": 0, "offloaded_bytes": 0, "moved_per_step": 0.0}
-    figures = [f or empty for f in figures]
-    out["retrieval_heads_per_layer"] = [f["heads"] for f in figures]
-    out["retrieval_bytes_per_step_per_layer"] = [f["moved_per_step"] for f in figures]
-    out["retrieval_bytes_per_step"] = sum(f["moved_per_step"] for f in figures)
-    out["kv_bytes_device"] = kept_bytes + sum(f["device_bytes"] for f in figures)
-    out["kv_bytes_offloaded"] = sum(f["offloaded_bytes"] for f in figures)
     return out

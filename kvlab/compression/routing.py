@@ -15,12 +15,14 @@ Rules may read runtime layer metrics (:data:`LAYER_METRICS`) of the current and 
 time), which is how DAVID's "decouple
 until the NCAR drop falls below a threshold" is plain YAML. Which branch each sample took at
 each layer, the metric and the switch are reported per layer (:class:`RouteDecision`) and end
-up in the predictions (``route_switch_layer``, ``route_metric``) and TensorBoard.
+up in the predictions (``route_switch_layer``, ``route_metric``) and TensorBoard through the rule's
+:meth:`RouteRule.report`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -31,7 +33,7 @@ from kvlab.compression.decision import RouteDecision
 from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
 from kvlab.config import papers
-from kvlab.config.capabilities import Component
+from kvlab.config.capabilities import Component, Outcome, RecordField, Report
 from kvlab.config.registry import Registry
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +113,11 @@ class RouteRule(Component):
     before: str = ""
     after: str = ""
     per_head: ClassVar[bool] = False
+    record_fields: ClassVar[dict[str, RecordField]] = {
+        "route_switch_layer": RecordField("per-sample rules: the first layer that switched (None: never)"),
+        "route_metric": RecordField("per-sample rules: [L] the rule's metric (None: not evaluated)"),
+        "route_heads_per_layer": RecordField("per-head rules: {branch: [KV heads routed there, per layer]}"),
+    }
 
     @property
     def branch_names(self) -> tuple[str, ...]:
@@ -123,6 +130,29 @@ class RouteRule(Component):
     def parts(self) -> dict[str, Any]:
         """Components the rule built from its own fields, by field name (e.g. its ``metric``)."""
         return {}
+
+    def report(self, outcome: Outcome) -> Report | None:
+        """Per-head rules (HybridKV): each branch's KV heads per layer. Per-sample rules (DAVID): each
+        sample's first switched layer and metric per layer, and TensorBoard's
+        ``route/switch_layer_mean`` (a sample never switched counts as the number of layers)."""
+        layers = outcome.layers
+        routes = [r.route for r in layers if r.route is not None]
+        if not routes:
+            return None
+        batch = range(outcome.kv_bytes_kept.shape[0])
+        if self.per_head:
+            names = routes[0].head_names
+            count = lambda b, i: [int((route.heads[b] == i).sum()) for route in routes]  # noqa: E731
+            heads = [{name: count(b, i) for i, name in enumerate(names)} for b in batch]
+            return Report([{"route_heads_per_layer": h} for h in heads])
+        switch: list[int | None] = [None for _ in batch]
+        for layer in layers:
+            for b, switched in enumerate(layer.route.switched.tolist() if layer.route is not None else ()):
+                if switched and switch[b] is None:
+                    switch[b] = layer.layer_idx
+        samples = [{"route_switch_layer": switch[b], "route_metric": _metrics(layers, b)} for b in batch]
+        mean = sum(len(layers) if s is None else s for s in switch) / len(switch)
+        return Report(samples, {"route/switch_layer_mean": mean})
 
     def _decision(self, switched: torch.Tensor, metric: torch.Tensor | None = None) -> RouteDecision:
         names = [self.after if s else self.before for s in switched.tolist()]
@@ -211,26 +241,10 @@ class MetricLatchRule(RouteRule):
         return self._decision(switched.clone(), metric)
 
 
-def switch_layers(reports: list[Any]) -> list[int | None] | None:
-    """Per sample, the first layer whose route had switched (None: never); None when nothing was routed.
-
-    ``reports`` are the per-layer reports (``layer_idx`` and ``route``: a :class:`RouteDecision` or None).
-    """
-    routed = [r for r in reports if getattr(r, "route", None) is not None and r.route.heads is None]
-    if not routed:  # per-head routes (HybridKV) do not switch (kvlab.compression.retrieval.retrieval_record)
-        return None
-    out: list[int | None] = [None] * len(routed[0].route.branches)
-    for report in routed:
-        for b, switched in enumerate(report.route.switched.tolist()):
-            if switched and out[b] is None:
-                out[b] = report.layer_idx
-    return out
-
-
-def route_metric(report: Any, b: int) -> float | None:
-    """The route metric of sample ``b`` in one layer report (None when not routed, not evaluated or NaN)."""
-    route = getattr(report, "route", None)
-    if route is None or route.metric is None:
-        return None
-    value = float(route.metric[b])
-    return None if math.isnan(value) else value
+def _metrics(layers: Sequence[Any], b: int) -> list[float | None]:
+    """Sample ``b``'s route metric at every layer (None: not routed, not evaluated or NaN)."""
+    values: list[float | None] = []
+    for layer in layers:
+        metric = None if layer.route is None or layer.route.metric is None else float(layer.route.metric[b])
+        values.append(None if metric is None or math.isnan(metric) else metric)
+    return values

@@ -17,9 +17,11 @@ refused before it runs (:mod:`kvlab.models.facts`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import ClassVar, Literal, get_args
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, get_args
+
+import torch
 
 #: A model fact a component may declare in ``Capabilities(model_facts=...)``.
 ModelFact = Literal["rotary", "queries_before_rotation", "projections", "hidden_states"]
@@ -82,9 +84,51 @@ class Capabilities:
         return ", ".join(held) or "none"
 
 
+@dataclass(frozen=True)
+class RecordField:
+    """A field a component writes into each sample's prediction record (``record_fields``).
+
+    Attributes:
+        about: what the value is (units, shape), as the docs state it.
+        metric: how ``metrics.json`` aggregates it over the records that hold a number there
+            (``mean`` or ``sum``, under the field's own name); None: not aggregated.
+    """
+
+    about: str
+    metric: Literal["mean", "sum"] | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one batch's compression did, as a component's :meth:`Component.report` reads it.
+
+    Attributes:
+        layers: every layer's :class:`kvlab.pipeline.report.LayerReport` (``layer_idx``, ``kept``
+            ``[B, Hkv]``, ``budget`` ``[B]``, ``selection``, ``route``), in the order they ran.
+        kv_bytes_kept: ``[B]`` bytes of each sample's kept prompt K/V, every layer.
+    """
+
+    layers: Sequence[Any]
+    kv_bytes_kept: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a component adds to a batch's records.
+
+    Attributes:
+        samples: one ``{field: JSON-ready value}`` per sample of the batch, its fields among the
+            component's ``record_fields``; written into the predictions as they are.
+        scalars: ``{TensorBoard tag: value}`` of the batch, logged at its step.
+    """
+
+    samples: list[dict[str, Any]]
+    scalars: dict[str, float] = field(default_factory=dict)
+
+
 class Component:
     """Base of every component kind: its registry name, what it restates of the budget, its
-    capabilities, and the model-binding hook.
+    capabilities, what it reports, and the model-binding hook.
 
     ``budget_settings`` maps a parameter that restates a budget setting to that setting (e.g.
     ``{"window": "window"}``): the pipeline fills it from the budget when it is unset and refuses
@@ -94,7 +138,8 @@ class Component:
     :class:`Capabilities`; a component whose capabilities depend on its parameters sets them on
     the instance in ``__post_init__``.
     ``paper``: the paper the component follows (a constant of :mod:`kvlab.config.papers`), None
-    for kvlab's own plumbing (``topk``, ``uniform``).
+    for kvlab's own plumbing (``topk``, ``uniform``). ``record_fields``: the fields
+    :meth:`report` writes into each prediction record (see :class:`RecordField`).
     """
 
     registry_name: str = ""
@@ -102,9 +147,17 @@ class Component:
     budget_settings: ClassVar[dict[str, str]] = {}
     layer_allocator_settings: ClassVar[dict[str, str]] = {}
     capabilities: ClassVar[Capabilities] = Capabilities()
+    record_fields: ClassVar[dict[str, RecordField]] = {}
 
     def bind_model(self, model: str, shape: Mapping[str, int] | None = None) -> None:
         """Called with the model name (and its ``num_layers`` / ``num_heads`` / ``num_kv_heads``
         when known) before the model loads: components reading a per-model calibration artefact
         check it here, so a wrong one fails early; nothing by default."""
+        return None
+
+    def report(self, outcome: Outcome) -> Report | None:
+        """What this component adds to each record of a batch (fields of ``record_fields``) and to
+        TensorBoard, read from every layer's outcome; None (the default): nothing. The pipeline
+        asks each component class once per batch (:meth:`kvlab.pipeline.spec.Pipeline.report`),
+        so a component that appears in several branches reports over all of them."""
         return None

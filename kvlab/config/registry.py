@@ -22,7 +22,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from kvlab.config.capabilities import Capabilities
+from kvlab.config.capabilities import Capabilities, Component, RecordField
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.plugins import load_entry_points
 
@@ -228,6 +228,18 @@ class Registry(Generic[T]):
             paper = getattr(cls, "paper", None)
             rows.append(Description(name, doc[0] if doc else "", params, capabilities, paper))
         return rows
+
+
+def record_fields() -> dict[str, RecordField]:
+    """Every prediction-record field a registered component declares (``Component.record_fields``),
+    by name: what :mod:`kvlab.metrics.run` aggregates (components of plugins not imported in this
+    process are not among them)."""
+    fields: dict[str, RecordField] = {}
+    for registry in REGISTRIES:
+        for entry in registry._entries.values():
+            if isinstance(entry, type) and issubclass(entry, Component):
+                fields.update(entry.record_fields)
+    return fields
 
 
 def validate_params(cls: type, params: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ def prompt_length(processor: Any, sample: Sample) -> int:
     A text-only sample is tokenized without building tensors."""
     if not sample.images and hasattr(processor, "prompt_ids"):
         return len(processor.prompt_ids(sample))
-    return int(processor.collate([sample])["input_ids"].shape[-1])
+    return int(processor.collate([sample]).input_ids.shape[-1])
 
 
 def truncate_left(processor: Any, sample: Sample, limit: int) -> tuple[Sample, int]:

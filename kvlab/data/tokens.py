@@ -90,7 +90,7 @@ class TokenCounter:
         answer prefix after it), the ids ``collate`` feeds the model."""
         if hasattr(self.processor, "prompt_ids"):
             return len(self.processor.prompt_ids(sample))
-        return int(self.processor.collate([sample])["input_ids"].shape[-1])  # a custom processor
+        return int(self.processor.collate([sample]).input_ids.shape[-1])  # a custom processor
 
 
 @functools.cache

@@ -10,14 +10,16 @@ restored between them (:meth:`~kvlab.cache.state.RunState.checkpoint`). docs/pro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import (
+    DEFAULT_OPTIONS,
     GenerationResult,
     PrefillState,
+    RunOptions,
     decode,
     extend,
     prefill,
@@ -26,36 +28,26 @@ from kvlab.engine.generation import (
 )
 from kvlab.engine.prompt_split import PromptSplit, question_block, report_rows, split_prompts
 from kvlab.engine.protocols import PROTOCOLS, WHERE, Protocol, ProtocolResult, cut_at_limits, sample_limits
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.pipeline import Pipeline
 
 
 def _context_run(
     loaded: LoadedModel,
     pipeline: Pipeline,
-    batch: dict[str, Any],
-    max_new_tokens: int,
+    batch: Batch,
+    options: RunOptions,
     group: bool,
-    return_logits: bool,
-    record_scores: bool,
-    teacher_tokens: torch.Tensor | None,
-    prefill_chunk: int | None,
 ) -> ProtocolResult:
     """``query_agnostic`` (``group`` False: one context per sample) and ``multi_question``: prefill and
     compress the contexts once, then answer round r's question of every context from the
     checkpointed cache (restored between rounds), each question prefilled uncompressed."""
     split = split_prompts(loaded.processor, batch, group)
     B = len(split.questions)
-    limits = sample_limits(batch, max_new_tokens)
+    limits = sample_limits(batch, options.max_new_tokens)
     longest = max([len(q) for q in split.questions] + [0])
-    state = prefill(
-        loaded,
-        pipeline,
-        split.context,
-        decode_capacity=longest + int(limits.max()),
-        record_scores=record_scores,
-        prefill_chunk=prefill_chunk,
-    )
+    state = prefill(loaded, pipeline, split.context, longest + int(limits.max()), options)
+    teacher_tokens = options.teacher_tokens
     session = state.session
     kept = state.cache.kept_tokens()  # [L, C, Hkv] before any question
     rounds = max(len(members) for members in split.groups)
@@ -76,7 +68,7 @@ def _context_run(
         if teacher_tokens is not None:
             index = torch.tensor([m if m is not None else 0 for m in members])
             teacher = teacher_tokens[index]
-        decoded = decode(asked, int(round_limits.max()), return_logits, teacher, limits=round_limits)
+        decoded = decode(asked, int(round_limits.max()), options.return_logits, teacher, limits=round_limits)
         seconds["decode"] += decoded.seconds
         for c, m in enumerate(members):
             if m is not None:
@@ -146,10 +138,8 @@ class QueryAgnostic(Protocol):
     def check(self, pipeline: Pipeline) -> None:
         _refuse_decode_policy(pipeline, self.registry_name)
 
-    def run(self, loaded, pipeline, batch, max_new_tokens=32, *, return_logits=False, record_scores=False,
-            teacher_tokens=None, prefill_chunk=None, record_positions=False) -> ProtocolResult:  # fmt: skip
-        return _context_run(loaded, pipeline, batch, max_new_tokens, False, return_logits, record_scores,
-                            teacher_tokens, prefill_chunk)  # fmt: skip
+    def run(self, loaded, pipeline, batch, options=DEFAULT_OPTIONS) -> ProtocolResult:
+        return _context_run(loaded, pipeline, batch, options, group=False)
 
 
 @PROTOCOLS.register("multi_question")
@@ -162,10 +152,8 @@ class MultiQuestion(Protocol):
     def check(self, pipeline: Pipeline) -> None:
         _refuse_decode_policy(pipeline, self.registry_name)
 
-    def run(self, loaded, pipeline, batch, max_new_tokens=32, *, return_logits=False, record_scores=False,
-            teacher_tokens=None, prefill_chunk=None, record_positions=False) -> ProtocolResult:  # fmt: skip
-        return _context_run(loaded, pipeline, batch, max_new_tokens, True, return_logits, record_scores,
-                            teacher_tokens, prefill_chunk)  # fmt: skip
+    def run(self, loaded, pipeline, batch, options=DEFAULT_OPTIONS) -> ProtocolResult:
+        return _context_run(loaded, pipeline, batch, options, group=True)
 
 
 def _refuse_decode_policy(pipeline: Pipeline, protocol: str) -> None:

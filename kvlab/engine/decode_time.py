@@ -18,6 +18,7 @@ from kvlab.compression.context import LayerContext
 from kvlab.config.errors import ConfigError
 from kvlab.engine.decode_positions import EvictionLog
 from kvlab.engine.generation import (
+    DEFAULT_OPTIONS,
     DecodeResult,
     GenerationResult,
     PrefillState,
@@ -214,28 +215,19 @@ class DecodeTime(Protocol):
             return torch.full_like(logical, self.target_size)
         return torch.floor(logical.double() * self.ratio).long()
 
-    def run(self, loaded, pipeline, batch, max_new_tokens=32, *, return_logits=False, record_scores=False,
-            teacher_tokens=None, prefill_chunk=None, record_positions=False) -> ProtocolResult:  # fmt: skip
-        limits = sample_limits(batch, max_new_tokens)
+    def run(self, loaded, pipeline, batch, options=DEFAULT_OPTIONS) -> ProtocolResult:
+        limits = sample_limits(batch, options.max_new_tokens)
         steps = int(limits.max())
-        state = prefill(
-            loaded,
-            pipeline,
-            batch,
-            decode_capacity=min(steps, self.interval),
-            record_scores=record_scores,
-            prefill_chunk=prefill_chunk,
-        )
+        state = prefill(loaded, pipeline, batch, min(steps, self.interval), options)
         prefill_kept = torch.stack([report.kept for report in state.session.reports])  # [L, B, Hkv]
-        log = EvictionLog(state.session.reports, state.session.valid) if record_positions else None
+        log = EvictionLog(state.session.reports, state.session.valid) if options.record_positions else None
         compressor = DecodeTimeCompressor(self, pipeline, state, log=log)
         compressor.start()
-        decoded = decode(
-            state, steps, return_logits, teacher_tokens, limits=limits, on_step=compressor.after_step
-        )
+        teacher, step = options.teacher_tokens, compressor.after_step
+        decoded = decode(state, steps, options.return_logits, teacher, limits=limits, on_step=step)
         compressor.finish()
         result = _decode_time_result(state, decoded, prefill_kept)
-        result.tokens = cut_at_limits(result.tokens, limits, teacher_tokens)
+        result.tokens = cut_at_limits(result.tokens, limits, teacher)
         extras, produced = [], []
         for b, row in enumerate(result.tokens):
             produced.append(min(len(row) + 1, int(limits[b])))  # its tokens, the stop token included

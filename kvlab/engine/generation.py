@@ -37,10 +37,44 @@ from kvlab.engine.prefill_plan import (
 )
 from kvlab.engine.schedule import check_prefill_done
 from kvlab.engine.session import CompressionSession, compression_session
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.models.facts import ModelFacts
 from kvlab.models.placement import input_device
 from kvlab.pipeline import LayerReport, Pipeline
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a batch is generated: one object from the module or the API down to :func:`prefill`
+    (what a protocol's :meth:`~kvlab.engine.protocols.Protocol.run` takes).
+
+    Attributes:
+        max_new_tokens: greedy decode limit (of samples without their own ``max_new_tokens``).
+        return_logits: keep every step's logits (``GenerationResult.step_logits``; fidelity).
+        record_scores: keep each layer's scores in its report (TensorBoard histograms).
+        teacher_tokens: ``[B, S]``: feed these tokens instead of the greedy choices (teacher
+            forcing, for fidelity metrics); decoding then runs exactly S steps.
+        prefill_chunk: None: the prompt in one forward. N: forwards of N prompt tokens each
+            (``model.prefill_chunk``): a chunk attends to the dense K/V of the chunks before it,
+            and each layer is compressed by the last chunk, with the queries of the recent window
+            held from the earlier ones (``docs/scaling.md``). Refused with
+            ``model.compression.schedule: global``, under which every layer is scored during the
+            forward and all are compressed after the last layer's attention.
+        record_positions: also follow what happens to the kept positions after the prefill
+            (``ProtocolResult.decode_positions``: ``decode_time``'s compressions, a decode
+            policy's evictions; the prefill's own selections are always in the layer reports).
+    """
+
+    max_new_tokens: int = 32
+    return_logits: bool = False
+    record_scores: bool = False
+    teacher_tokens: torch.Tensor | None = None
+    prefill_chunk: int | None = None
+    record_positions: bool = False
+
+
+#: the defaults (frozen, so one object serves every call)
+DEFAULT_OPTIONS = RunOptions()
 
 
 @dataclass
@@ -170,10 +204,9 @@ def stop_tokens(loaded: LoadedModel, device: torch.device) -> torch.Tensor:
 def prefill(
     loaded: LoadedModel,
     pipeline: Pipeline,
-    batch: dict[str, Any],
+    batch: Batch,
     decode_capacity: int = 32,
-    record_scores: bool = False,
-    prefill_chunk: int | None = None,
+    options: RunOptions = DEFAULT_OPTIONS,
     block_elements: int | None = None,
 ) -> PrefillState:
     """One forward over the padded prompt of ``batch`` (or chunks); every layer is compressed inside it.
@@ -185,13 +218,8 @@ def prefill(
             padded), ``modality [B, T]``, optional ``model_inputs`` (pixel values, grids).
         decode_capacity: decode tokens reserved per (sample, KV head) in every layer (the step
             limit is the right value; the region grows if exceeded).
-        record_scores: keep each layer's mixed scores in its report.
-        prefill_chunk: None: one forward. N: forwards of N prompt tokens each (``model.prefill_chunk``);
-            a chunk attends to the dense K/V of the chunks before it, and each layer is compressed
-            by the last chunk, with the queries of the recent window held from the earlier ones
-            (``docs/scaling.md``). Refused with ``model.compression.schedule: global``, under which
-            every layer is scored during the forward and all are compressed after the last
-            layer's attention (the full cache is held until then).
+        options: what it reads of the run's options: ``record_scores`` (keep each layer's mixed
+            scores in its report) and ``prefill_chunk`` (:class:`RunOptions`).
         block_elements: the most attention elements (``B x H x rows x keys``) prefill attention and
             the scorers' attention helpers hold at once (None: 2**24, 64 MiB of fp32): the working
             set of a long prompt's prefill, whatever its length.
@@ -209,28 +237,29 @@ def prefill(
     pipeline.bind_model(info.name)
     readers = pipeline.capabilities.model_facts  # only what a component declared is collected
     facts = ModelFacts.of(model, info.name, readers, info.head_dim) if readers else None
+    prefill_chunk = options.prefill_chunk
     if prefill_chunk is not None:
         check_prefill_chunk(pipeline, prefill_chunk)
         if info.vision_language:
             raise ConfigError(chunked_vlm_message(info.name, prefill_chunk))
     device = input_device(model)  # embeddings' device: with a device_map, not the first parameter's
-    input_ids = batch["input_ids"].to(device)
-    attention_mask = batch["attention_mask"].to(device)
+    input_ids = batch.input_ids.to(device)
+    attention_mask = batch.attention_mask.to(device)
     valid = attention_mask.bool()
-    extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.get("model_inputs", {}).items()}
+    extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.model_inputs.items()}
     cache = CompressedCache(info.num_layers, decode_capacity=decode_capacity)
     T = input_ids.shape[1]
     chunk = prefill_chunk if prefill_chunk is not None and prefill_chunk < T else None
     run = RunState(
         cache=cache,
         valid=valid,
-        modality=batch["modality"].to(device),
+        modality=batch.modality.to(device),
         bidirectional_image_blocks=info.bidirectional_image_blocks,
     )
     session = CompressionSession(
         run=run,
         pipeline=pipeline,
-        record_scores=record_scores,
+        record_scores=options.record_scores,
         prefill_chunk=chunk,
         held_queries=observed_window(pipeline, valid.sum(-1)) if chunk is not None else 0,
         global_queries=global_query_window(pipeline, valid.sum(-1))
@@ -393,28 +422,14 @@ def extend(state: PrefillState, input_ids: torch.Tensor, valid: torch.Tensor) ->
 def generate(
     loaded: LoadedModel,
     pipeline: Pipeline,
-    batch: dict[str, Any],
-    max_new_tokens: int = 32,
-    return_logits: bool = False,
-    record_scores: bool = False,
-    teacher_tokens: torch.Tensor | None = None,
-    prefill_chunk: int | None = None,
+    batch: Batch,
+    options: RunOptions = DEFAULT_OPTIONS,
 ) -> GenerationResult:
-    """Prefill ``batch`` (a processor's collate output), compress every layer, decode greedily.
-
-    :func:`prefill` then :func:`decode`; ``teacher_tokens`` ``[B, S]``: feed these tokens
-    instead of the greedy choices (teacher forcing, for fidelity metrics); decoding then runs
-    exactly S steps. ``prefill_chunk``: prefill in chunks of that many tokens (:func:`prefill`).
-    """
-    state = prefill(
-        loaded,
-        pipeline,
-        batch,
-        decode_capacity=max_new_tokens,
-        record_scores=record_scores,
-        prefill_chunk=prefill_chunk,
-    )
-    decoded = decode(state, max_new_tokens, return_logits=return_logits, teacher_tokens=teacher_tokens)
+    """Prefill ``batch`` (a processor's collate output), compress every layer, decode greedily:
+    :func:`prefill` then :func:`decode` of ``options.max_new_tokens`` steps (teacher-forced with
+    ``options.teacher_tokens``)."""
+    state = prefill(loaded, pipeline, batch, options.max_new_tokens, options)
+    decoded = decode(state, options.max_new_tokens, options.return_logits, options.teacher_tokens)
     return generation_result(state, decoded)
 
 

@@ -10,7 +10,7 @@ Shapes: B samples, C contexts, T the padded prompt, Tc the padded context, Hkv K
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from kvlab.cache.selection import Selection
 from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
 from kvlab.engine.protocols import WHERE
-from kvlab.models.base import PAD
+from kvlab.models.base import PAD, Batch
 from kvlab.pipeline import LayerReport
 
 #: per-token model inputs a context batch slices like ``input_ids`` (Qwen2-VL's token types)
@@ -50,7 +50,7 @@ class PromptSplit:
     width: int
 
 
-def split_prompts(processor: Any, batch: dict[str, Any], group: bool) -> PromptSplit:
+def split_prompts(processor: Any, batch: Batch, group: bool) -> PromptSplit:
     """Split each sample of ``batch`` into context and question part; ``group``: one context per
     ``context_id`` (samples without one keep their own).
 
@@ -58,14 +58,14 @@ def split_prompts(processor: Any, batch: dict[str, Any], group: bool) -> PromptS
         ConfigError: a batch without samples (token-id prompts), a processor that cannot split,
             or samples of one ``context_id`` whose contexts differ.
     """
-    samples = batch.get("samples") or []
+    samples = batch.samples
     if not samples or not hasattr(processor, "context_token_count"):
         raise ConfigError(
             f"{WHERE}: query_agnostic and multi_question need prompts kvlab can split into context and "
             "question (samples, string prompts or one-turn chats, through kvlab's processor); token-id "
             "prompts and multi-turn chats run only with `model.protocol: query_aware`."
         )
-    ids, valid = batch["input_ids"], batch["attention_mask"].bool()
+    ids, valid = batch.input_ids, batch.attention_mask.bool()
     T = ids.shape[1]
     lengths = valid.sum(1)
     rows_ids = [ids[b, T - int(n) :].tolist() for b, n in enumerate(lengths)]
@@ -93,15 +93,15 @@ def split_prompts(processor: Any, batch: dict[str, Any], group: bool) -> PromptS
     source = batch if len(reps) == len(samples) else processor.collate([samples[r] for r in reps])
     context_counts = torch.tensor([counts[r] for r in reps], dtype=torch.long)
     context = context_batch(source, context_counts)
-    Tc = context["input_ids"].shape[1]
+    Tc = context.input_ids.shape[1]
     shift = (T - lengths) - (Tc - context_counts[rows])
     questions = [row[count:] for row, count in zip(rows_ids, counts, strict=True)]
     return PromptSplit(context, rows, questions, shift, groups, lengths, T)
 
 
-def context_batch(source: dict[str, Any], counts: torch.Tensor) -> dict[str, Any]:
+def context_batch(source: Batch, counts: torch.Tensor) -> Batch:
     """The first ``counts[r]`` valid tokens of each row of ``source`` as a left-padded batch ``[C, Tc]``."""
-    ids, valid = source["input_ids"], source["attention_mask"].bool()
+    ids, valid = source.input_ids, source.attention_mask.bool()
     C, Ts = ids.shape
     Tc = int(counts.max()) if counts.numel() else 0
     lengths = valid.sum(1)
@@ -113,17 +113,13 @@ def context_batch(source: dict[str, Any], counts: torch.Tensor) -> dict[str, Any
     def take(values: torch.Tensor, fill: int) -> torch.Tensor:
         return values.gather(1, index.to(values.device)).masked_fill(~keep.to(values.device), fill)
 
-    inputs = dict(source.get("model_inputs", {}))
+    inputs = dict(source.model_inputs)
     for name in PER_TOKEN_INPUTS:
         if torch.is_tensor(inputs.get(name)) and inputs[name].shape == ids.shape:
             inputs[name] = take(inputs[name], 0)
-    return {
-        **source,
-        "input_ids": take(ids, 0),  # any id on padding: masked
-        "attention_mask": keep.long(),
-        "modality": take(source["modality"], PAD),
-        "model_inputs": inputs,
-    }
+    # any id on padding: masked
+    return replace(source, input_ids=take(ids, 0), attention_mask=keep.long(),
+                   modality=take(source.modality, PAD), model_inputs=inputs)  # fmt: skip
 
 
 def question_block(questions: list[list[int] | None], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,8 +40,15 @@ import torch
 
 from kvlab.config.registry import Registry, to_plain
 from kvlab.engine.decode_positions import DecodePositions, EvictionLog
-from kvlab.engine.generation import GenerationResult, decode, generation_result, prefill
-from kvlab.models.base import LoadedModel
+from kvlab.engine.generation import (
+    DEFAULT_OPTIONS,
+    GenerationResult,
+    RunOptions,
+    decode,
+    generation_result,
+    prefill,
+)
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.pipeline import Pipeline
 
 WHERE = "model.protocol"
@@ -93,23 +100,12 @@ class Protocol:
         self,
         loaded: LoadedModel,
         pipeline: Pipeline,
-        batch: dict[str, Any],
-        max_new_tokens: int = 32,
-        *,
-        return_logits: bool = False,
-        record_scores: bool = False,
-        teacher_tokens: torch.Tensor | None = None,
-        prefill_chunk: int | None = None,
-        record_positions: bool = False,
+        batch: Batch,
+        options: RunOptions = DEFAULT_OPTIONS,
     ) -> ProtocolResult:
-        """Generate for ``batch`` (a processor's ``collate`` output).
-
-        ``max_new_tokens`` is the limit of samples without their own ``max_new_tokens``;
-        ``teacher_tokens [B, S]`` feed these tokens instead of greedy choices (exactly S steps).
-        ``record_positions``: also follow what happens to the kept positions after the prefill
-        (:attr:`ProtocolResult.decode_positions`: ``decode_time``'s compressions, a decode
-        policy's evictions; the prefill's own selections are always in the layer reports).
-        """
+        """Generate for ``batch`` (a processor's ``collate`` output) as ``options`` say
+        (:class:`~kvlab.engine.generation.RunOptions`: the decode limit, logits, scores, teacher
+        tokens ``[B, S]``, the prefill's chunks, kept positions after the prefill)."""
         raise NotImplementedError
 
     def node(self) -> dict[str, Any]:
@@ -138,11 +134,11 @@ def protocol_node(node: Any) -> dict[str, Any]:
     return build_protocol(node).node()
 
 
-def sample_limits(batch: dict[str, Any], default: int) -> torch.Tensor:
+def sample_limits(batch: Batch, default: int) -> torch.Tensor:
     """``[B]`` long: each sample's ``max_new_tokens`` (``default`` where it has none)."""
-    samples = batch.get("samples") or []
+    samples = batch.samples
     if not samples:
-        return torch.full((batch["input_ids"].shape[0],), default, dtype=torch.long)
+        return torch.full((batch.input_ids.shape[0],), default, dtype=torch.long)
     return torch.tensor([s.max_new_tokens or default for s in samples], dtype=torch.long)
 
 
@@ -159,21 +155,19 @@ def cut_at_limits(
 class QueryAware(Protocol):
     """The whole prompt, question included, in one prefill with compression inside (kvlab's default)."""
 
-    def run(self, loaded, pipeline, batch, max_new_tokens=32, *, return_logits=False, record_scores=False,
-            teacher_tokens=None, prefill_chunk=None, record_positions=False) -> ProtocolResult:  # fmt: skip
-        limits = sample_limits(batch, max_new_tokens)
+    def run(self, loaded, pipeline, batch, options=DEFAULT_OPTIONS) -> ProtocolResult:
+        limits = sample_limits(batch, options.max_new_tokens)
         steps = int(limits.max())
-        state = prefill(
-            loaded, pipeline, batch, steps, record_scores=record_scores, prefill_chunk=prefill_chunk
-        )
+        state = prefill(loaded, pipeline, batch, steps, options)
         uniform = bool((limits == steps).all())
         policy = pipeline.decode_policy
-        if record_positions:  # before decoding starts: the policy records what it evicts
+        if options.record_positions:  # before decoding starts: the policy records what it evicts
             policy.record_evictions(state.session.run)
-        decoded = decode(state, steps, return_logits, teacher_tokens, limits=None if uniform else limits)
+        teacher = options.teacher_tokens
+        decoded = decode(state, steps, options.return_logits, teacher, limits=None if uniform else limits)
         result = generation_result(state, decoded)
-        result.tokens = cut_at_limits(result.tokens, limits, teacher_tokens)
-        record = policy.evicted_positions(state.session.run) if record_positions else None
+        result.tokens = cut_at_limits(result.tokens, limits, teacher)
+        record = policy.evicted_positions(state.session.run) if options.record_positions else None
         positions = None
         if record is not None:  # the sample's tokens, its stop token included (as decode_time counts)
             produced = [min(len(row) + 1, int(limits[b])) for b, row in enumerate(result.tokens)]

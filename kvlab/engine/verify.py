@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.engine.registration import enable_kvlab_attention
-from kvlab.models.base import TEXT, LoadedModel
+from kvlab.models.base import TEXT, Batch, LoadedModel
 from kvlab.models.common import text_config
 from kvlab.models.placement import input_device
 from kvlab.models.prompts import collate_ids
@@ -168,17 +168,17 @@ def _set_attention(loaded: LoadedModel, implementation: str) -> None:
 
 
 @torch.no_grad()
-def _native(loaded: LoadedModel, batch: dict[str, Any], steps: int) -> tuple[torch.Tensor, list[int], float]:
+def _native(loaded: LoadedModel, batch: Batch, steps: int) -> tuple[torch.Tensor, list[int], float]:
     """transformers' own greedy run: ``(logits [S, V] fp32, tokens [S], seconds)``."""
     model = loaded.model
     device = input_device(model)
-    extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.get("model_inputs", {}).items()}
+    extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.model_inputs.items()}
     _set_attention(loaded, _native_implementation(model))
     try:
         start = time.perf_counter()
         out = model.generate(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
+            input_ids=batch.input_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
             cache=DynamicCache(config=model.config),
             max_new_tokens=steps,
             do_sample=False,
@@ -193,15 +193,15 @@ def _native(loaded: LoadedModel, batch: dict[str, Any], steps: int) -> tuple[tor
     finally:
         enable_kvlab_attention(model, loaded.info.vision_language)
     logits = torch.stack(out.logits, 1)[0].float()
-    tokens = out.sequences[0, batch["input_ids"].shape[1] :].tolist()
+    tokens = out.sequences[0, batch.input_ids.shape[1] :].tolist()
     return logits, tokens, seconds
 
 
-def _compare(name: str, loaded: LoadedModel, batch: dict[str, Any], steps: int, result: VerifyResult) -> None:
+def _compare(name: str, loaded: LoadedModel, batch: Batch, steps: int, result: VerifyResult) -> None:
     """Run one check on a one-sample ``batch`` (``input_ids [1, T]``) and fold it into ``result``."""
     native_logits, native_tokens, native_seconds = _native(loaded, batch, steps)
     start = time.perf_counter()
-    ours = generate(loaded, Pipeline.from_config(None), batch, max_new_tokens=steps, return_logits=True)
+    ours = generate(loaded, Pipeline.from_config(None), batch, RunOptions(steps, return_logits=True))
     result.seconds_kvlab += time.perf_counter() - start
     result.seconds_native += native_seconds
     kvlab_logits = ours.step_logits[0].float()  # [S', V]; stops early only at eos
@@ -217,7 +217,7 @@ def _compare(name: str, loaded: LoadedModel, batch: dict[str, Any], steps: int, 
             if gap > tolerance:  # not a near tie
                 match, divergence = False, f"{name}: step {i} (native token {a}, kvlab token {b})"
             break
-    prompt_tokens = int(batch["attention_mask"].sum())
+    prompt_tokens = int(batch.attention_mask.sum())
     result.checks.append((name, prompt_tokens, diff, match))
     if not result.checks[:-1]:
         result.prompt_tokens, result.native_tokens, result.kvlab_tokens = (
@@ -232,19 +232,18 @@ def _compare(name: str, loaded: LoadedModel, batch: dict[str, Any], steps: int, 
         result.first_divergence = divergence or f"{name}: step 0 (logits beyond the tolerance)"
 
 
-def _one_sample(loaded: LoadedModel, batch_or_ids: dict[str, Any] | list[int]) -> dict[str, Any]:
+def _one_sample(loaded: LoadedModel, batch_or_ids: Batch | list[int]) -> Batch:
     """A one-sample batch: token ids collated, or a batch's first sample re-collated alone."""
-    if isinstance(batch_or_ids, dict):
-        samples = batch_or_ids.get("samples") or []
-        if samples:
-            return loaded.processor.collate(samples[:1])
-        mask = batch_or_ids["attention_mask"][0].bool()
-        batch_or_ids = batch_or_ids["input_ids"][0][mask].tolist()
+    if isinstance(batch_or_ids, Batch):
+        if batch_or_ids.samples:
+            return loaded.processor.collate(batch_or_ids.samples[:1])
+        mask = batch_or_ids.attention_mask[0].bool()
+        batch_or_ids = batch_or_ids.input_ids[0][mask].tolist()
     return collate_ids(loaded, [list(batch_or_ids)])
 
 
 def verify_engine(
-    loaded: LoadedModel, batch_or_ids: dict[str, Any] | list[int], steps: int = STEPS, probe: bool = True
+    loaded: LoadedModel, batch_or_ids: Batch | list[int], steps: int = STEPS, probe: bool = True
 ) -> VerifyResult:
     """Compare kvlab's engine (nothing evicted) with transformers' own forward on one prompt.
 
@@ -272,11 +271,11 @@ def verify_engine(
     batch = _one_sample(loaded, batch_or_ids)
     _compare("prompt", loaded, batch, steps, result)
     span = local_span(loaded.model)
-    length = int(batch["attention_mask"].sum())
+    length = int(batch.attention_mask.sum())
     if probe and span is not None and length <= span:
         target = span + PROBE_EXTRA
-        valid = batch["attention_mask"][0].bool() & (batch["modality"][0] == TEXT)
-        text = batch["input_ids"][0][valid].tolist()
+        valid = batch.attention_mask[0].bool() & (batch.modality[0] == TEXT)
+        text = batch.input_ids[0][valid].tolist()
         if text and target + steps <= loaded.info.max_position_embeddings:
             ids = (text * (target // len(text) + 1))[:target]
             _compare(f"probe of {target} tokens", loaded, _one_sample(loaded, ids), steps, result)

@@ -17,7 +17,7 @@ From the per-sample records (batch timings are split evenly over the batch's sam
   (only for pipelines that retrieve, e.g. ``hybridkv``, ``retrieval``): totals over samples of the
   accelerator-resident prompt KV (kept entries + chunk index + one step's fetch buffer) and of
   the K/V held in host memory, device over full bytes, and the mean K/V bytes fetched from the
-  host per decode step (``kvlab.compression.retrieval.retrieval_record``);
+  host per decode step (the ``retrieve`` selector's record fields, ``RetrieveSelector.report``);
 - ``kv_bytes_allocated_peak``: the most bytes one batch's ``CompressedCache`` allocated (kept
   prompt K/V, reserved decode region, offsets);
 - ``peak_memory_bytes``: the most memory over the run's batches, of the kind

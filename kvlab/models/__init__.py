@@ -3,7 +3,7 @@
 Public API::
 
     MODELS                      # Registry of built-in model builders (YAML field model.model)
-    load_model(name, dtype)     # -> LoadedModel(model, processor, info, extras)
+    load_model(name, dtype)     # -> LoadedModel(model, processor, info, source, path, ...)
     load_processor(name)        # -> Processor (cached per name; no weights loaded)
     wrap_model(model, tokenizer) # -> LoadedModel around a user's transformers model
     model_info(config, name)    # -> ModelInfo from an HF config
@@ -140,12 +140,12 @@ def load_model(
 
     ``device_map`` (None: the model stays on the CPU) spreads it over devices: passed to
     ``from_pretrained`` for a directory or Hub id; a built-in is built on the CPU and then
-    dispatched with accelerate (:func:`kvlab.models.placement.dispatch`). ``extras["device_map"]``
-    records the resolved map.
+    dispatched with accelerate (:func:`kvlab.models.placement.dispatch`). ``device_map`` of the
+    result records the resolved map.
 
-    Returns a :class:`LoadedModel` whose ``info`` describes the language model and whose
-    ``extras`` hold ``source`` ("builtin" / "pretrained"), ``dtype``, ``load_seconds`` and, for
-    built-in VLMs, ``image_size`` and ``tokens_per_image``.
+    Returns a :class:`LoadedModel` whose ``info`` describes the language model, with its
+    ``source`` ("builtin" / "pretrained"), ``path``, ``dtype``, ``load_seconds`` and, for built-in
+    VLMs, ``image_size`` and ``tokens_per_image``.
     """
     validate_model_name(name)
     validate_device_map(device_map)
@@ -157,21 +157,21 @@ def load_model(
         model = builder.build(torch_dtype)
         if device_map is not None:
             model = dispatch(model, device_map, torch_dtype)
-        extras = builder.extras()
+        origin = builder.origin()
     else:
         model = hub.load_model(name, torch_dtype, device_map)
-        extras = {"source": "pretrained", "path": str(hub.local_dir(name) or name)}
+        origin = {"source": "pretrained", "path": str(hub.local_dir(name) or name)}
     info = model_info(model.config, name)
     images = getattr(processor, "images", None)
-    if images is not None and extras.get("image_size"):
-        size = extras["image_size"]
-        extras["tokens_per_image"] = images.process([Image.new("RGB", (size, size))])[1][0]
+    if images is not None and origin.get("image_size"):
+        size = origin["image_size"]
+        origin["tokens_per_image"] = images.process([Image.new("RGB", (size, size))])[1][0]
     if device_map is not None:
         # from_pretrained dispatches (and records hf_device_map) only over several devices
         resolved = getattr(model, "hf_device_map", None) or {"": next(model.parameters()).device}
-        extras["device_map"] = {module: str(device) for module, device in resolved.items()}
-    extras.update(dtype=torch_dtype, load_seconds=time.perf_counter() - start)
-    return LoadedModel(model=model, processor=processor, info=info, extras=extras)
+        origin["device_map"] = {module: str(device) for module, device in resolved.items()}
+    seconds = time.perf_counter() - start
+    return LoadedModel(model, processor, info, dtype=torch_dtype, load_seconds=seconds, **origin)
 
 
 def context_length(name: str) -> int | None:

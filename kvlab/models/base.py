@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -47,20 +47,34 @@ class ModelInfo:
         return self.num_heads // self.num_kv_heads
 
 
+@dataclass
+class Batch:
+    """A left-padded batch of B prompts, T tokens the longest (what ``collate`` returns).
+
+    Attributes:
+        input_ids: ``[B, T]`` long.
+        attention_mask: ``[B, T]`` long, 0 on padding.
+        modality: ``[B, T]`` long: 0 text, 1 image, 2 video, -1 padding, found from the model
+            config's special token ids (never from span lengths).
+        model_inputs: extra ``forward()`` keyword arguments (``pixel_values``,
+            ``image_grid_thw``, ``mm_token_type_ids``, ...); empty for text-only models.
+        ids: the samples' ids.
+        samples: the samples (empty for token-id prompts).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    modality: torch.Tensor
+    model_inputs: dict[str, Any] = field(default_factory=dict)
+    ids: list[str] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+
 class Processor(Protocol):
     """Turns samples into a padded model batch, and token ids back into text."""
 
-    def collate(self, samples: list[Sample]) -> dict[str, Any]:
-        """Batch of samples -> dict with (B = len(samples), T = longest prompt, left padded):
-
-        - ``input_ids`` LongTensor [B, T]
-        - ``attention_mask`` LongTensor [B, T] (0 on padding)
-        - ``modality`` LongTensor [B, T]: 0 text, 1 image, 2 video, -1 padding, found from
-          the model config's special token ids (never from span lengths)
-        - ``model_inputs`` dict of extra forward() kwargs (pixel_values, image_grid_thw,
-          mm_token_type_ids, ...) — empty for text-only models
-        - ``ids`` list[str], ``samples`` list[Sample]
-        """
+    def collate(self, samples: list[Sample]) -> Batch:
+        """Batch of samples -> :class:`Batch` (B = len(samples), T = longest prompt, left padded)."""
         ...
 
     def decode(self, token_ids: list[int]) -> str:
@@ -75,9 +89,28 @@ class Processor(Protocol):
 
 @dataclass
 class LoadedModel:
-    """A model ready to run: the HF model (eval mode), its processor and its :class:`ModelInfo`."""
+    """A model ready to run: the HF model (eval mode), its processor and its :class:`ModelInfo`, and
+    where it came from.
+
+    Attributes:
+        source: ``builtin`` (``kvlab list``), ``pretrained`` (a directory or Hub id) or ``wrapped``
+            (``kvlab.wrap_model``).
+        path: where its weights live (a built-in's cache directory, the directory or the Hub id);
+            None for a random or wrapped model.
+        dtype: the dtype it was loaded in (a wrapped model's parameters' dtype).
+        load_seconds: how long loading took (None when wrapped).
+        image_size: built-in VLMs: the side of the square images they are built for.
+        tokens_per_image: built-in VLMs: the image tokens one such image expands to.
+        device_map: the resolved ``{module: device}`` when loaded with a ``device_map``.
+    """
 
     model: torch.nn.Module
     processor: Processor
     info: ModelInfo
-    extras: dict[str, Any] = field(default_factory=dict)
+    source: Literal["builtin", "pretrained", "wrapped"] = "wrapped"
+    path: str | None = None
+    dtype: torch.dtype | None = None
+    load_seconds: float | None = None
+    image_size: int | None = None
+    tokens_per_image: int | None = None
+    device_map: dict[str, str] | None = None

@@ -90,8 +90,9 @@ class BuiltinModel(ABC):
             self.tokenizer(), info.image_token_ids, info.video_token_ids, self.images(config)
         )
 
-    def extras(self) -> dict[str, Any]:
-        """Facts for :attr:`LoadedModel.extras` (image size, source)."""
+    def origin(self) -> dict[str, Any]:
+        """Its :class:`~kvlab.models.base.LoadedModel` fields: ``source``, ``image_size`` (and
+        ``path`` for the converted ones)."""
         return {"source": "builtin", "image_size": self.image_size}
 
 
@@ -175,8 +176,8 @@ class ConvertedLM(BuiltinModel):
         with seeded(self.seed):
             return self.source.load_lm(dtype)
 
-    def extras(self) -> dict[str, Any]:
-        return {**super().extras(), "path": str(self.source.cache_dir())}
+    def origin(self) -> dict[str, Any]:
+        return {**super().origin(), "path": str(self.source.cache_dir())}
 
 
 @MODELS.register("smollm2-135m")
@@ -206,8 +207,8 @@ class GraftedSmolLM2(BuiltinModel):
     def build(self, dtype: torch.dtype) -> torch.nn.Module:
         return graft.build_grafted(getattr(transformers, self.model_class), self.config(), self.seed, dtype)
 
-    def extras(self) -> dict[str, Any]:
-        return {**super().extras(), "path": str(smollm2.cache_dir())}
+    def origin(self) -> dict[str, Any]:
+        return {**super().origin(), "path": str(smollm2.cache_dir())}
 
 
 @MODELS.register("smollm2-qwen2-vl")
@@ -260,5 +261,5 @@ class SmolLM2Reader(GraftedSmolLM2):
     def build(self, dtype: torch.dtype) -> torch.nn.Module:
         return reader.load_reader(dtype)
 
-    def extras(self) -> dict[str, Any]:
-        return {**super().extras(), "path": str(reader.cache_dir())}
+    def origin(self) -> dict[str, Any]:
+        return {**super().origin(), "path": str(reader.cache_dir())}

@@ -41,7 +41,7 @@ import torch
 
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
-from kvlab.models.base import IMAGE, PAD, TEXT, VIDEO
+from kvlab.models.base import IMAGE, PAD, TEXT, VIDEO, Batch
 from kvlab.models.images import ImageAdapter, ProcessedImages
 
 CHATML_END = "<|im_end|>"
@@ -272,14 +272,15 @@ class ChatProcessor:
         return "".join(out)
 
     # ---- Processor protocol -----------------------------------------------------------------
-    def collate(self, samples: list[Sample]) -> dict[str, Any]:
+    def collate(self, samples: list[Sample]) -> Batch:
         """Samples -> left-padded batch (B = len(samples), T = longest prompt).
 
-        Returns ``input_ids`` [B, T], ``attention_mask`` [B, T] (0 on padding), ``modality`` [B, T]
-        (0 text, 1 image, 2 video, -1 padding), ``model_inputs`` (Qwen2-VL: ``pixel_values``
-        [patches, 1176], ``image_grid_thw`` [N, 3], ``mm_token_type_ids`` [B, T]; LLaVA:
-        ``pixel_values`` [N, 3, H, W]; N = images in the batch, in sample order; empty for
-        text-only batches except ``mm_token_type_ids``), ``ids`` and ``samples``.
+        Returns a :class:`~kvlab.models.base.Batch`: ``input_ids`` [B, T], ``attention_mask``
+        [B, T] (0 on padding), ``modality`` [B, T] (0 text, 1 image, 2 video, -1 padding),
+        ``model_inputs`` (Qwen2-VL: ``pixel_values`` [patches, 1176], ``image_grid_thw`` [N, 3],
+        ``mm_token_type_ids`` [B, T]; LLaVA: ``pixel_values`` [N, 3, H, W]; N = images in the
+        batch, in sample order; empty for text-only batches except ``mm_token_type_ids``), ``ids``
+        and ``samples``.
         """
         if not samples:
             raise ValueError("collate() needs at least one sample")
@@ -326,14 +327,8 @@ class ChatProcessor:
             for value in extra.values():
                 value[attention_mask == 0] = 0
             model_inputs.update(extra)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "modality": modality,
-            "model_inputs": model_inputs,
-            "ids": [s.id for s in samples],
-            "samples": list(samples),
-        }
+        ids = [s.id for s in samples]
+        return Batch(input_ids, attention_mask, modality, model_inputs, ids, list(samples))
 
     def decode(self, token_ids: list[int] | torch.Tensor) -> str:
         """Token ids -> text, special tokens (chat markers, image tokens, padding) skipped."""

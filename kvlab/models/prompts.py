@@ -22,7 +22,7 @@ from PIL import Image
 from kvlab.config.errors import ConfigError
 from kvlab.data.contexts import context_batches
 from kvlab.data.sample import Sample
-from kvlab.models.base import PAD, TEXT, LoadedModel
+from kvlab.models.base import PAD, TEXT, Batch, LoadedModel
 
 #: the ``images`` argument: one entry per prompt, each None, an image or a list of images
 ImagesArg = Sequence[Image.Image | Sequence[Image.Image] | None] | None
@@ -210,7 +210,7 @@ def _batches(group: list[PromptItem], batch_size: int | None, by_context: bool) 
     return [group[start : start + step] for start in range(0, len(group), step)]
 
 
-def collate_items(loaded: LoadedModel, batch: list[PromptItem]) -> dict[str, Any]:
+def collate_items(loaded: LoadedModel, batch: list[PromptItem]) -> Batch:
     """One batch of :func:`prompt_batches` as the model's input batch: the processor's ``collate``
     of its Samples, or :func:`collate_ids` of its token ids."""
     if batch[0].sample is not None:
@@ -218,7 +218,7 @@ def collate_items(loaded: LoadedModel, batch: list[PromptItem]) -> dict[str, Any
     return collate_ids(loaded, [item.ids for item in batch])
 
 
-def collate_ids(loaded: LoadedModel, rows: list[list[int]]) -> dict[str, Any]:
+def collate_ids(loaded: LoadedModel, rows: list[list[int]]) -> Batch:
     """Token-id prompts -> a left-padded batch in the processor's ``collate`` layout (no images).
 
     Returns ``input_ids`` / ``attention_mask`` / ``modality`` ``[B, T]`` and ``model_inputs`` (the
@@ -251,11 +251,4 @@ def collate_ids(loaded: LoadedModel, rows: list[list[int]]) -> dict[str, Any]:
         model_inputs = processor.images.batch_inputs(input_ids, image_ids, video_ids)
         for value in model_inputs.values():
             value[attention_mask == 0] = 0
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "modality": modality,
-        "model_inputs": model_inputs,
-        "ids": [str(i) for i in range(len(rows))],
-        "samples": [],
-    }
+    return Batch(input_ids, attention_mask, modality, model_inputs, [str(i) for i in range(len(rows))])

@@ -53,6 +53,4 @@ def wrap_model(
     )
     processor.check_template()
     model.eval()
-    parameter = next(model.parameters())
-    extras = {"source": "wrapped", "dtype": parameter.dtype, "device": parameter.device}
-    return LoadedModel(model=model, processor=processor, info=info, extras=extras)
+    return LoadedModel(model, processor, info, source="wrapped", dtype=next(model.parameters()).dtype)

@@ -75,8 +75,11 @@ cannot see: only the prompt's last ``W - 1`` tokens are candidates. ``sliding_la
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from kvlab.compression.allocators import (
     HEAD_ALLOCATORS,
@@ -94,6 +97,7 @@ from kvlab.compression.mixers import MIXERS, Mixer
 from kvlab.compression.quantizers import Quantizer
 from kvlab.compression.routing import ROUTE_RULES, RouteRule
 from kvlab.compression.selectors import SELECTORS, Selector
+from kvlab.config.capabilities import Component, Outcome, Report
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import merge
 from kvlab.config.registry import to_plain
@@ -101,6 +105,7 @@ from kvlab.models.facts import check_config_facts
 from kvlab.models.shape import model_config, model_shape
 from kvlab.pipeline.capabilities import Part, PipelineCapabilities
 from kvlab.pipeline.execution import LayerExecution
+from kvlab.pipeline.report import LayerReport
 from kvlab.pipeline.routed import RoutedExecution
 from kvlab.pipeline.validation import (
     ALLOCATE_FIELDS,
@@ -253,6 +258,39 @@ class Pipeline(LayerExecution, RoutedExecution):
         for name, branch in self.branches.items():
             parts += branch.walk(f"{where}.route.branches.{name}")
         return parts
+
+    def report(self, layers: Sequence[LayerReport], kv_bytes_kept: torch.Tensor) -> Report:
+        """A batch's record fields and TensorBoard scalars from its components: each component
+        class's :meth:`~kvlab.config.capabilities.Component.report` of the batch's
+        :class:`~kvlab.config.capabilities.Outcome` once, merged in the order of :meth:`walk`.
+
+        Args:
+            layers: every layer's report, in the order they ran.
+            kv_bytes_kept: ``[B]`` bytes of each sample's kept prompt K/V.
+
+        Returns:
+            A :class:`~kvlab.config.capabilities.Report`: one ``{field: value}`` per sample, the scalars.
+
+        Raises:
+            TypeError: a component reported a field its ``record_fields`` do not declare.
+        """
+        outcome = Outcome(layers, kv_bytes_kept)
+        samples: list[dict[str, Any]] = [{} for _ in range(kv_bytes_kept.shape[0])]
+        scalars: dict[str, float] = {}
+        first: dict[type, Component] = {}
+        for part in self.walk():
+            first.setdefault(type(part.component), part.component)
+        for kind, component in first.items():
+            report = component.report(outcome)
+            if report is None:
+                continue
+            for sample, fields in zip(samples, report.samples, strict=True):
+                undeclared = sorted(set(fields) - set(kind.record_fields))
+                if undeclared:
+                    raise TypeError(f"{kind.__name__}.report wrote {undeclared}, not in its record_fields")
+                sample.update(fields)
+            scalars.update(report.scalars)
+        return Report(samples, scalars)
 
     @property
     def capabilities(self) -> PipelineCapabilities:

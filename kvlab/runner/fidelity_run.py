@@ -21,13 +21,14 @@ Definitions and the caching rules: ``docs/evaluation.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvlab.engine.generation import GenerationResult
+import torch
+
+from kvlab.engine.generation import GenerationResult, RunOptions
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.metrics.fidelity import Reference, fidelity_values, teacher_tokens
 from kvlab.metrics.reference import ReferenceStore, reference_key
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.pipeline import Pipeline
 
 
@@ -38,9 +39,9 @@ class FidelityEvaluator:
     Args:
         loaded: the model.
         store: where references are cached (``ReferenceStore(None)``: not cached).
-        max_new_tokens: the runs' decode limit (part of the reference key).
+        options: the run's options (its ``max_new_tokens``, part of the reference key, and its
+            ``prefill_chunk`` hold for every extra run, which returns logits).
         dtype: the model dtype name (part of the reference key).
-        generate_kwargs: passed to every extra run (e.g. ``prefill_chunk``).
         protocol: how the method's teacher-forced run compresses (``model.protocol``,
             :mod:`kvlab.engine.protocols`; default ``query_aware``). The references stay the full
             cache on the whole prompt, which every protocol gives when nothing is evicted; each
@@ -49,21 +50,20 @@ class FidelityEvaluator:
 
     loaded: LoadedModel
     store: ReferenceStore
-    max_new_tokens: int
+    options: RunOptions
     dtype: str
-    generate_kwargs: dict[str, Any] = field(default_factory=dict)
     protocol: Protocol = field(default_factory=lambda: build_protocol("query_aware"))
 
-    def references(self, batch: dict[str, Any], own: GenerationResult | None = None) -> list[Reference]:
+    def references(self, batch: Batch, own: GenerationResult | None = None) -> list[Reference]:
         """One full-cache :class:`Reference` per sample (loaded, or computed and stored).
 
         ``own``: the batch's result with a pipeline that does not compress (used as the reference).
         """
-        valid = batch["attention_mask"].bool()
+        valid = batch.attention_mask.bool()
         name = self.loaded.info.name
         keys = [
-            reference_key(name, self.dtype, self.max_new_tokens, sample, batch["input_ids"][b][valid[b]])
-            for b, sample in enumerate(batch["samples"])
+            reference_key(name, self.dtype, self.options.max_new_tokens, sample, batch.input_ids[b][valid[b]])
+            for b, sample in enumerate(batch.samples)
         ]
         refs = [self.store.load(key) for key in keys]
         if all(ref is not None for ref in refs):
@@ -75,28 +75,20 @@ class FidelityEvaluator:
                 self.store.save(key, refs[b])
         return refs  # type: ignore[return-value]
 
-    def evaluate(
-        self, pipeline: Pipeline, batch: dict[str, Any], result: GenerationResult
-    ) -> list[dict[str, float]]:
+    def evaluate(self, pipeline: Pipeline, batch: Batch, result: GenerationResult) -> list[dict[str, float]]:
         """Per-sample fidelity fields of ``result`` (``pipeline``'s run, with ``return_logits=True``)."""
         refs = self.references(batch, None if pipeline.compresses else result)
         if all(tokens == ref.tokens for tokens, ref in zip(result.tokens, refs, strict=True)):
             forced = result.step_logits
         else:
             pad = self.loaded.processor.eos_token_ids[0]
-            forced = self.run(pipeline, batch, teacher_tokens=teacher_tokens(refs, pad)).step_logits
+            forced = self.run(pipeline, batch, teacher_tokens(refs, pad)).step_logits
         return [fidelity_values(ref, result.tokens[b], forced[b]) for b, ref in enumerate(refs)]
 
-    def run(self, pipeline: Pipeline, batch: dict[str, Any], **kwargs: Any) -> GenerationResult:
-        """``pipeline`` on ``batch`` with step logits: through :attr:`protocol` when it compresses,
-        ``query_aware`` (prefill, then decode) for the full cache."""
+    def run(self, pipeline: Pipeline, batch: Batch, teacher: torch.Tensor | None = None) -> GenerationResult:
+        """``pipeline`` on ``batch`` with step logits (teacher-forced by ``teacher`` ``[B, S]``):
+        through :attr:`protocol` when it compresses, ``query_aware`` (prefill, then decode) for the
+        full cache."""
         protocol = self.protocol if pipeline.compresses else build_protocol("query_aware")
-        return protocol.run(
-            self.loaded,
-            pipeline,
-            batch,
-            self.max_new_tokens,
-            return_logits=True,
-            **kwargs,
-            **self.generate_kwargs,
-        ).result
+        options = RunOptions(self.options.max_new_tokens, True, False, teacher, self.options.prefill_chunk)
+        return protocol.run(self.loaded, pipeline, batch, options).result

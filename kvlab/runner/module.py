@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
 import torch
 
-from kvlab.api import load_model, load_pipeline
-from kvlab.compression.retrieval import retrieval_record
-from kvlab.compression.routing import route_metric, switch_layers
+from kvlab.api import Output, batch_outputs, load_model, load_pipeline
 from kvlab.config.errors import ConfigError
-from kvlab.engine.generation import GenerationResult
+from kvlab.engine.generation import RunOptions
 from kvlab.engine.prefill_plan import check_prefill_chunk, chunked_vlm_message
 from kvlab.engine.protocols import Protocol, build_protocol
 from kvlab.engine.verify import verify_engine
@@ -28,10 +27,10 @@ from kvlab.metrics.tasks import (
     validate_task_metrics,
 )
 from kvlab.models import MODELS, validate_model_dtype, validate_model_name
-from kvlab.models.base import LoadedModel
+from kvlab.models.base import Batch, LoadedModel
 from kvlab.models.fingerprint import model_fingerprint, reproduce_record
 from kvlab.models.placement import validate_device_map
-from kvlab.pipeline.report import budget_overshoot
+from kvlab.pipeline.report import LayerReport, budget_overshoot
 from kvlab.runner.fidelity_run import FidelityEvaluator
 from kvlab.runner.files import atomic_write_text
 from kvlab.runner.positions import RECORD_FIELD as POSITIONS_FIELD
@@ -132,12 +131,11 @@ class KVLabModule(L.LightningModule):
         self.protocol: Protocol = build_protocol(protocol)
         self.protocol.check(self.pipeline)
         check_prefill_chunk(self.pipeline, prefill_chunk)
-        self.prefill_chunk = prefill_chunk
-        self.max_new_tokens = max_new_tokens
+        #: every batch's options (``record_scores`` also holds for the inspected batches)
+        self.options = RunOptions(
+            max_new_tokens, fidelity, record_scores, None, prefill_chunk, record_positions
+        )
         self.dtype_name = dtype
-        self.record_scores = record_scores
-        self.record_positions = record_positions
-        self.fidelity = fidelity
         self.inspect_samples = inspect_samples
         if isinstance(inspect_layers, str) and inspect_layers != "all":
             raise ConfigError(f"model.inspect_layers must be a list of layers or 'all': {inspect_layers!r}")
@@ -153,6 +151,8 @@ class KVLabModule(L.LightningModule):
         validate_device_map(device_map)
         self.device_map = device_map
         self.loaded: LoadedModel | None = None
+        #: the loaded model's fingerprint (reproduce.json), computed when first written
+        self.fingerprint: dict[str, Any] | None = None
         self.save_hyperparameters()
 
     def configure_model(self) -> None:
@@ -168,8 +168,8 @@ class KVLabModule(L.LightningModule):
             )
         # attention routed through kvlab
         self.loaded = load_model(self.model_name, self.dtype_name, device_map=self.device_map)
-        if self.prefill_chunk is not None and self.loaded.info.vision_language:
-            raise ConfigError(chunked_vlm_message(self.model_name, self.prefill_chunk))
+        if self.options.prefill_chunk is not None and self.loaded.info.vision_language:
+            raise ConfigError(chunked_vlm_message(self.model_name, self.options.prefill_chunk))
         if self.device_map is None:
             self.language_model = self.loaded.model  # registered so Lightning moves it to the device
         # with a device_map the model stays unregistered: Lightning's move of the module to its root
@@ -201,16 +201,15 @@ class KVLabModule(L.LightningModule):
             atomic_write_text(Path(run_dir) / REPRODUCE, json.dumps(record, indent=2) + "\n")
 
     def reproduce_record(self) -> dict[str, Any]:
-        """:func:`kvlab.models.fingerprint.reproduce_record` of this run (the fingerprint is computed
-        once per loaded model and kept in ``loaded.extras["fingerprint"]``)."""
-        extras = self.loaded.extras
-        if "fingerprint" not in extras:
-            extras["fingerprint"] = model_fingerprint(self.loaded.model)
+        """:func:`kvlab.models.fingerprint.reproduce_record` of this run (the model's fingerprint is
+        computed once, :attr:`fingerprint`)."""
+        if self.fingerprint is None:
+            self.fingerprint = model_fingerprint(self.loaded.model)
         seed = os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything (the CLI's seed_everything)
         builtin = MODELS.get(self.model_name) if self.model_name in MODELS else None
         return reproduce_record(
             model=self.model_name,
-            fingerprint=extras["fingerprint"],
+            fingerprint=self.fingerprint,
             model_seed=builtin.seed if builtin is not None else None,
             seed=int(seed) if seed is not None else None,
             dtype=self.dtype_name,
@@ -231,13 +230,13 @@ class KVLabModule(L.LightningModule):
         if self.inspector is not None:
             self.inspector.finish()
 
-    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
+    def predict_step(self, batch: Batch, batch_idx: int) -> list[dict[str, Any]]:
         """One batch -> one prediction record per sample (written by the prediction writer), with
         the kernels of this run's ``model.kernels`` (the mode is the step's, not the process's)."""
         with kernel_mode(self.kernels):
             return self.predict_batch(batch, batch_idx)
 
-    def predict_batch(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
+    def predict_batch(self, batch: Batch, batch_idx: int) -> list[dict[str, Any]]:
         """:meth:`predict_step`'s work: verify (first batch), run the protocol, build the records."""
         if self.verify == "first_batch" and self.verify_seconds is None:
             self.verify_engine(batch)
@@ -248,23 +247,17 @@ class KVLabModule(L.LightningModule):
         if not cuda_devices:
             rss_before = process_rss_bytes()
         detailed = self.inspector is not None and self.inspector.detailed(batch_idx)
-        run = self.protocol.run(
-            self.loaded,
-            self.pipeline,
-            batch,
-            self.max_new_tokens,
-            return_logits=self.fidelity,
-            record_scores=self.record_scores or detailed,
-            prefill_chunk=self.prefill_chunk,
-            record_positions=self.record_positions,
-        )
+        options = replace(self.options, record_scores=True) if detailed else self.options
+        run = self.protocol.run(self.loaded, self.pipeline, batch, options)
         result = run.result
         if cuda_devices:  # summed over the devices a device_map spreads the model over
             peak, kind = sum(torch.cuda.max_memory_allocated(d) for d in cuda_devices), "cuda_allocated"
         else:  # a high-water mark over the process's life: rss_before says where the batch started
             peak, kind = process_peak_rss_bytes(), "process_rss_high_water"
-        rows = position_rows(run, batch, self.protocol.registry_name) if self.record_positions else None
-        records = self.records(result, batch, rows)
+        rows = position_rows(run, batch, self.protocol.registry_name) if options.record_positions else None
+        report = self.pipeline.report(result.reports, result.kv_bytes_kept)  # the components' fields
+        outputs = batch_outputs(self.loaded, batch, result, report.samples)
+        records = self.records(outputs, result.reports, batch, rows)
         for record, extra in zip(records, run.extras, strict=True):
             record["protocol"] = self.protocol.registry_name
             record.update(extra)
@@ -278,23 +271,17 @@ class KVLabModule(L.LightningModule):
                 record["peak_memory_kind"] = kind
             if rss_before is not None:
                 record["peak_memory_rss_before_bytes"] = rss_before
-        if self.fidelity:
-            evaluator = FidelityEvaluator(
-                self.loaded,
-                ReferenceStore(self.reference_dir),
-                self.max_new_tokens,
-                self.dtype_name,
-                generate_kwargs={"prefill_chunk": self.prefill_chunk},
-                protocol=self.protocol,
-            )
+        if options.return_logits:  # model.fidelity
+            store = ReferenceStore(self.reference_dir)
+            evaluator = FidelityEvaluator(self.loaded, store, self.options, self.dtype_name, self.protocol)
             values = evaluator.evaluate(self.pipeline, batch, result)
             for record, fidelity in zip(records, values, strict=True):
                 record.update(fidelity)
         if self.inspector is not None:
-            self.inspector.log_batch(result, batch, step=batch_idx, processor=self.loaded.processor)
+            self.inspector.log_batch(result, batch, batch_idx, self.loaded.processor, report.scalars)
         return records
 
-    def verify_engine(self, batch: dict[str, Any]) -> None:
+    def verify_engine(self, batch: Batch) -> None:
         """``model.verify: first_batch``: compare the batch's first sample under kvlab's engine (full
         cache) with transformers' own forward (:func:`kvlab.engine.verify.verify_engine`).
 
@@ -317,41 +304,26 @@ class KVLabModule(L.LightningModule):
         )
 
     def records(
-        self, result: GenerationResult, batch: dict[str, Any], positions: list[dict[str, Any]] | None = None
+        self,
+        outputs: list[Output],
+        reports: list[LayerReport],
+        batch: Batch,
+        positions: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
-        """Per-sample JSON-ready records of a batch's :class:`GenerationResult`; ``positions``: each
-        sample's ``positions.jsonl`` row (``model.record_positions``), handed to the writer."""
+        """Per-sample JSON-ready records of a batch: each sample's :class:`~kvlab.api.Output`
+        (:meth:`~kvlab.api.Output.record`, then the components' :attr:`~kvlab.api.Output.reported`
+        fields) with its id, answers, budget overshoot, task scores and kept modalities;
+        ``positions``: each sample's ``positions.jsonl`` row (``model.record_positions``), handed
+        to the writer."""
         records = []
-        B = len(batch["ids"])
-        switch = switch_layers(result.reports)  # routed pipelines (DAVID): first layer switched
-        overshoot = budget_overshoot(result.reports)  # [B] or None (full cache)
-        for b, sample in enumerate(batch["samples"]):
-            text = self.loaded.processor.decode(result.tokens[b])
-            record = {
-                "id": sample.id,
-                "output": text,
-                "output_tokens": len(result.tokens[b]),
-                "prompt_tokens": int(result.prompt_lengths[b]),
-                "kept_per_layer_head": result.kept[:, b].tolist(),
-                "kv_bytes_full": int(result.kv_bytes_full[b]),
-                "kv_bytes_kept": int(result.kv_bytes_kept[b]),
-                "kv_ratio": float(result.kv_bytes_kept[b]) / max(int(result.kv_bytes_full[b]), 1),
-                "batch_size": B,
-                "prefill_seconds": result.prefill_seconds / B,
-                "compression_seconds": result.compression_seconds / B,
-                "decode_seconds": result.decode_seconds / B,
-                "answers": sample.answers,
-                "meta": sample.meta,
-            }
+        overshoot = budget_overshoot(reports)  # [B] or None (full cache)
+        for b, (sample, output) in enumerate(zip(batch.samples, outputs, strict=True)):
+            record = {"id": sample.id, **output.record(), "answers": sample.answers, "meta": sample.meta}
             if overshoot is not None:
                 record["budget_overshoot"] = int(overshoot[b])
-            record.update(score_output(text, sample, self.task_metrics))
-            if switch is not None:
-                record["route_switch_layer"] = switch[b]
-                record["route_metric"] = [route_metric(r, b) for r in result.reports]
-            record.update(retrieval_record(result.reports, b, int(result.kv_bytes_kept[b])))
-            if "modality" in batch:  # what it kept of each modality: the end-of-run figure's numbers
-                record.update(modality_record(result.reports, batch["modality"], b))
+            record.update(score_output(output.text, sample, self.task_metrics))
+            record.update(output.reported)
+            record.update(modality_record(reports, batch.modality, b))  # for the end-of-run figure
             if positions is not None:  # the writer moves it to positions.jsonl
                 record[POSITIONS_FIELD] = positions[b]
             records.append(record)

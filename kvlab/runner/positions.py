@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvlab.engine.protocols import ProtocolResult
+from kvlab.models.base import Batch
 from kvlab.runner.files import atomic_write_text, read_jsonl
 
 __all__ = [
@@ -281,7 +282,7 @@ def decode_row(row: dict[str, Any]) -> KeptPositions:
     )
 
 
-def position_rows(run: ProtocolResult, batch: dict[str, Any], protocol: str) -> list[dict[str, Any]]:
+def position_rows(run: ProtocolResult, batch: Batch, protocol: str) -> list[dict[str, Any]]:
     """The ``positions.jsonl`` rows of a batch's samples under any protocol.
 
     ``run``: the protocol's result (its layer reports in ``batch``'s padded prompt coordinates,
@@ -289,8 +290,8 @@ def position_rows(run: ProtocolResult, batch: dict[str, Any], protocol: str) -> 
     ``protocol``: its name, written into every row.
     """
     result = run.result
-    masks = kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)
-    samples = batch["samples"]
+    masks = kept_masks(result.reports, batch.attention_mask, result.prompt_lengths)
+    samples = batch.samples
     shared: dict[int, list[str]] = {}
     for members in run.context_groups or []:
         for m in members:

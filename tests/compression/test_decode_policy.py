@@ -13,7 +13,7 @@ from kvlab.cache.selection import Selection
 from kvlab.cache.state import RunState
 from kvlab.compression.decode import DECODE_POLICIES, ScoredEntries
 from kvlab.engine.attention import kvlab_attention
-from kvlab.engine.generation import decode, generate, prefill
+from kvlab.engine.generation import RunOptions, decode, generate, prefill
 from kvlab.engine.session import CompressionSession, compression_session
 from kvlab.pipeline import Pipeline
 
@@ -174,7 +174,12 @@ def test_prefill_then_decode_equals_generate():
     for decode_node in ("none", "h2o"):
         pipeline = pipe({"name": decode_node}, window=4)
         for forced in (None, teacher):
-            want = generate(loaded, pipeline, batch, 6, return_logits=True, teacher_tokens=forced)
+            want = generate(
+                loaded,
+                pipeline,
+                batch,
+                RunOptions(max_new_tokens=6, return_logits=True, teacher_tokens=forced),
+            )
             state = prefill(loaded, pipeline, batch, decode_capacity=6)
             assert torch.equal(state.logits.cpu(), want.step_logits[:, 0])
             assert torch.equal(state.cache.kept_tokens().cpu(), want.kept)

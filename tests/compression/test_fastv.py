@@ -108,12 +108,12 @@ def test_fastv_on_the_tiny_vlms_evicts_only_image_tokens_from_layer_k(model):
     pipeline = Pipeline.from_config(fastv_node(layer_allocator={"layer": 1}))
     result = e2e.run(loaded, pipeline, items, 4)
     batch = loaded.processor.collate(list(items))
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     first, second = result.reports
     assert torch.equal(first.kept, result.prompt_lengths[:, None].expand_as(first.kept))
     for b in range(len(items)):
         pad = T - int(result.prompt_lengths[b])
-        text = {p for p in range(pad, T) if int(batch["modality"][b, p]) == TEXT}
+        text = {p for p in range(pad, T) if int(batch.modality[b, p]) == TEXT}
         images = int(result.prompt_lengths[b]) - len(text)
         rows = [second.selection.kept_positions(b, h) for h in range(loaded.info.num_kv_heads)]
         assert all(row == rows[0] for row in rows)  # every KV head evicts the same tokens

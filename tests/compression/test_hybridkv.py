@@ -21,6 +21,7 @@ from kvlab.compression.hybridkv import (
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
+from kvlab.engine.generation import RunOptions
 from kvlab.pipeline import Pipeline
 
 WINDOW = 4
@@ -304,7 +305,7 @@ def test_global_pool_on_a_model_with_sliding_window_layers():
     loaded = kvlab.wrap_model(build("gemma3-text"), tokenizer(), name="gemma3-text")
     batch = collate_ids(loaded, prompts())
     node = kvlab.compression_config("hybridkv", budget={"ratio": 0.5, "window": 1, "sinks": 0})
-    result = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=2)
+    result = generate(loaded, Pipeline.from_config(node), batch, RunOptions(max_new_tokens=2))
     kinds = loaded.model.config.layer_types
     full = [layer for layer, kind in enumerate(kinds) if kind == "full_attention"]
     assert full and len(full) < len(kinds)

@@ -146,7 +146,7 @@ def test_text_prior_keeps_every_text_token_and_evicts_images_first(model, preset
     loaded = kvlab_model(model)
     items = mixed_samples()
     batch = loaded.processor.collate(items)
-    modality, valid = batch["modality"], batch["attention_mask"].bool()
+    modality, valid = batch.modality, batch.attention_mask.bool()
     text = ((modality == 0) & valid).sum(-1)
     for tokens in (int(text.max()) + WINDOW, 12):  # budget >= text + window, and far below
         result = e2e.run(loaded, preset_pipeline(preset, tokens), items, 2)

@@ -38,7 +38,7 @@ from kvlab.config.loader import preset_names, resolve
 from kvlab.data import build_dataset
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.attention import kvlab_attention
-from kvlab.engine.generation import generate, prefill
+from kvlab.engine.generation import RunOptions, generate, prefill
 from kvlab.engine.protocols import build_protocol
 from kvlab.engine.session import CompressionSession, active_session, compression_session
 from kvlab.pipeline import Pipeline
@@ -464,9 +464,11 @@ def test_global_schedule_refuses_what_cannot_work():
     loaded = e2e.kvlab_model("tiny-llama")
     batch = loaded.processor.collate(list(items(60)))
     with pytest.raises(ConfigError, match=r"schedule = global cannot run with model\.prefill_chunk = 16"):
-        prefill(loaded, online(), batch, prefill_chunk=16)
+        prefill(loaded, online(), batch, options=RunOptions(prefill_chunk=16))
     with pytest.raises(ConfigError, match=r"importance\.attention \(layer_cumulative_attention\) needs the"):
-        prefill(loaded, prefixkv(), batch, prefill_chunk=16)  # the scorer needs every prompt query
+        prefill(
+            loaded, prefixkv(), batch, options=RunOptions(prefill_chunk=16)
+        )  # the scorer needs every prompt query
     with pytest.raises(ConfigError, match=r"schedule must be 'layerwise'.*or 'global'.*Did you mean"):
         online(schedule="globl")
     decode_time = build_protocol({"name": "decode_time", "interval": 8, "target_size": 16})
@@ -509,7 +511,7 @@ def test_global_prefill_compresses_every_layer_once_the_last_is_observed(monkeyp
     h2o = online(decode={"name": "h2o", "recent": 1})  # its seed reads every prompt query
     waiting.clear()
     prefill(loaded, h2o, batch)
-    assert all(w[2] == batch["input_ids"].shape[1] for w in waiting)
+    assert all(w[2] == batch.input_ids.shape[1] for w in waiting)
 
 
 def test_online_threshold_on_a_model_with_sliding_window_layers():
@@ -523,7 +525,7 @@ def test_online_threshold_on_a_model_with_sliding_window_layers():
     loaded = kvlab.wrap_model(build("gemma3-text"), tokenizer(), name="gemma3-text")
     batch = collate_ids(loaded, prompts())
     node = {"budget": {"ratio": 0.3, "window": 1, "sinks": 1}}
-    result = generate(loaded, online(**node), batch, max_new_tokens=8)
+    result = generate(loaded, online(**node), batch, RunOptions(max_new_tokens=8))
     kinds = loaded.model.config.layer_types
     full = [layer for layer, kind in enumerate(kinds) if kind == "full_attention"]
     assert full and len(full) < len(kinds)
@@ -534,7 +536,7 @@ def test_online_threshold_on_a_model_with_sliding_window_layers():
                 assert int(kept[layer, b]) == int(result.kept[layer, b, 0]) == min(n, WINDOW - 1)
         assert int(kept[full, b].sum()) == len(full) * int(0.3 * n)
     with pytest.raises(ConfigError, match="sliding-window layer compressed within its window"):
-        generate(loaded, online(**node, sliding_layers="compress"), batch, max_new_tokens=2)
+        generate(loaded, online(**node, sliding_layers="compress"), batch, RunOptions(max_new_tokens=2))
 
 
 def test_calibrated_ratios_are_refused_on_a_sliding_window_layer():

@@ -13,16 +13,18 @@ from naive.retrieval import naive_chunk_choice
 from support import e2e
 from support.e2e import kvlab_model
 
+import kvlab
 from kvlab.cache.layer import CompressedLayer
 from kvlab.cli.main import main
 from kvlab.compression import retrieval as retrieval_module
 from kvlab.compression.context import LayerContext
-from kvlab.compression.retrieval import ChunkStore, RetrieveSelector, retrieval_record
+from kvlab.compression.retrieval import ChunkStore, RetrieveSelector
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.kernels import dispatch
 from kvlab.kernels.retrieval import chunk_scores_reference
 from kvlab.pipeline import Pipeline
+from kvlab.pipeline.report import LayerReport
 from kvlab.pipeline.routed import combine_selections
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -234,11 +236,8 @@ def test_predictions_record_heads_device_and_offloaded_bytes(tmp_path):
 
 
 def test_records_of_a_pipeline_without_retrieval_are_unchanged():
-    class Report:
-        selection = None
-        route = None
-
-    assert retrieval_record([Report()], 0, 10) == {}
+    report = LayerReport(0, torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    assert kvlab.load_pipeline("snapkv").report([report], torch.tensor([10])).samples == [{}]
 
 
 def test_bench_retrieval_prints_a_table(capsys):

@@ -102,7 +102,7 @@ def test_decoupled_layers_split_the_budget_by_rho():
     items = mixed_samples()[:1]
     batch = loaded.processor.collate(items)
     result = e2e.run(loaded, Pipeline.from_config(david_node(-1e9, tokens=12)), items, 1)
-    vision = batch["modality"][0] > 0
+    vision = batch.modality[0] > 0
     for report in result.reports:
         for h in range(report.kept.shape[1]):
             kept = report.selection.kept_positions(0, h)

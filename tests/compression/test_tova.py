@@ -17,7 +17,7 @@ from kvlab.cache.state import RunState
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.engine.attention import kvlab_attention
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.engine.session import CompressionSession, compression_session
 from kvlab.pipeline import Pipeline
 
@@ -115,8 +115,10 @@ def test_tova_keeps_the_same_positions_after_a_chunked_prefill():
     """The scorer reads the last query only, which the last chunk holds."""
     loaded = kvlab_model("tiny-qwen2")
     batch = loaded.processor.collate(retrieval_samples(2, 60))
-    whole = generate(loaded, budgeted_pipeline("tova", tokens=40), batch, 4)
-    chunked = generate(loaded, budgeted_pipeline("tova", tokens=40), batch, 4, prefill_chunk=64)
+    whole = generate(loaded, budgeted_pipeline("tova", tokens=40), batch, RunOptions(max_new_tokens=4))
+    chunked = generate(
+        loaded, budgeted_pipeline("tova", tokens=40), batch, RunOptions(max_new_tokens=4, prefill_chunk=64)
+    )
     for a, b in zip(whole.reports, chunked.reports, strict=True):
         assert torch.equal(a.selection.indices, b.selection.indices)
         assert torch.equal(a.selection.counts, b.selection.counts)

@@ -25,7 +25,7 @@ from kvlab.data import (
 )
 from kvlab.data.synthetic import region_pixel
 from kvlab.metrics.tasks import validate_task_metrics
-from kvlab.models.base import IMAGE, PAD, TEXT
+from kvlab.models.base import IMAGE, PAD, TEXT, Batch
 from kvlab.runner.datamodule import KVLabDataModule
 
 # ---------------------------------------------------------------------------------------------
@@ -59,14 +59,7 @@ class FakeProcessor:
             input_ids[row, width - len(ids) :] = t
             mask[row, width - len(ids) :] = 1
             modality[row, width - len(ids) :] = torch.where(t == self.IMAGE_TOKEN, IMAGE, TEXT)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": mask,
-            "modality": modality,
-            "model_inputs": {},
-            "ids": [s.id for s in samples],
-            "samples": samples,
-        }
+        return Batch(input_ids, mask, modality, {}, [s.id for s in samples], samples)
 
     def decode(self, token_ids: list[int]) -> str:
         inverse = {v: k for k, v in self.vocab.items()}
@@ -162,7 +155,7 @@ def test_retrieval_context_tokens_with_smollm2_tokenizer() -> None:
             tokenizer="smollm2-135m",
             processors=kvlab.models.PROCESSORS,
         ).samples()
-        lengths = processor.collate(samples)["attention_mask"].sum(dim=1).tolist()
+        lengths = processor.collate(samples).attention_mask.sum(dim=1).tolist()
         assert all(abs(n - tokens) <= 0.06 * tokens for n in lengths), (tokens, lengths)
 
 
@@ -356,9 +349,9 @@ def test_datamodule_default_and_batches(fake_models: dict[str, Any]) -> None:
     dm.setup("predict")
     assert fake_models["loaded"] == ["smollm2-135m"]
     batches = list(dm.predict_dataloader())
-    assert [len(b["ids"]) for b in batches] == [3, 3, 2]
-    assert [i for b in batches for i in b["ids"]] == [s.id for s in dm.samples]
-    assert batches[0]["input_ids"].shape == batches[0]["attention_mask"].shape
+    assert [len(b.ids) for b in batches] == [3, 3, 2]
+    assert [i for b in batches for i in b.ids] == [s.id for s in dm.samples]
+    assert batches[0].input_ids.shape == batches[0].attention_mask.shape
     assert fake_models["processor"].calls == 3
     assert dm.hparams["batch_size"] == 3
 
@@ -369,8 +362,8 @@ def test_datamodule_images_through_collate(fake_models: dict[str, Any]) -> None:
     dm.setup("predict")
     (batch,) = list(dm.predict_dataloader())
     assert fake_models["loaded"] == ["fake-vlm"]
-    assert (batch["modality"] == IMAGE).sum(dim=1).tolist() == [8, 8]
-    assert batch["samples"][0].images[0].size == (56, 56)
+    assert (batch.modality == IMAGE).sum(dim=1).tolist() == [8, 8]
+    assert batch.samples[0].images[0].size == (56, 56)
 
 
 def test_datamodule_limit_and_skip_ids(fake_models: dict[str, Any]) -> None:
@@ -380,7 +373,7 @@ def test_datamodule_limit_and_skip_ids(fake_models: dict[str, Any]) -> None:
     dm.skip_ids = {ids[0], ids[2], ids[5]}  # ids[5] is beyond the limit: no effect
     assert [s.id for s in dm.pending_samples()] == [ids[1], ids[3]]
     dm.setup("predict")
-    got = [i for b in dm.predict_dataloader() for i in b["ids"]]
+    got = [i for b in dm.predict_dataloader() for i in b.ids]
     assert got == [ids[1], ids[3]]
     dm.skip_ids = set(ids)
     assert list(dm.predict_dataloader()) == []

@@ -12,7 +12,7 @@ from support.attention_variants import CONFIGS, STEPS, build, prompts, tokenizer
 
 import kvlab
 from kvlab.config.errors import ConfigError
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 
@@ -23,8 +23,7 @@ def ours(loaded, rows: list[list[int]]):
         loaded,
         Pipeline.from_config(None),
         collate_ids(loaded, rows),
-        max_new_tokens=STEPS,
-        return_logits=True,
+        RunOptions(max_new_tokens=STEPS, return_logits=True),
     )
 
 

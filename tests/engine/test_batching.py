@@ -58,7 +58,7 @@ def test_padded_batch_equals_each_sample_alone(preset, model):
     if loaded.info.vision_language:
         assert sorted(len(item.images) for item in items) == [0, 1, 2]
     batched = e2e.run(loaded, pipeline, items, NEW_TOKENS)
-    T = int(loaded.processor.collate(list(items))["input_ids"].shape[1])
+    T = int(loaded.processor.collate(list(items)).input_ids.shape[1])
     evicted = False
     for b, item in enumerate(items):
         alone = e2e.run(loaded, pipeline, [item], NEW_TOKENS)

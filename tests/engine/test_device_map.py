@@ -53,7 +53,7 @@ def run_on(loaded):
 
 def check_against_single_device(device_map: dict[str, str], atol: float) -> None:
     dispatched = load_model(MODEL, device_map=device_map)
-    assert dispatched.extras["device_map"] == device_map
+    assert dispatched.device_map == device_map
     layers = dispatched.model.model.layers
     assert all(hasattr(layer, "_hf_hook") for layer in layers)  # accelerate's hooks, even on one device
     state, out = run_on(dispatched)
@@ -88,13 +88,13 @@ def test_layers_on_two_gpus_keep_their_cache_on_their_own_gpu():
 def test_device_map_auto_and_a_saved_directory_through_from_pretrained(tmp_path):
     auto = load_model("tiny-llama", device_map="auto")
     expected = "cuda:0" if torch.cuda.is_available() else "cpu"
-    assert set(auto.extras["device_map"].values()) <= {expected, "0"}
+    assert set(auto.device_map.values()) <= {expected, "0"}
     source = e2e.kvlab_model(MODEL)
     source.model.save_pretrained(tmp_path)
     source.processor.tokenizer.save_pretrained(tmp_path)
     saved = load_model(str(tmp_path), device_map=layer_map(["cpu"]))
     # from_pretrained dispatches only over several devices; one device is recorded as the whole model's
-    assert saved.extras["source"] == "pretrained" and saved.extras["device_map"] == {"": "cpu"}
+    assert saved.source == "pretrained" and saved.device_map == {"": "cpu"}
     state, out = run_on(saved)
     single_state, single = run_on(load_model(str(tmp_path)))  # the same directory, no device_map
     assert torch.equal(out.tokens.cpu(), single.tokens)

@@ -24,7 +24,7 @@ import torch
 from support.preset_runs import preset_samples
 
 import kvlab
-from kvlab.engine.generation import GenerationResult, generate
+from kvlab.engine.generation import GenerationResult, RunOptions, generate
 from kvlab.models.base import LoadedModel
 
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen2-vl")
@@ -57,7 +57,10 @@ def run(name: str, dtype: str, preset: str, teacher: torch.Tensor | None = None)
     loaded = model(name, dtype)
     batch = loaded.processor.collate(preset_samples(vlm=loaded.info.vision_language))
     return generate(
-        loaded, pipeline(preset), batch, max_new_tokens=STEPS, return_logits=True, teacher_tokens=teacher
+        loaded,
+        pipeline(preset),
+        batch,
+        RunOptions(max_new_tokens=STEPS, return_logits=True, teacher_tokens=teacher),
     )
 
 

@@ -27,6 +27,7 @@ from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.compression.selectors import topk_indices
 from kvlab.config.errors import ConfigError
+from kvlab.engine.generation import RunOptions
 from kvlab.engine.prefill_attention import prefill_attention
 from kvlab.kernels.window_scores import window_attention_scores_reference
 
@@ -151,7 +152,7 @@ def test_no_op_of_a_padded_prefill_creates_a_t_by_t_tensor(preset, chunk):
     pipeline = kvlab.load_pipeline(preset, {"budget.tokens": 48})
     with SquareWatch(T * 3 // 4) as watch:
         state = prefill(
-            loaded, pipeline, batch, decode_capacity=1, prefill_chunk=chunk, block_elements=SMALL_BLOCKS
+            loaded, pipeline, batch, 1, RunOptions(prefill_chunk=chunk), block_elements=SMALL_BLOCKS
         )
     assert int(state.cache.kept_tokens().sum()) == 3 * 2 * 2 * 48  # layers x samples x KV heads x budget
     assert watch.found == []

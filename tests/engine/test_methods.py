@@ -20,7 +20,6 @@ from support.presets import budgeted_compression, budgeted_pipeline, retrieval_s
 from transformers import DynamicCache
 
 from kvlab.compression.decode import DECODE_POLICIES, ScoredEviction
-from kvlab.compression.retrieval import retrieval_record
 from kvlab.config.artefacts import Artefact, resolve_path
 from kvlab.config.loader import preset_names, resolve
 from kvlab.engine.masking import load_masked_model
@@ -123,7 +122,7 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
     result = run(loaded, pipe, items)
     lengths = result.prompt_lengths
     batch = batch_of(loaded, items)
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     trait = traits(preset)
     window = protected(preset, T)[0]  # an int window in the ragged checks below (AdaKV, SparseMM)
     Hkv = loaded.info.num_kv_heads
@@ -145,7 +144,7 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
         for b in range(len(lengths)):
             pad = T - int(lengths[b])
             recent, sinks = protected(preset, int(lengths[b]))
-            text = {p for p in range(pad, T) if int(batch["modality"][b, p]) == TEXT}
+            text = {p for p in range(pad, T) if int(batch.modality[b, p]) == TEXT}
             for h in range(report.kept.shape[1]):
                 kept = report.selection.kept_positions(b, h)
                 assert len(set(kept)) == len(kept)
@@ -244,7 +243,7 @@ def check_retrieval_budgets(preset, trait, result, batch, budget, Hkv):
     """
     chunk = trait.chunk
     lengths = result.prompt_lengths
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     for report in result.reports:
         expected = torch.minimum(report.budget, lengths)  # [B]
         resident, fetched, stored = device_counts(report)
@@ -290,10 +289,10 @@ def check_device_bytes_fall(preset, trait, loaded, model, per_token):
     per_entry = per_token // (info.num_layers * info.num_kv_heads)
     device, budgeted, host = {}, {}, {}
     for budget in (64, 32):
-        result = run(loaded, budgeted_pipeline(preset, model, tokens=budget), samples_for(model))
+        pipeline = budgeted_pipeline(preset, model, tokens=budget)
+        result = run(loaded, pipeline, samples_for(model))
         assert torch.equal(result.kv_bytes_full, result.prompt_lengths * per_token)
-        records = [retrieval_record(result.reports, b, int(result.kv_bytes_kept[b]))
-                   for b in range(len(result.prompt_lengths))]  # fmt: skip
+        records = pipeline.report(result.reports, result.kv_bytes_kept).samples  # the retrieve selector's
         device[budget] = torch.tensor([r["kv_bytes_device"] for r in records])
         host[budget] = torch.tensor([r["kv_bytes_offloaded"] for r in records])
         entries = sum(resident + fetched for resident, fetched, _ in map(device_counts, result.reports))
@@ -318,7 +317,7 @@ def test_decode_over_ragged_cache_equals_masked_full_cache(preset):
     result = run(loaded, budgeted_pipeline(preset, tokens=40), item)
     T = int(result.prompt_lengths[0])
     reference, _ = load_masked_model("tiny-qwen2", result.reports, T)  # full K/V, evicted entries masked
-    ids = batch_of(loaded, item)["input_ids"]
+    ids = batch_of(loaded, item).input_ids
     cache = DynamicCache()
     with torch.no_grad():
         out = reference.model(input_ids=ids, cache=cache, use_cache=True)

@@ -16,7 +16,7 @@ import kvlab
 from kvlab.compression.importance import ImportanceScorer
 from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.models.builtin import MODELS
 from kvlab.models.facts import ModelFacts, fact_refusal, language_model
 from kvlab.models.prompts import collate_ids
@@ -112,7 +112,7 @@ def test_facts_are_what_the_model_computed(model):
     pipeline.sliding_layers = "compress"  # the probe also sees Gemma 3's sliding layers
     rows = [row[:20] for row in prompts()]  # 20, 17 and 9 tokens: left padding
     try:
-        result = generate(loaded, pipeline, collate_ids(loaded, rows), max_new_tokens=2)
+        result = generate(loaded, pipeline, collate_ids(loaded, rows), RunOptions(max_new_tokens=2))
     finally:
         for hook in hooks:
             hook.remove()

@@ -23,8 +23,9 @@ from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.config.capabilities import Capabilities
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
-from kvlab.engine.generation import generate, prefill
+from kvlab.engine.generation import RunOptions, generate, prefill
 from kvlab.engine.prefill_plan import check_prefill_chunk
+from kvlab.models.base import Batch
 from kvlab.pipeline import Pipeline
 from kvlab.runner.module import KVLabModule
 
@@ -32,7 +33,7 @@ STEPS = 4
 
 
 @functools.cache
-def padded_batch() -> dict:
+def padded_batch() -> Batch:
     """A 60-word and a 35-word retrieval prompt: 283 and 215 tokens, left padded."""
     items = SyntheticRetrieval(num_samples=1, context_words=60, seed=1).samples()
     items += SyntheticRetrieval(num_samples=1, context_words=35, seed=5).samples()
@@ -54,9 +55,11 @@ def test_chunked_prefill_keeps_and_generates_what_one_forward_does(preset, chunk
     pipeline = kvlab.load_pipeline(preset, {"budget.tokens": 48})  # window 32: observed and protected
     check_prefill_chunk(pipeline, chunk)
     batch = padded_batch()
-    whole = generate(loaded, pipeline, batch, max_new_tokens=STEPS, return_logits=True)
+    whole = generate(loaded, pipeline, batch, RunOptions(max_new_tokens=STEPS, return_logits=True))
     assert int(whole.kept.max()) < int(whole.prompt_lengths.min())  # a real eviction
-    chunked = generate(loaded, pipeline, batch, STEPS, return_logits=True, prefill_chunk=chunk)
+    chunked = generate(
+        loaded, pipeline, batch, RunOptions(max_new_tokens=STEPS, return_logits=True, prefill_chunk=chunk)
+    )
     assert kept_positions(chunked) == kept_positions(whole)
     assert chunked.tokens == whole.tokens
     torch.testing.assert_close(chunked.step_logits, whole.step_logits, atol=1e-4, rtol=1e-4)
@@ -80,9 +83,9 @@ def test_chunks_reach_every_layer_and_only_the_last_one_compresses(monkeypatch):
         return compress(ctx, **kwargs)
 
     monkeypatch.setattr(pipeline, "compress", compressing)
-    state = prefill(loaded, pipeline, batch, prefill_chunk=100)
+    state = prefill(loaded, pipeline, batch, options=RunOptions(prefill_chunk=100))
     assert seen == [100, 100, 83] and contexts == [32 + 83] * loaded.info.num_layers
-    assert state.next_positions.flatten().tolist() == batch["attention_mask"].sum(-1).tolist()
+    assert state.next_positions.flatten().tolist() == batch.attention_mask.sum(-1).tolist()
 
 
 @pytest.mark.parametrize("name", ["mistral-sliding", "gemma2", "gpt-oss-sinks"])
@@ -104,7 +107,12 @@ def test_chunked_prefill_of_windowed_softcapped_and_sink_layers_matches_transfor
             wanted[b] = torch.stack(out.logits, 1)[0].float()
     loaded = kvlab.wrap_model(model, tokenizer(), name=name)  # from here on, kvlab's attention
     full = Pipeline.from_config(None)
-    ours = generate(loaded, full, collate_ids(loaded, rows), VARIANT_STEPS, True, prefill_chunk=4)
+    ours = generate(
+        loaded,
+        full,
+        collate_ids(loaded, rows),
+        RunOptions(max_new_tokens=VARIANT_STEPS, return_logits=True, prefill_chunk=4),
+    )
     for b, logits in wanted.items():
         torch.testing.assert_close(ours.step_logits[b], logits, atol=1e-4, rtol=1e-4)
 
@@ -176,7 +184,7 @@ def test_vision_language_models_are_refused():
     loaded = e2e.kvlab_model("tiny-qwen2-vl")
     batch = loaded.processor.collate(SyntheticRetrieval(num_samples=1, context_words=10, seed=2).samples())
     with pytest.raises(ConfigError, match="model.prefill_chunk = 8: model .* is a vision-language model"):
-        prefill(loaded, kvlab.load_pipeline("snapkv"), batch, prefill_chunk=8)
+        prefill(loaded, kvlab.load_pipeline("snapkv"), batch, options=RunOptions(prefill_chunk=8))
     module = KVLabModule(
         model="tiny-qwen2-vl", compression=kvlab.compression_config("snapkv"), prefill_chunk=8
     )
@@ -186,7 +194,7 @@ def test_vision_language_models_are_refused():
 
 def test_the_python_api_passes_prefill_chunk_through():
     loaded = e2e.kvlab_model("tiny-qwen2")
-    prompt = padded_batch()["input_ids"][0].tolist()
+    prompt = padded_batch().input_ids[0].tolist()
     [whole] = kvlab.compress_and_generate(loaded, "snapkv", [prompt], max_new_tokens=STEPS)
     [chunked] = kvlab.compress_and_generate(
         loaded, "snapkv", [prompt], max_new_tokens=STEPS, prefill_chunk=64

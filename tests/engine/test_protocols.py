@@ -23,7 +23,9 @@ from kvlab.config.errors import ConfigError
 from kvlab.data.contexts import ContextBatchSampler, check_contexts, context_batches
 from kvlab.data.long_prompts import truncate_left
 from kvlab.data.sample import Sample
+from kvlab.engine.generation import RunOptions
 from kvlab.engine.protocols import PROTOCOLS, build_protocol, protocol_node
+from kvlab.models.base import Batch
 from kvlab.models.processors import ChatProcessor
 from kvlab.pipeline import Pipeline
 from kvlab.runner.fingerprint import check_run, fingerprint_fields, record_run
@@ -34,7 +36,9 @@ UNLIMITED = {"budget": {"tokens": 10_000, "window": 4}}
 def run(protocol, pipeline, samples, steps=6, **kwargs):
     loaded = kvlab_model("tiny-qwen2")
     batch = loaded.processor.collate(list(samples))
-    return build_protocol(protocol).run(loaded, pipeline, batch, steps, return_logits=True, **kwargs)
+    return build_protocol(protocol).run(
+        loaded, pipeline, batch, RunOptions(max_new_tokens=steps, return_logits=True, **kwargs)
+    )
 
 
 def assert_same(result, expected, b=None, e=None):
@@ -171,14 +175,18 @@ def test_vision_language_contexts_keep_their_images_and_positions():
         sample("c", "Q?", "Short. "),
     ]
     batch = loaded.processor.collate(samples)
-    valid = batch["attention_mask"][0].bool()
-    ids, modality = batch["input_ids"][0][valid].tolist(), batch["modality"][0][valid]
+    valid = batch.attention_mask[0].bool()
+    ids, modality = batch.input_ids[0][valid].tolist(), batch.modality[0][valid]
     split = loaded.processor.context_token_count(samples[0], ids)
     assert bool((modality[:split] == 1).any()) and not bool((modality[split:] == 1).any())  # images: context
     assert loaded.processor.tokenizer.decode(ids[split:]).endswith("assistant\nIt is")
-    full = build_protocol("query_aware").run(loaded, Pipeline.from_config(None), batch, 5, return_logits=True)
+    full = build_protocol("query_aware").run(
+        loaded, Pipeline.from_config(None), batch, RunOptions(max_new_tokens=5, return_logits=True)
+    )
     snapkv = load_pipeline("snapkv", UNLIMITED)
-    out = build_protocol("multi_question").run(loaded, snapkv, batch, 5, return_logits=True)
+    out = build_protocol("multi_question").run(
+        loaded, snapkv, batch, RunOptions(max_new_tokens=5, return_logits=True)
+    )
     assert_same(out.result, full.result)
 
 
@@ -189,7 +197,7 @@ def test_query_agnostic_compresses_the_context_alone():
     out, extras = protocol.result, protocol.extras
     loaded = kvlab_model("tiny-qwen2")
     batch = loaded.processor.collate(QUESTIONS)
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     for b, s in enumerate(QUESTIONS):
         q = extras[b]["question_tokens"]
         assert q == len(loaded.processor.prompt_ids(s)) - loaded.processor.context_token_count(
@@ -272,15 +280,17 @@ def test_decode_time_chooses_what_a_prefill_of_the_same_tokens_chooses():
     fed = decode_time.result.tokens[0][:W]
     assert decode_time.extras[0]["decode_compressions"] == 1
     ids = loaded.processor.prompt_ids(s) + fed
-    batch = {
-        "input_ids": torch.tensor([ids]),
-        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-        "modality": torch.zeros(1, len(ids), dtype=torch.long),
-        "model_inputs": {},
-        "samples": [],
-    }
+    batch = Batch(
+        torch.tensor([ids]),
+        torch.ones(1, len(ids), dtype=torch.long),
+        torch.zeros(1, len(ids), dtype=torch.long),
+    )
     snapkv = load_pipeline("snapkv", {"budget": {"tokens": target, "window": W}})
-    aware = build_protocol("query_aware").run(loaded, snapkv, batch, 4, return_logits=True).result
+    aware = (
+        build_protocol("query_aware")
+        .run(loaded, snapkv, batch, RunOptions(max_new_tokens=4, return_logits=True))
+        .result
+    )
     assert decode_time.result.tokens[0][W:] == aware.tokens[0][: len(decode_time.result.tokens[0]) - W]
     torch.testing.assert_close(
         decode_time.result.step_logits[0, W + 1 :], aware.step_logits[0, 1:4], atol=1e-4, rtol=1e-4

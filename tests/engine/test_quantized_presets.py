@@ -21,7 +21,7 @@ from support.questions import QUESTIONS
 import kvlab
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import preset_names, resolve
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.engine.protocols import build_protocol
 from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
@@ -107,9 +107,17 @@ def test_context_protocols_keep_the_same_entries_and_charge_the_codes(protocol):
     loaded = kvlab_model("tiny-qwen2")
     batch = loaded.processor.collate(list(QUESTIONS))
     node = budgeted_compression("snapkv", "tiny-qwen2", tokens=24, window=4)
-    plain = build_protocol(protocol).run(loaded, Pipeline.from_config(node), batch, 3).result
+    plain = (
+        build_protocol(protocol)
+        .run(loaded, Pipeline.from_config(node), batch, RunOptions(max_new_tokens=3))
+        .result
+    )
     node["quantize"] = {"name": "kivi", "bits": 2, "group": 4, "residual": 4}
-    packed = build_protocol(protocol).run(loaded, Pipeline.from_config(node), batch, 3).result
+    packed = (
+        build_protocol(protocol)
+        .run(loaded, Pipeline.from_config(node), batch, RunOptions(max_new_tokens=3))
+        .result
+    )
     assert torch.equal(packed.kept, plain.kept)
     assert bool((packed.kv_bytes_kept < plain.kv_bytes_kept).all())
 
@@ -128,9 +136,13 @@ def test_sliding_window_layers_attend_their_window_over_the_codes(family):
     node = {"budget": {"tokens": 8, "window": 2}, "importance": {"attention": {"name": "window_attention"}}}
     loaded = kvlab.wrap_model(build(family), tokenizer(), name=family)
     batch = collate_ids(loaded, prompts())
-    plain = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=3, return_logits=True)
+    plain = generate(
+        loaded, Pipeline.from_config(node), batch, RunOptions(max_new_tokens=3, return_logits=True)
+    )
     node["quantize"] = {"name": "per_token", "bits": 8, "group": 8}
-    packed = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=3, return_logits=True)
+    packed = generate(
+        loaded, Pipeline.from_config(node), batch, RunOptions(max_new_tokens=3, return_logits=True)
+    )
     assert torch.equal(packed.kept, plain.kept)
     assert bool((packed.kv_bytes_kept < plain.kv_bytes_kept).all())
     difference = float((packed.step_logits - plain.step_logits).abs().max())

@@ -43,7 +43,7 @@ def test_per_token_codes_equal_transformers_quantized_cache(bits):
     node = {"quantize": {"name": "per_token", "bits": bits, "group": GROUP, "residual": 0}}
     packed = run(loaded, Pipeline.from_config(node), items, STEPS)
     plain = load_model(MODEL)  # transformers' own attention path
-    ids = loaded.processor.collate(list(items))["input_ids"]
+    ids = loaded.processor.collate(list(items)).input_ids
     tokens = packed.tokens[0][: STEPS - 1]
     config = plain.model.config
     cache = QuantizedCache(

@@ -11,7 +11,7 @@ from support.attention_variants import WINDOW, build, prompts, tokenizer
 
 import kvlab
 from kvlab.config.errors import ConfigError
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 
@@ -21,7 +21,9 @@ SNAPKV = {"budget": {"tokens": 8, "window": 2}, "importance": {"attention": {"na
 def run(name: str, node):
     loaded = kvlab.wrap_model(build(name), tokenizer(), name=name)
     rows = prompts()
-    result = generate(loaded, Pipeline.from_config(node), collate_ids(loaded, rows), max_new_tokens=3)
+    result = generate(
+        loaded, Pipeline.from_config(node), collate_ids(loaded, rows), RunOptions(max_new_tokens=3)
+    )
     config = loaded.model.config
     layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     return result, [len(r) for r in rows], layer_types

@@ -46,9 +46,9 @@ def test_full_cache_matches_transformers_generate(name):
     ours = run(loaded, None, item)
     reference = load_model(name)  # sdpa everywhere, transformers' own cache and positions
     out = reference.model.generate(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        **batch["model_inputs"],
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        **batch.model_inputs,
         max_new_tokens=5,
         do_sample=False,
         output_logits=True,
@@ -71,9 +71,9 @@ def test_only_language_model_layers_are_compressed_and_image_tokens_found(name):
     items = mixed_samples()
     batch = loaded.processor.collate(items)
     image_id = loaded.info.image_token_ids[0]
-    assert torch.equal(batch["modality"] == IMAGE, batch["input_ids"] == image_id)
-    per_image = loaded.extras["tokens_per_image"]
-    assert (batch["modality"] == IMAGE).sum(-1).tolist() == [2 * per_image, per_image, 0]
+    assert torch.equal(batch.modality == IMAGE, batch.input_ids == image_id)
+    per_image = loaded.tokens_per_image
+    assert (batch.modality == IMAGE).sum(-1).tolist() == [2 * per_image, per_image, 0]
     result = run(loaded, SNAP, items)
     assert result.kept.shape == (loaded.info.num_layers, 3, loaded.info.num_kv_heads)
     assert bool(

@@ -23,7 +23,7 @@ from support.preset_runs import NEW_TOKENS, is_vlm_preset, preset_compression, p
 
 import kvlab
 from kvlab.cli.main import main as cli_main  # noqa: F401  (the `kvlab` command, for the tier's tests)
-from kvlab.engine.generation import decode, generate, prefill
+from kvlab.engine.generation import RunOptions, decode, generate, prefill
 from kvlab.kernels import dispatch
 from kvlab.models import builtin
 
@@ -101,7 +101,12 @@ def run_preset(preset: str, model: str, dtype: str, device: str, visual_heads) -
     with on(device) as torch_device:
         loaded = load(model, dtype, torch_device)
         batch = loaded.processor.collate(preset_samples(is_vlm_preset(preset)))
-        result = generate(loaded, pipeline, batch, NEW_TOKENS, return_logits=True, record_scores=True)
+        result = generate(
+            loaded,
+            pipeline,
+            batch,
+            RunOptions(max_new_tokens=NEW_TOKENS, return_logits=True, record_scores=True),
+        )
     paths = Counter(dispatch.CALLS)
     paths.subtract(before)
     positions = [torch.where(r.selection.mask(), r.selection.indices, -1).cpu() for r in result.reports]

@@ -179,3 +179,35 @@ def test_import_linter_contract_holds():
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def component_modules() -> set[str]:
+    """The modules of ``kvlab.compression`` that register a component (a class decorated with a
+    registry's ``register``)."""
+    found = set()
+    for name, path in source_modules().items():
+        if not name.startswith("kvlab.compression."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "register"
+                for d in node.decorator_list
+            ):
+                found.add(name)
+    return found
+
+
+def test_the_runner_imports_no_component_module():
+    """A record's fields come from the components' own reports (``Pipeline.report``), so the runner
+    knows no method: it imports no module that registers a component (``kvlab.compression.context``
+    and the like stay allowed)."""
+    components = component_modules()
+    assert {"kvlab.compression.routing", "kvlab.compression.retrieval"} <= components
+    stray = sorted(
+        (name, imported)
+        for name, targets in import_graph().items()
+        if name.startswith("kvlab.runner")
+        for imported in targets
+        if imported in components
+    )
+    assert not stray, f"the runner imports component modules: {stray}"

@@ -13,7 +13,7 @@ from support.records import fake_records
 
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.metrics.cost import MAX_FIELDS, SUM_FIELDS, CostMetrics
 from kvlab.metrics.fidelity import Reference, fidelity_values, teacher_forced_sums, teacher_tokens
 from kvlab.metrics.means import record_values
@@ -170,7 +170,12 @@ def test_teacher_forced_kl_and_top1_equal_a_direct_computation():
     refs = [Reference.from_logits(full.tokens[b], full.step_logits[b]) for b in range(3)]
     pipeline = Pipeline.from_config(SNAP)
     batch = loaded.processor.collate(samples)
-    forced = generate(loaded, pipeline, batch, 6, return_logits=True, teacher_tokens=teacher_tokens(refs, 0))
+    forced = generate(
+        loaded,
+        pipeline,
+        batch,
+        RunOptions(max_new_tokens=6, return_logits=True, teacher_tokens=teacher_tokens(refs, 0)),
+    )
     for b, ref in enumerate(refs):
         assert ref.positions == min(len(full.tokens[b]) + 1, 6)
         kl_sum, top1_sum = teacher_forced_sums(ref, forced.step_logits[b])
@@ -185,9 +190,11 @@ def test_teacher_forced_kl_and_top1_equal_a_direct_computation():
         assert top1_sum == agree
         # teacher forcing: the compressed model saw the reference tokens, one by one, after its prefill
         alone = generate(
-            loaded, pipeline, loaded.processor.collate([samples[b]]), 6, return_logits=True,
-            teacher_tokens=teacher_tokens([ref], 0),
-        )  # fmt: skip
+            loaded,
+            pipeline,
+            loaded.processor.collate([samples[b]]),
+            RunOptions(max_new_tokens=6, return_logits=True, teacher_tokens=teacher_tokens([ref], 0)),
+        )
         n = ref.positions
         torch.testing.assert_close(alone.step_logits[0, :n], forced.step_logits[b, :n], atol=1e-4, rtol=1e-4)
         assert alone.tokens[0][: n - 1] == ref.tokens[: n - 1]
@@ -198,8 +205,10 @@ def test_full_cache_is_perfectly_faithful():
     samples = prompts(2)
     batch = loaded.processor.collate(samples)
     full = Pipeline.from_config(None)
-    result = generate(loaded, full, batch, 5, return_logits=True)
-    for values in FidelityEvaluator(loaded, ReferenceStore(None), 5, "float32").evaluate(full, batch, result):
+    result = generate(loaded, full, batch, RunOptions(max_new_tokens=5, return_logits=True))
+    for values in FidelityEvaluator(loaded, ReferenceStore(None), RunOptions(5), "float32").evaluate(
+        full, batch, result
+    ):
         assert values["fidelity_exact"] == 1.0 and values["fidelity_top1"] == 1.0
         assert values["fidelity_kl"] == pytest.approx(0.0, abs=1e-6)
 

@@ -30,7 +30,7 @@ from kvlab.cache.state import RunState
 from kvlab.compression.context import LayerContext
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
-from kvlab.engine.generation import generate
+from kvlab.engine.generation import RunOptions, generate
 from kvlab.engine.prefill_attention import prefill_attention
 from kvlab.engine.verify import _native, verify_engine
 from kvlab.models.base import IMAGE, TEXT, LoadedModel
@@ -412,9 +412,11 @@ def assert_full_cache_matches_transformers(loaded: LoadedModel, sample: Sample) 
         loaded,
         Pipeline.from_config(None),
         batch,
-        max_new_tokens=len(native_tokens),
-        return_logits=True,
-        teacher_tokens=torch.tensor([native_tokens]),
+        RunOptions(
+            max_new_tokens=len(native_tokens),
+            return_logits=True,
+            teacher_tokens=torch.tensor([native_tokens]),
+        ),
     )
     torch.testing.assert_close(ours.step_logits[0], native_logits.cpu(), atol=1e-4, rtol=0)
 
@@ -442,8 +444,8 @@ def test_image_tokens_are_found(zoo):
     items = vlm_samples()
     batch = loaded.processor.collate(items)
     image_ids = torch.tensor(loaded.info.image_token_ids)
-    assert torch.equal(batch["modality"] == IMAGE, torch.isin(batch["input_ids"], image_ids))
-    per_sample = (batch["modality"] == IMAGE).sum(-1).tolist()
+    assert torch.equal(batch.modality == IMAGE, torch.isin(batch.input_ids, image_ids))
+    per_sample = (batch.modality == IMAGE).sum(-1).tolist()
     assert per_sample[0] > 0 and per_sample[1] > 0 and per_sample[2] == 0
 
 
@@ -458,9 +460,9 @@ def test_prompt_equals_the_family_processors_own(zoo):
     theirs = processor.images.processor(
         text=[processor.prompt_text(sample)], images=sample.images, return_tensors="pt"
     )
-    assert ours["input_ids"][0].tolist() == theirs["input_ids"][0].tolist()
-    assert ours["model_inputs"].keys() <= theirs.keys()
-    for key, value in ours["model_inputs"].items():
+    assert ours.input_ids[0].tolist() == theirs["input_ids"][0].tolist()
+    assert ours.model_inputs.keys() <= theirs.keys()
+    for key, value in ours.model_inputs.items():
         assert torch.equal(value, theirs[key]), key
 
 
@@ -483,7 +485,7 @@ def assert_keeps_its_budget(preset: str, loaded: LoadedModel, items: list[Sample
     result = e2e.run(loaded, pipeline, items, STEPS)
     batch = loaded.processor.collate(items)
     lengths = result.prompt_lengths
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     heads = loaded.info.num_kv_heads
     assert len(result.reports) == loaded.info.num_layers
     for report, sliding in zip(result.reports, sliding_layers(loaded), strict=True):
@@ -501,11 +503,11 @@ def assert_keeps_its_budget(preset: str, loaded: LoadedModel, items: list[Sample
             assert torch.equal(report.kept.sum(-1), heads * expected), layer
             assert bool((report.kept <= lengths[:, None]).all()), layer
         elif preset == "lookm":
-            text = ((batch["modality"] == TEXT) & batch["attention_mask"].bool()).sum(-1)
+            text = ((batch.modality == TEXT) & batch.attention_mask.bool()).sum(-1)
             want = torch.maximum(expected, text)
             assert torch.equal(report.kept, want[:, None].expand_as(report.kept)), layer
             for b in range(len(items)):
-                text_positions = {p for p in range(T) if int(batch["modality"][b, p]) == TEXT}
+                text_positions = {p for p in range(T) if int(batch.modality[b, p]) == TEXT}
                 for h in range(heads):
                     assert text_positions <= set(report.selection.kept_positions(b, h)), layer
         else:
@@ -528,7 +530,7 @@ def test_kvlab_predict_takes_the_directory_as_model_model(zoo, tmp_path):
 
     name, loaded = zoo
     dataset = "{name: synthetic_image_qa, num_samples: 2, images_per_sample: 2, seed: 1}"
-    args = ("--model.model", loaded.extras["path"], "--model.compression.budget", str(BUDGET))
+    args = ("--model.model", loaded.path, "--model.compression.budget", str(BUDGET))
     quiet = ("--trainer.enable_progress_bar", "false", "--model.max_new_tokens", "3")
     predict(tmp_path, "--config", "snapkv", *args, "--data.dataset", dataset, *quiet)
     lines = (tmp_path / "runs" / "exp" / "snapkv" / "predictions.jsonl").read_text().splitlines()
@@ -710,9 +712,9 @@ def test_gemma3_with_images_has_image_blocks(zoo):
     name, loaded = zoo
     assert loaded.info.bidirectional_image_blocks
     batch = loaded.processor.collate(vlm_samples())
-    blocks = image_block_ids(batch["modality"])
+    blocks = image_block_ids(batch.modality)
     assert blocks.amax(-1).tolist() == [1, 0, -1]  # two images, one image, text only
-    assert torch.equal(batch["model_inputs"]["token_type_ids"].bool(), blocks >= 0)
+    assert torch.equal(batch.model_inputs["token_type_ids"].bool(), blocks >= 0)
 
 
 # ---- refused families ----------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def mixed_samples() -> list[Sample]:
 def forward(loaded, batch) -> torch.Tensor:
     with torch.no_grad():
         out = loaded.model(
-            **batch["model_inputs"], input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            **batch.model_inputs, input_ids=batch.input_ids, attention_mask=batch.attention_mask
         )
     return out.logits
 
@@ -80,7 +80,7 @@ def test_tiny_model_info(name, layers, heads, kv_heads, vlm, tokens_per_image):
     assert info.group_size == heads // kv_heads
     assert info.vision_language is vlm and info.max_position_embeddings >= 8192
     assert info == model_info(MODELS.get(name)().config(), name)
-    assert loaded.extras.get("tokens_per_image") == tokens_per_image
+    assert loaded.tokens_per_image == tokens_per_image
     assert not loaded.model.training
     assert loaded.model.config._attn_implementation == "sdpa"
     if vlm:
@@ -151,11 +151,11 @@ def test_chat_template_and_decode():
 def test_collate_mixed_image_counts(name):
     loaded = load_model(name)
     proc, info = loaded.processor, loaded.info
-    per_image = loaded.extras["tokens_per_image"]
+    per_image = loaded.tokens_per_image
     batch = proc.collate(mixed_samples())
-    ids, mask, modality = batch["input_ids"], batch["attention_mask"], batch["modality"]
+    ids, mask, modality = batch.input_ids, batch.attention_mask, batch.modality
     assert ids.shape == mask.shape == modality.shape and ids.shape[0] == 2
-    assert batch["ids"] == ["text", "two"]
+    assert batch.ids == ["text", "two"]
     assert ids.dtype == mask.dtype == modality.dtype == torch.long
     # left padding: the shorter text-only row is padded at the start
     assert mask[1].all() and not mask[0, 0] and mask[0, -1]
@@ -170,7 +170,7 @@ def test_collate_mixed_image_counts(name):
     last_image = int(is_image[1].nonzero().max())
     assert "Compare the two pictures" in proc.decode(ids[1, last_image + 1 :])
     assert "Compare" not in proc.decode(ids[1, : last_image + 1])
-    inputs = batch["model_inputs"]
+    inputs = batch.model_inputs
     if name == "tiny-qwen2-vl":
         assert inputs["pixel_values"].shape == (2 * per_image * 4, 1176)
         assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
@@ -199,13 +199,13 @@ def test_load_from_local_directory(name, tmp_path):
     if loaded.processor.images is not None:
         loaded.processor.images.image_processor.save_pretrained(tmp_path)
     again = load_model(str(tmp_path))
-    assert isinstance(again.processor, ChatProcessor) and again.extras["source"] == "pretrained"
+    assert isinstance(again.processor, ChatProcessor) and again.source == "pretrained"
     assert again.info == model_info(loaded.model.config, str(tmp_path))
     samples = mixed_samples() if loaded.info.vision_language else mixed_samples()[:1]
     a, b = loaded.processor.collate(samples), again.processor.collate(samples)
     for key in ("input_ids", "attention_mask", "modality"):
-        assert torch.equal(a[key], b[key])
-    assert a["model_inputs"].keys() == b["model_inputs"].keys()
+        assert torch.equal(getattr(a, key), getattr(b, key))
+    assert a.model_inputs.keys() == b.model_inputs.keys()
     assert torch.equal(forward(loaded, a), forward(again, b))
 
 
@@ -260,14 +260,14 @@ def test_smollm2_answers_paris(smollm2):
     proc = smollm2.processor
     batch = proc.collate([Sample("q", "What is the capital of France?")])
     out = smollm2.model.generate(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
         max_new_tokens=10,
         do_sample=False,
         eos_token_id=proc.eos_token_ids,
         pad_token_id=proc.pad_token_id,
     )
-    answer = proc.decode(out[0, batch["input_ids"].shape[1] :].tolist())
+    answer = proc.decode(out[0, batch.input_ids.shape[1] :].tolist())
     assert "Paris" in answer
 
 
@@ -278,16 +278,16 @@ def test_grafted_vlm_matches_smollm2(name, smollm2):
     vlm = load_model(name)
     info = vlm.info
     assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (30, 9, 3, 64)
-    assert info.vision_language and 16 <= vlm.extras["tokens_per_image"] <= 64
+    assert info.vision_language and 16 <= vlm.tokens_per_image <= 64
     text = [Sample("a", "What is the capital of France?"), Sample("b", "Hi", system="Be terse.")]
     ours, ref = vlm.processor.collate(text), smollm2.processor.collate(text)
-    assert torch.equal(ours["input_ids"], ref["input_ids"])  # same prompt ids for text
+    assert torch.equal(ours.input_ids, ref.input_ids)  # same prompt ids for text
     logits = forward(vlm, ours)
     base = forward(smollm2, ref)
     vocab = base.shape[-1]
-    diff = (logits[..., :vocab] - base)[ref["attention_mask"].bool()].abs().max()
+    diff = (logits[..., :vocab] - base)[ref.attention_mask.bool()].abs().max()
     assert diff < 1e-5
     batch = vlm.processor.collate(mixed_samples())
-    assert (batch["modality"] == IMAGE).sum().item() == 2 * vlm.extras["tokens_per_image"]
+    assert (batch.modality == IMAGE).sum().item() == 2 * vlm.tokens_per_image
     with_images = forward(vlm, batch)
-    assert with_images.shape[:2] == batch["input_ids"].shape and torch.isfinite(with_images).all()
+    assert with_images.shape[:2] == batch.input_ids.shape and torch.isfinite(with_images).all()

@@ -60,7 +60,7 @@ def processor_for(path: Path, chat_template: str = "auto"):
 
 
 def batch_ids(processor) -> list[int]:
-    return processor.collate([Sample("s", PROMPT)])["input_ids"][0].tolist()
+    return processor.collate([Sample("s", PROMPT)]).input_ids[0].tolist()
 
 
 def test_base_model_gets_the_raw_prompt_with_one_bos(tmp_path):

@@ -2,6 +2,7 @@
 card per layer and role, TEXT summary, an HPARAMS trial); helpers vs naive loops."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ from support.cli import predict, write_jsonl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kvlab.cache.selection import Selection
+from kvlab.engine.generation import RunOptions
+from kvlab.pipeline.report import LayerReport
 from kvlab.runner.views.figures import render
-from kvlab.runner.views.inspector import modality_counts
+from kvlab.runner.views.inspector import modality_record
 from kvlab.runner.views.patches import image_grids, patch_figure
 
 
@@ -103,18 +106,21 @@ def naive_kept(selection, length):
     return out
 
 
-def test_kept_mask_and_modality_counts_match_loops():
+def test_kept_mask_and_modality_record_match_loops():
     indices = torch.tensor([[[0, 2, 5], [1, 4, 0]], [[3, 0, 0], [2, 3, 5]]])
     counts = torch.tensor([[3, 2], [1, 3]])
     selection = Selection(indices, counts)
     modality = torch.tensor([[0, 1, 1, 1, 0, 0], [-1, 0, 1, 1, 0, 0]])
     mask = selection.kept_mask(6)
     assert torch.equal(mask, naive_kept(selection, 6))
-    kept, present = modality_counts(selection, modality)
-    for m in range(3):
-        assert kept[m] == sum(int(mask[b, h, t]) for b in range(2) for h in range(2) for t in range(6)
-                              if modality[b, t] == m)  # fmt: skip
-        assert present[m] == 2 * int((modality == m).sum())
+    report = LayerReport(0, counts, torch.tensor([3, 3]), selection)
+    for b in range(2):
+        row = modality_record([report], modality, b)
+        assert row["kv_heads"] == 2
+        for m, name in ((0, "text"), (1, "image")):
+            kept = sum(int(mask[b, h, t]) for h in range(2) for t in range(6) if modality[b, t] == m)
+            assert row["modality_kept"][name] == [kept]
+            assert row["modality_tokens"][name] == int((modality[b] == m).sum())
 
 
 def test_image_grids_and_overlay():
@@ -127,9 +133,10 @@ def test_image_grids_and_overlay():
     sample = type("S", (), {"images": [Image.new("RGB", (8, 8))] * 2})()
     modality = torch.tensor([[-1, 0, 1, 1, 1, 1, 0, 1, 1, 0]])
     grid_thw = torch.tensor([[1, 4, 4], [1, 4, 2]])  # merged 2x2: 2x2 and 2x1 tokens
-    batch = {"samples": [sample], "modality": modality, "model_inputs": {"image_grid_thw": grid_thw}}
+    batch = SimpleNamespace(samples=[sample], modality=modality, model_inputs={"image_grid_thw": grid_thw})
     assert image_grids(batch, 0, Proc()) == [(2, 2, 2), (7, 2, 1)]
-    square_plus_cls = {"samples": [sample], "modality": torch.tensor([[0] + [1] * 10])}
+    modality = torch.tensor([[0] + [1] * 10])
+    square_plus_cls = SimpleNamespace(samples=[sample], modality=modality, model_inputs={})
     assert image_grids(square_plus_cls, 0, None) == [(2, 2, 2), (7, 2, 2)]  # 5 tokens: CLS + 2x2
     kept = render(patch_figure(Image.new("RGB", (10, 10), "white"), torch.tensor([[1.0, 0.0]]), "t"))
     dropped = render(patch_figure(Image.new("RGB", (10, 10), "white"), torch.tensor([[0.0, 0.0]]), "t"))
@@ -193,11 +200,13 @@ def test_routed_samples_on_two_branches_keep_their_scorer_scores():
     node["route"]["rule"].update(threshold=-1e9, metric={"name": "ncar", "window": WINDOW})  # never trips
     items = [mixed_samples()[1], mixed_samples()[2]]  # one image; text only (NCAR NaN: switches at once)
     batch = loaded.processor.collate(items)
-    result = generate(loaded, Pipeline.from_config(node), batch, max_new_tokens=1, record_scores=True)
+    result = generate(
+        loaded, Pipeline.from_config(node), batch, RunOptions(max_new_tokens=1, record_scores=True)
+    )
     report = result.reports[0]
     assert report.route.branches == ["decoupled", "unified"]  # the two samples took different branches
     assert set(report.scorer_scores) == {"attention", "value_norm", "mean_key_diversity"}
-    valid = batch["attention_mask"][0].bool()
+    valid = batch.attention_mask[0].bool()
     heads = report.scores.shape[1]
     histograms = score_histograms(report, valid)
     assert histograms["mixed"].numel() == heads * (int(valid.sum()) - WINDOW)  # no protected entry

@@ -20,6 +20,7 @@ from kvlab.cli.main import main
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.engine.generation import RunOptions
 from kvlab.engine.protocols import build_protocol
 from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
@@ -144,11 +145,11 @@ def test_positions_equal_the_selections_of_the_reports():
     batch = loaded.processor.collate(samples)
     from kvlab.engine.generation import generate
 
-    result = generate(loaded, pipeline, batch, max_new_tokens=1)
-    masks = kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)
-    T = batch["attention_mask"].shape[1]
+    result = generate(loaded, pipeline, batch, RunOptions(max_new_tokens=1))
+    masks = kept_masks(result.reports, batch.attention_mask, result.prompt_lengths)
+    T = batch.attention_mask.shape[1]
     for b in range(2):
-        n = int(batch["attention_mask"][b].sum())
+        n = int(batch.attention_mask[b].sum())
         kept = decode_row(encode_row(samples[b].id, masks[b]))
         assert kept.shape == (len(result.reports), result.kept.shape[2], n)
         assert (n < T) == (b == 1)  # the second sample is left-padded
@@ -158,7 +159,7 @@ def test_positions_equal_the_selections_of_the_reports():
                 assert kept.positions(layer, h) == expected
                 assert len(expected) == int(result.kept[layer, b, h])
     with pytest.raises(RuntimeError, match="cannot be mapped"):
-        kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths + 1)
+        kept_masks(result.reports, batch.attention_mask, result.prompt_lengths + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,9 +220,9 @@ def test_keydiff_on_a_tiny_model_keeps_kvpress_positions():
     batch = loaded.processor.collate(samples)
     from kvlab.engine.generation import generate
 
-    result = generate(loaded, pipeline, batch, max_new_tokens=1)
+    result = generate(loaded, pipeline, batch, RunOptions(max_new_tokens=1))
     kept = decode_row(
-        encode_row("s", kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)[0])
+        encode_row("s", kept_masks(result.reports, batch.attention_mask, result.prompt_lengths)[0])
     )
     n = kept.prompt_tokens
     assert n > budget and len(seen) == len(result.reports)
@@ -309,7 +310,9 @@ def protocol_rows(protocol, pipeline, samples, steps=6):
     loaded = e2e.kvlab_model("tiny-qwen2")
     batch = loaded.processor.collate(list(samples))
     name = protocol if isinstance(protocol, str) else protocol["name"]
-    out = build_protocol(protocol).run(loaded, pipeline, batch, steps, record_positions=True)
+    out = build_protocol(protocol).run(
+        loaded, pipeline, batch, RunOptions(max_new_tokens=steps, record_positions=True)
+    )
     rows = [json.loads(json.dumps(row)) for row in position_rows(out, batch, name)]
     assert all(row["protocol"] == name for row in rows)
     return out, {row["id"]: decode_row(row) for row in rows}
@@ -319,8 +322,8 @@ def aware_kept(pipeline, ids):
     """``[L, Hkv, len(ids)]``: what a ``query_aware`` prefill of the token ids ``ids`` alone keeps."""
     loaded = e2e.kvlab_model("tiny-qwen2")
     batch = collate_ids(loaded, [ids])
-    result = build_protocol("query_aware").run(loaded, pipeline, batch, 1).result
-    return kept_masks(result.reports, batch["attention_mask"], result.prompt_lengths)[0]
+    result = build_protocol("query_aware").run(loaded, pipeline, batch, RunOptions(max_new_tokens=1)).result
+    return kept_masks(result.reports, batch.attention_mask, result.prompt_lengths)[0]
 
 
 SNAPKV = {"budget": {"tokens": 24, "window": 4}}
@@ -403,7 +406,7 @@ def test_decode_time_positions_equal_the_cache_positions_of_sliding_layers(monke
     loaded = kvlab.wrap_model(build("gemma3-text"), tokenizer(), name="gemma3-text")
     rows = prompts()  # 23, 17 and 9 tokens: left padding
     batch = collate_ids(loaded, rows)
-    T = batch["input_ids"].shape[1]
+    T = batch.input_ids.shape[1]
     snapshots = []  # per sliding layer's compression: [B][Hkv] stored positions (padded prompt coordinates)
     keep_slots = CompressedLayer.keep_slots
 
@@ -420,11 +423,11 @@ def test_decode_time_positions_equal_the_cache_positions_of_sliding_layers(monke
         {"budget": {"tokens": 10_000, "window": 2}, "importance": {"key_norm": {"name": "key_norm"}}}
     )
     protocol = build_protocol({"name": "decode_time", "interval": 3, "target_size": 4})
-    out = protocol.run(loaded, pipeline, batch, 8, record_positions=True)
+    out = protocol.run(loaded, pipeline, batch, RunOptions(max_new_tokens=8, record_positions=True))
     layer_types = loaded.model.config.layer_types
     sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
     assert len(snapshots) == 2 * len(sliding)  # after 3 and 6 fed tokens
-    prefill = kept_masks(out.result.reports, batch["attention_mask"], out.result.prompt_lengths)
+    prefill = kept_masks(out.result.reports, batch.attention_mask, out.result.prompt_lengths)
 
     def fed(mask, tokens):  # ``tokens`` more generated tokens in the cache, every head holding them
         return np.concatenate([mask, np.ones((*mask.shape[:2], tokens), dtype=bool)], -1)
@@ -497,7 +500,7 @@ def test_decode_policy_evictions_are_in_the_final_positions(compression, monkeyp
     samples = [replace(samples[0], max_new_tokens=8), replace(samples[1], max_new_tokens=5)]
     samples[1].prompt = samples[1].prompt[-150:]  # shorter: left padding in the batch
     batch = loaded.processor.collate(samples)
-    valid = batch["attention_mask"].bool()
+    valid = batch.attention_mask.bool()
     T, lengths = valid.shape[1], valid.sum(-1).tolist()
     assert lengths == [215, 82]
     scorer = {"attention": {"name": "window_attention"}}
@@ -531,7 +534,7 @@ def test_decode_policy_evictions_are_in_the_final_positions(compression, monkeyp
     assert isinstance(pipeline.decode_policy, DecodePolicy)
     out, kept = protocol_rows("query_aware", pipeline, samples, steps=8)
     assert [len(t) for t in out.result.tokens] == [8, 5] and len(before_step) == 7
-    prefill = kept_masks(out.result.reports, batch["attention_mask"], out.result.prompt_lengths)
+    prefill = kept_masks(out.result.reports, batch.attention_mask, out.result.prompt_lengths)
     evicted_prompt = 0
     for b, s in enumerate(samples):
         row = kept[s.id]

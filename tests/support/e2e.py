@@ -4,7 +4,7 @@ import functools
 
 import torch
 
-from kvlab.engine.generation import GenerationResult, generate
+from kvlab.engine.generation import GenerationResult, RunOptions, generate
 from kvlab.engine.registration import enable_kvlab_attention
 from kvlab.models import load_model
 from kvlab.pipeline import Pipeline
@@ -21,7 +21,7 @@ def kvlab_model(name):
 def run(loaded, pipeline: Pipeline, items, steps: int) -> GenerationResult:
     """Greedy-generate ``steps`` tokens for ``items`` in one padded batch, keeping the logits."""
     batch = loaded.processor.collate(list(items))
-    return generate(loaded, pipeline, batch, max_new_tokens=steps, return_logits=True)
+    return generate(loaded, pipeline, batch, RunOptions(max_new_tokens=steps, return_logits=True))
 
 
 def assert_batch_equals_alone(loaded, pipeline: Pipeline, items, steps: int) -> None:

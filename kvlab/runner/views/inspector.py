@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 import kvlab.data.glyphs as glyphs
-from kvlab.compression.routing import switch_layers
 from kvlab.engine.generation import GenerationResult
-from kvlab.models.base import IMAGE, TEXT, VIDEO
+from kvlab.models.base import IMAGE, TEXT, VIDEO, Batch
 from kvlab.pipeline.report import budget_overshoot
 from kvlab.runner.views.figures import fitted_range, heatmap_figure, layer_curves_figure, render
 from kvlab.runner.views.labels import titled
@@ -35,19 +34,6 @@ def layer_budget_share(result: GenerationResult, b: int = 0) -> tuple[torch.Tens
         return share, None
     budget = torch.stack([r.budget[b].float().cpu() for r in reports]).clamp(max=length)
     return share, budget / max(length, 1)
-
-
-def modality_counts(selection: Any, modality: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept and present token counts per modality id (0 text, 1 image, 2 video), each ``[3]``.
-
-    Present counts are multiplied by the number of KV heads, so kept / present is the fraction.
-    """
-    modality = modality.cpu()
-    kept = selection.kept_mask(modality.shape[1]).cpu()  # [B, Hkv, T]
-    Hkv = kept.shape[1]
-    kept_counts = torch.stack([(kept & (modality == m)[:, None]).sum() for m in MODALITY_NAMES])
-    present = torch.stack([(modality == m).sum() * Hkv for m in MODALITY_NAMES])
-    return kept_counts, present
 
 
 def modality_record(reports: Sequence[Any], modality: torch.Tensor, b: int) -> dict[str, Any]:
@@ -137,9 +123,15 @@ class Inspector:
         self.writer.add_image(tag, render(fig), step, dataformats="HWC")
 
     def log_batch(
-        self, result: GenerationResult, batch: dict[str, Any], step: int, processor: Any = None
+        self,
+        result: GenerationResult,
+        batch: Batch,
+        step: int,
+        processor: Any = None,
+        scalars: Mapping[str, float] | None = None,
     ) -> None:
-        """Per-batch scalars and (for the first batches) detailed views."""
+        """Per-batch scalars, the components' own among them (``scalars`` by tag, from
+        :meth:`kvlab.pipeline.Pipeline.report`), and (for the first batches) detailed views."""
         w = self.writer
         ratio = (result.kv_bytes_kept.float() / result.kv_bytes_full.clamp(min=1).float()).mean()
         w.add_scalar("cost/kv_kept_over_full", float(ratio), step)
@@ -151,15 +143,13 @@ class Inspector:
             result.compression_seconds / max(result.prefill_seconds, 1e-9),
             step,
         )
-        switch = switch_layers(result.reports)
-        if switch is not None:  # routed pipelines: mean switch layer (never switched = number of layers)
-            layers = [len(result.reports) if s is None else s for s in switch]
-            w.add_scalar("route/switch_layer_mean", sum(layers) / len(layers), step)
+        for tag, value in (scalars or {}).items():
+            w.add_scalar(tag, value, step)
         if not self.detailed(step):
             return
         if result.kept.numel():
             self._budget_views(result, batch, step)
-        valid = batch["attention_mask"][0].bool() if "attention_mask" in batch else None
+        valid = batch.attention_mask[0].bool()
         for report in self.inspected(result.reports):
             if valid is None or (report.scores is None and not getattr(report, "scorer_scores", None)):
                 continue
@@ -167,12 +157,12 @@ class Inspector:
                 self.writer.add_histogram(f"scores/{role}/layer_{report.layer_idx}", values, step)
         self._patches(result, batch, step, processor)
 
-    def _budget_views(self, result: GenerationResult, batch: dict[str, Any], step: int) -> None:
+    def _budget_views(self, result: GenerationResult, batch: Batch, step: int) -> None:
         """The first sample's heatmap (not for a uniform allocation: one number, in the per-layer
         plot and the TEXT summary) and per-layer curves."""
         length = int(result.prompt_lengths[0])
         share, budget = layer_budget_share(result, 0)  # [L, Hkv], [L]
-        about = f"sample {batch['samples'][0].id} ({length} tok)"
+        about = f"sample {batch.samples[0].id} ({length} tok)"
         if not fitted_range(share)[2]:
             self._figure("budget/kept_layer_head", heatmap_figure(share, titled(self.label, about)), step)
         reports = sorted(result.reports, key=lambda r: r.layer_idx)
@@ -184,29 +174,21 @@ class Inspector:
         self._figure("budget/kept_per_layer", curves, step)
 
     @staticmethod
-    def _modality_share(reports: list[Any], batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """``{name: [L]}`` kept share of each modality of the first sample (only with image or video)."""
-        modality = batch["modality"][0].cpu()
-        present = {m: int((modality == m).sum()) for m in MODALITY_NAMES}
-        if not (present[IMAGE] or present[VIDEO]) or any(r.selection is None for r in reports):
-            return {}
-        out = {}
-        for m, name in MODALITY_NAMES.items():
-            if present[m]:
-                values = []
-                for report in reports:
-                    kept = report.selection.kept_mask(modality.shape[0])[0].cpu()  # [Hkv, T]
-                    values.append(float((kept & (modality == m)).sum()) / (present[m] * kept.shape[0]))
-                out[name] = torch.tensor(values)
-        return out
+    def _modality_share(reports: list[Any], batch: Batch) -> dict[str, torch.Tensor]:
+        """``{name: [L]}`` kept share of each modality of the first sample (only with image or video):
+        :func:`modality_record`'s counts over the modality's tokens times the KV heads."""
+        row = {} if any(r.selection is None for r in reports) else modality_record(reports, batch.modality, 0)
+        heads, tokens = row.get("kv_heads"), row.get("modality_tokens", {})
+        return {name: torch.tensor([c / (tokens[name] * heads) for c in counts])
+                for name, counts in row.get("modality_kept", {}).items()}  # fmt: skip
 
-    def _patches(self, result: GenerationResult, batch: dict[str, Any], step: int, processor: Any) -> None:
+    def _patches(self, result: GenerationResult, batch: Batch, step: int, processor: Any) -> None:
         grids = image_grids(batch, 0, processor)
         reports = [r for r in result.reports if r.selection is not None]
         if not grids or not reports:
             return
-        T = batch["modality"].shape[1]
-        sample = batch["samples"][0]
+        T = batch.modality.shape[1]
+        sample = batch.samples[0]
         cells = sample.meta.get("image_cells") or []  # smollm2-reader tasks: each image's glyphs
         for report in self.inspected(reports):
             heads = int(report.selection.counts.shape[1])

@@ -15,23 +15,23 @@ import numpy as np
 import torch
 from PIL import Image
 
-from kvlab.models.base import IMAGE
+from kvlab.models.base import IMAGE, Batch
 from kvlab.runner.views.figures import WIDTH, new_figure, styled
 
 
-def image_grids(batch: dict[str, Any], b: int, processor: Any) -> list[tuple[int, int, int]]:
+def image_grids(batch: Batch, b: int, processor: Any) -> list[tuple[int, int, int]]:
     """``(first token, rows, cols)`` of each image of sample ``b`` in the prompt (empty if unknown).
 
     Qwen2-VL: the grid is ``image_grid_thw`` merged by the processor's ``merge_size``. Others:
     the image's tokens split evenly per image and laid out as a square (a leading CLS token
     skipped when the count is a square plus one).
     """
-    samples = batch["samples"]
-    positions = (batch["modality"][b] == IMAGE).nonzero().flatten().tolist()
+    samples = batch.samples
+    positions = (batch.modality[b] == IMAGE).nonzero().flatten().tolist()
     n_images = len(samples[b].images)
     if not positions or n_images == 0:
         return []
-    grid_thw = batch.get("model_inputs", {}).get("image_grid_thw")
+    grid_thw = batch.model_inputs.get("image_grid_thw")
     merge = getattr(getattr(processor, "images", None), "merge_size", None)
     if grid_thw is not None and merge:
         first = sum(len(s.images) for s in samples[:b])
