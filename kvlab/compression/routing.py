@@ -34,6 +34,7 @@ from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
 from kvlab.config import papers
 from kvlab.config.capabilities import Component, Outcome, RecordField, Report
+from kvlab.config.errors import ConfigError
 from kvlab.config.registry import Registry
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +98,68 @@ class NCARMetric(LayerMetric):
         n_vision = vision.sum(-1)
         theta = lengths * mass / (n_vision * rows)
         return theta.masked_fill(n_vision == 0, float("nan"))
+
+
+@LAYER_METRICS.register("sink_recent_mass")
+@dataclass
+class SinkRecentMassMetric(LayerMetric):
+    """SimLayerKV's laziness score (Zhang et al. 2024, arXiv 2410.13846, Sec. 3.2, prefill).
+
+    With A the window attention ``[B, H, r, T]`` of the last ``r = min(window, T_b)`` queries of
+    sample b (length ``T_b``), S its first ``sinks`` tokens and R its last ``tokens - sinks``
+    tokens (the recent window a lazy layer keeps; the queries' own positions are inside it)::
+
+        m_b = 1 / (H r) * sum_h sum_{i<r} sum_{j in S ∪ R} A[b, h, i, j]
+
+    i.e. the attention mass on sinks + recent tokens, averaged over the last queries and the
+    query heads; ``m_b`` is in [0, 1] and 1 when the prompt fits in ``tokens``. A layer whose
+    ``m`` exceeds the threshold is "lazy" (rule ``threshold``). Reads the memoised window scores
+    (``[B, H, T]``) that SnapKV-style scorers of the same window share.
+
+    The three settings restate the budget (one source per setting): ``window`` the last queries
+    observed (``budget.window``, the paper's w_last), ``sinks`` (``budget.sinks``, the paper's
+    initial tokens) and ``tokens`` (``budget.tokens``: sinks + recent tokens a lazy layer keeps,
+    the paper's X_initial + X_recent). Outside a pipeline they must be set.
+    """
+
+    paper: ClassVar[str | None] = papers.SIMLAYERKV
+
+    window: int | None = None
+    sinks: int | None = None
+    tokens: int | None = None
+
+    budget_settings: ClassVar[dict[str, str]] = {"window": "window", "sinks": "sinks", "tokens": "tokens"}
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.sinks is not None and self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.tokens is not None and self.tokens < (self.sinks or 0):
+            raise ValueError(f"tokens must be >= sinks, got tokens={self.tokens}, sinks={self.sinks}")
+
+    def measure(self, ctx: LayerContext) -> torch.Tensor:
+        if self.tokens is None:
+            raise ConfigError(
+                "sink_recent_mass needs the tokens a lazy layer keeps (sinks + recent): set "
+                "model.compression.budget.tokens (a ratio budget does not say it), or its own `tokens` "
+                "outside a pipeline."
+            )
+        windows = ctx.observation_windows(self.window, "sink_recent_mass")  # [B]
+        return per_window(windows, lambda window: self._measure(ctx, window))
+
+    def _measure(self, ctx: LayerContext, window: int) -> torch.Tensor:
+        """``[B]`` mass of every sample as if its window were ``window``."""
+        window = min(window, ctx.seq_len)
+        received = ctx.window_attention_scores(window)  # [B, H, T]: sum_i A[b, h, i, j]
+        sinks = self.sinks or 0
+        recent = int(self.tokens) - sinks
+        positions = ctx.positions()  # [B, T], -1 on padding
+        lengths = ctx.lengths  # [B]
+        kept = (positions >= 0) & ((positions < sinks) | (positions >= (lengths - recent)[:, None]))  # [B, T]
+        mass = torch.einsum("bht,bt->bh", received, kept.float()).mean(-1)  # [B]
+        rows = torch.clamp(lengths, max=window).float()  # real query rows (padding rows are zero)
+        return mass / rows.clamp(min=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +302,43 @@ class MetricLatchRule(RouteRule):
             prev = torch.where(torch.isnan(value), prev, value)
             latch.switched, latch.previous = switched, prev
         return self._decision(switched.clone(), metric)
+
+
+@ROUTE_RULES.register("threshold")
+@dataclass
+class MetricThresholdRule(RouteRule):
+    """Each layer on its own: ``above`` where the layer metric exceeds ``threshold``, else ``below``.
+
+    SimLayerKV's layer test (Zhang et al. 2024, arXiv 2410.13846): with ``metric: sink_recent_mass``
+    a layer whose last queries put more than delta of their attention on the sinks + recent
+    tokens is lazy (``above``). Unlike ``latch`` there is no state: every layer and sample is
+    decided afresh, so the lazy layers need not be contiguous. A NaN metric goes ``below``. The
+    report's ``switched`` is True where a sample went ``above`` (``route_switch_layer`` is then
+    its first such layer) and ``route_metric`` the metric of every layer.
+    """
+
+    paper: ClassVar[str | None] = papers.SIMLAYERKV
+
+    metric: dict[str, Any] = field(default_factory=lambda: {"name": "sink_recent_mass"})
+    threshold: float = 0.9
+    above: str = "lazy"
+    below: str = "full"
+
+    def __post_init__(self) -> None:
+        self._metric = LAYER_METRICS.build(self.metric, "model.compression.route.rule.metric")
+
+    @property
+    def branch_names(self) -> tuple[str, ...]:
+        return (self.below, self.above)
+
+    def parts(self) -> dict[str, Any]:
+        return {"metric": self._metric}
+
+    def decide(self, ctx: LayerContext) -> RouteDecision:
+        value = self._metric.measure(ctx).float().cpu()  # [B]; the branch names are host strings
+        over = value > self.threshold  # NaN compares False: below
+        names = [self.above if o else self.below for o in over.tolist()]
+        return RouteDecision(names, over, value)
 
 
 def _metrics(layers: Sequence[Any], b: int) -> list[float | None]:

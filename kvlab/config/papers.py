@@ -89,3 +89,7 @@ TURBOQUANT = (
     'Zandieh et al. 2025, "TurboQuant: Online Vector Quantization with Near-optimal Distortion Rate" '
     "(arXiv 2504.19874)"
 )
+SIMLAYERKV = (
+    'Zhang et al. 2024, "SimLayerKV: A Simple Framework for Layer-Level KV Cache Reduction" '
+    "(SimLayerKV, arXiv 2410.13846)"
+)

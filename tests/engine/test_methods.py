@@ -48,6 +48,9 @@ class Traits:
     chunk: int = 8  # a retrieving head's tokens per chunk
     bounded: bool = False  # a fixed-size cache while decoding (ScoredEviction): new tokens count
     periodic: bool = False  # evicts many entries every N decode steps (ScoredEviction.every > 1)
+    routed_budget: bool = (
+        False  # a route branch sets its own budget (SimLayerKV's full layers): no fixed budget
+    )
 
 
 def traits(name: str) -> Traits:
@@ -72,6 +75,7 @@ def traits(name: str) -> Traits:
         chunk=retrieve[0].get("chunk", 8) if retrieve else 8,
         bounded=issubclass(DECODE_POLICIES.get(decode), ScoredEviction),
         periodic=getattr(DECODE_POLICIES.build(node.get("decode") or {"name": "none"}), "every", 1) > 1,
+        routed_budget=any("budget" in (branch or {}) for branch in branches),
     )
 
 
@@ -153,7 +157,7 @@ def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
                 assert set(range(pad, pad + sinks)) <= set(kept)  # sinks kept
                 if trait.keeps_all_text and int(report.budget[b]) < int(lengths[b]):
                     assert text <= set(kept)
-    if not trait.layerwise:
+    if not trait.layerwise and not trait.routed_budget:  # routed: each row has its branch's budget
         assert all(int(r.budget.max()) == budget for r in result.reports)
     if trait.model_wide:  # over the model: the budget's free tokens, heads kept whole or at their protected
         guarded = window + protected(preset, T)[1]  # window and sinks
@@ -202,13 +206,19 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
             trait.periodic
         ):  # the entries the last periodic eviction kept (decoded ones too): within the budget
             assert bool((result.kv_bytes_kept <= budget * per_token).all())
+        elif (
+            trait.routed_budget
+        ):  # layers keep their branch's budget (all of the prompt, for SimLayerKV's full ones)
+            assert bool(
+                (result.kv_bytes_kept >= torch.clamp(result.prompt_lengths, max=budget) * per_token).all()
+            )
         elif not trait.layerwise:
             assert torch.equal(
                 result.kv_bytes_kept, torch.full_like(result.kv_bytes_kept, budget * per_token)
             )
     if (
-        trait.keeps_all_text or trait.periodic
-    ):  # the text alone outgrows both budgets / evicted to budget - every + 1
+        trait.keeps_all_text or trait.periodic or trait.routed_budget
+    ):  # the text alone outgrows both budgets / evicted to budget - every + 1 / some layers keep everything
         assert bool((kept[low] <= kept[2 * low]).all())
         return
     assert bool((kept[low] < kept[2 * low]).all())

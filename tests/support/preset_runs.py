@@ -44,8 +44,10 @@ def preset_samples(vlm: bool) -> list:
 
 def preset_compression(name: str, model: str, visual_heads) -> dict:
     """The preset's ``model.compression`` with a token budget lowered to :data:`TOKEN_BUDGET`,
-    SparseMM's artefact replaced by ``visual_heads(info)`` (a path) and a first compressed layer
-    (FastV's K) lowered to fit the tiny model (:func:`~support.presets.fit_layers`)."""
+    SparseMM's artefact replaced by ``visual_heads(info)`` (a path), a first compressed layer
+    (FastV's K) lowered to fit the tiny model (:func:`~support.presets.fit_layers`) and a
+    ``threshold`` route rule's threshold lowered to 0: the tiny random models put little attention
+    on sinks + window, so SimLayerKV would find no lazy layer and evict nothing."""
     node = resolve([name], [])["model"]["compression"]
     budget = node.get("budget") or {}
     if "tokens" in budget and budget.get("window", 0) < TOKEN_BUDGET:
@@ -53,6 +55,9 @@ def preset_compression(name: str, model: str, visual_heads) -> dict:
     head = (node.get("allocate") or {}).get("head") or {}
     if head.get("name") == "sparsemm":
         head["artefact"] = visual_heads(e2e.kvlab_model(model).info)
+    rule = (node.get("route") or {}).get("rule") or {}
+    if rule.get("name") == "threshold":
+        rule["threshold"] = 0.0
     return fit_layers(node, model)
 
 
