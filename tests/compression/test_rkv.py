@@ -8,17 +8,13 @@ import pytest
 import torch
 from naive.rkv import naive_redundancy, naive_rkv_decode
 from support import e2e
+from support.decode_steps import compressed_layer, decode_steps
 from support.e2e import kvlab_model
 from support.presets import budgeted_pipeline, retrieval_samples
 
-from kvlab.cache.cache import CompressedCache
-from kvlab.cache.selection import Selection
-from kvlab.cache.state import RunState
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.rkv import key_redundancy
-from kvlab.engine.attention import kvlab_attention
 from kvlab.engine.generation import decode, prefill
-from kvlab.engine.session import CompressionSession, compression_session
 
 B, HKV, G, D, T = 2, 2, 2, 4, 10
 
@@ -51,57 +47,24 @@ def test_rkv_decode_matches_naive_simulation_and_holds_the_budget_after_every_st
     from the first step, down to 4 and 3. Outputs, sizes after every step and the positions left
     equal the list simulation's; no row ever holds more than its budget after a step."""
     gen = torch.Generator().manual_seed(1)
-    keys, values = torch.randn(B, HKV, T, D, generator=gen), torch.randn(B, HKV, T, D, generator=gen)
     counts = [[list(range(10)), list(range(10))], [[0, 1, 3, 4, 6, 7, 9], [0, 2, 5, 7, 8, 9]]]
-    K = max(len(c) for row in counts for c in row)
-    indices = torch.tensor([[c + [0] * (K - len(c)) for c in row] for row in counts])
-    lengths = torch.tensor([[len(c) for c in row] for row in counts])
-    cache = CompressedCache(num_layers=1, decode_capacity=2)  # grows while decoding
-    layer = cache.layers[0]
-    layer.update(keys, values)
-    layer.compress(Selection(indices=indices, counts=lengths))
+    state = compressed_layer(counts, T, D, gen)
     policy = DECODE_POLICIES.build({"name": "rkv", "every": 4, "recent": 2})
-    run = RunState(cache=cache, valid=torch.ones(B, T, dtype=torch.bool), modality=torch.zeros(B, T))
-    session = CompressionSession(run, pipeline=None)
-    policy.seed(run, 0, torch.zeros(B, HKV, K), indices, torch.tensor([14, 7]), torch.tensor([10, 10]))
-    run.want_decode_attention(policy, policy.capabilities.decode_attention)
-    policy.record_evictions(run)
-    policy.start(run)
-    attention = torch.nn.Module()
-    attention.layer_idx = 0
-    steps, scaling = 13, D**-0.5
-    queries = [torch.randn(B, HKV * G, 1, D, generator=gen) * 2 for _ in range(steps)]
-    new_kv = [
-        (torch.randn(B, HKV, 1, D, generator=gen), torch.randn(B, HKV, 1, D, generator=gen))
-        for _ in range(steps)
-    ]
-    got, sizes = [], []
-    for step in range(steps):
-        layer.update(*new_kv[step])
-        with compression_session(session):
-            out, _ = kvlab_attention(attention, queries[step], *new_kv[step], None, scaling)
-        got.append(out.transpose(1, 2))
-        policy.after_step(run, step)
-        sizes.append(layer.slot_valid().sum(-1))
+    budget, prompt = torch.tensor([14, 7]), torch.tensor([10, 10])
+    policy.seed(state.run, 0, torch.zeros(state.indices.shape), state.indices, budget, prompt)
+    state.run.want_decode_attention(policy, policy.capabilities.decode_attention)
+    policy.record_evictions(state.run)
+    steps = 13
+    decode_steps(state, policy, steps, G, gen)
+    got, sizes = state.outputs, state.sizes
     capacity = {(0, 0): 14, (0, 1): 14, (1, 0): 7, (1, 1): 6}
-    budget = torch.tensor([[14, 14], [7, 6]])
-    assert all(bool((size <= budget).all()) for size in sizes)  # the budget after every step
-    k64, v64 = keys.double().tolist(), values.double().tolist()
-    entries = {
-        (b, h): [[p, k64[b][h][p], v64[b][h][p]] for p in counts[b][h]] for b in range(B) for h in range(HKV)
-    }
+    held_budget = torch.tensor([[14, 14], [7, 6]])
+    assert all(bool((size <= held_budget).all()) for size in sizes)  # the budget after every step
+    entries, queries, new_kv = state.naive_inputs()
     want, held, kept = naive_rkv_decode(
-        entries,
-        capacity,
-        [q[:, :, 0].double().tolist() for q in queries],
-        [(k[:, :, 0].double().tolist(), v[:, :, 0].double().tolist()) for k, v in new_kv],
-        first_position=T,
-        scaling=scaling,
-        recent=2,
-        every=4,
-        mix_lambda=0.1,
-        kernel=7,
-    )
+        entries, capacity, queries, new_kv,
+        first_position=T, scaling=D**-0.5, recent=2, every=4, mix_lambda=0.1, kernel=7,
+    )  # fmt: skip
     for step in range(steps):
         torch.testing.assert_close(
             got[step][:, :, 0].double(), torch.tensor(want[step], dtype=torch.float64), atol=1e-5, rtol=0
@@ -109,12 +72,12 @@ def test_rkv_decode_matches_naive_simulation_and_holds_the_budget_after_every_st
         assert sizes[step].tolist() == [[held[step][(b, h)] for h in range(HKV)] for b in range(B)]
     assert [s[0, 0].item() for s in sizes] == [11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13, 14, 11]
     assert [s[1, 0].item() for s in sizes] == [4, 5, 6, 7] * 3 + [4]
-    tracked = policy.entries(run)[0]
-    valid = layer.slot_valid()
+    tracked = policy.entries(state.run)[0]
+    valid = state.layer.slot_valid()
     for (b, h), positions in kept.items():
         assert sorted(tracked.positions[b, h, : valid.shape[-1]][valid[b, h]].tolist()) == positions
     assert any(p < T for positions in kept.values() for p in positions)  # prompt entries compete and stay
-    record = policy.evicted_positions(run)
+    record = policy.evicted_positions(state.run)
     evicted = record.steps[4][0][1, 0]  # sample 1, head 0 evicts 4 entries at step 4
     assert int((evicted >= 0).sum()) == 4
 

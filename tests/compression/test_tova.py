@@ -8,17 +8,13 @@ import torch
 from naive.context import LENGTHS, make_ctx, sample_lists
 from naive.tova import naive_tova_decode, naive_tova_scores
 from support import e2e
+from support.decode_steps import compressed_layer, decode_steps
 from support.e2e import kvlab_model
 from support.presets import budgeted_pipeline, retrieval_samples
 
-from kvlab.cache.cache import CompressedCache
-from kvlab.cache.selection import Selection
-from kvlab.cache.state import RunState
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.importance import IMPORTANCE
-from kvlab.engine.attention import kvlab_attention
 from kvlab.engine.generation import RunOptions, generate
-from kvlab.engine.session import CompressionSession, compression_session
 from kvlab.pipeline import Pipeline
 
 
@@ -40,60 +36,31 @@ def test_tova_decode_matches_naive_simulation():
     evicts; sample 1 was compressed to ragged heads of 5 and 4 entries and evicts from the first step.
     The attention outputs and the positions left equal the list simulation's."""
     gen = torch.Generator().manual_seed(1)
-    keys, values = torch.randn(B, HKV, T, D, generator=gen), torch.randn(B, HKV, T, D, generator=gen)
-    counts = [[list(range(10)), list(range(10))], [[1, 3, 4, 7, 9], [0, 2, 7, 9]]]
-    K = max(len(c) for row in counts for c in row)
-    indices = torch.tensor([[c + [0] * (K - len(c)) for c in row] for row in counts])
-    lengths = torch.tensor([[len(c) for c in row] for row in counts])
-    cache = CompressedCache(num_layers=1, decode_capacity=2)  # grows while decoding
-    layer = cache.layers[0]
-    layer.update(keys, values)
-    layer.compress(Selection(indices=indices, counts=lengths))
+    state = compressed_layer([[list(range(10)), list(range(10))], [[1, 3, 4, 7, 9], [0, 2, 7, 9]]], T, D, gen)
     policy = DECODE_POLICIES.build({"name": "tova"})
     assert policy.recent == 0
-    run = RunState(cache=cache, valid=torch.ones(B, T, dtype=torch.bool), modality=torch.zeros(B, T))
-    session = CompressionSession(run, pipeline=None)
     budget, prompt = torch.tensor([12, 5]), torch.tensor([10, 10])
-    policy.seed(run, 0, torch.zeros(B, HKV, K), indices, budget, prompt)
-    run.want_decode_attention(policy, policy.capabilities.decode_attention)
-    policy.start(run)
-    attention = torch.nn.Module()
-    attention.layer_idx = 0
-    steps, scaling = 7, D**-0.5
-    queries = [torch.randn(B, HKV * G, 1, D, generator=gen) * 2 for _ in range(steps)]
-    new_kv = [
-        (torch.randn(B, HKV, 1, D, generator=gen), torch.randn(B, HKV, 1, D, generator=gen))
-        for _ in range(steps)
-    ]
-    got, sizes = [], []
-    for step in range(steps):
-        layer.update(*new_kv[step])
-        with compression_session(session):
-            out, _ = kvlab_attention(attention, queries[step], *new_kv[step], None, scaling)
-        got.append(out.transpose(1, 2))
-        policy.after_step(run, step)
-        sizes.append(layer.slot_valid().sum(-1).tolist())
+    policy.seed(state.run, 0, torch.zeros(state.indices.shape), state.indices, budget, prompt)
+    state.run.want_decode_attention(policy, policy.capabilities.decode_attention)
+    steps = 7
+    decode_steps(state, policy, steps, G, gen)
+    sizes = [size.tolist() for size in state.sizes]
     assert sizes[0] == [[11, 11], [5, 4]] and sizes[1] == [[12, 12], [5, 4]]
     assert all(size == [[12, 12], [5, 4]] for size in sizes[2:])  # a fixed-size multi-state
-    k64, v64 = keys.double().tolist(), values.double().tolist()
-    rows = [(b, h) for b in range(B) for h in range(HKV)]
-    entries = {(b, h): [[p, k64[b][h][p], v64[b][h][p]] for p in counts[b][h]] for b, h in rows}
     capacity = {(0, 0): 12, (0, 1): 12, (1, 0): 5, (1, 1): 4}
+    entries, queries, new_kv = state.naive_inputs()
     want, kept = naive_tova_decode(
-        entries,
-        capacity,
-        [q[:, :, 0].double().tolist() for q in queries],
-        [(k[:, :, 0].double().tolist(), v[:, :, 0].double().tolist()) for k, v in new_kv],
-        first_position=T,
-        recent=0,
-        scaling=scaling,
+        entries, capacity, queries, new_kv, first_position=T, recent=0, scaling=D**-0.5
     )
     for step in range(steps):
         torch.testing.assert_close(
-            got[step][:, :, 0].double(), torch.tensor(want[step], dtype=torch.float64), atol=1e-5, rtol=0
+            state.outputs[step][:, :, 0].double(),
+            torch.tensor(want[step], dtype=torch.float64),
+            atol=1e-5,
+            rtol=0,
         )
-    tracked = policy.entries(run)[0]
-    valid = layer.slot_valid()
+    tracked = policy.entries(state.run)[0]
+    valid = state.layer.slot_valid()
     for (b, h), positions in kept.items():
         assert sorted(tracked.positions[b, h, : valid.shape[-1]][valid[b, h]].tolist()) == positions
     assert any(p >= T for positions in kept.values() for p in positions)  # generated tokens stay too
