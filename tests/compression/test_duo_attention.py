@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from naive.context import make_ctx, sample_ctx, sample_lists
+from naive.context import make_ctx, sample_ctx
 from naive.duo_attention import duo_capacities, needle_mass
 from support import e2e
+from support.needle_statistics import check_needle_statistic
 from support.presets import budgeted_pipeline, retrieval_samples
 
-from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch, needle_sentence, needle_targets
+from kvlab.calibration.statistics import needle_sentence, needle_targets
 from kvlab.compression.allocators import HEAD_ALLOCATORS
 from kvlab.config.artefacts import Artefact
 from kvlab.config.errors import ConfigError
@@ -82,22 +83,7 @@ def test_a_batch_allocates_each_sample_as_alone(tmp_path):
 
 
 def test_needle_statistic_is_the_attention_mass_on_the_needle():
-    ctx = make_ctx([19, 14], seed=3, num_layers=1)
-    T = ctx.seq_len
-    targets = torch.zeros(2, T, dtype=torch.bool)
-    targets[0, T - 12 : T - 9] = True
-    targets[1, T - 10 : T - 8] = True
-    answers = torch.tensor([3, 2])
-    statistic = CALIBRATIONS.build({"name": "duo_attention_heads"}, "calibration")
-    statistic.start(1, 4, 2)
-    statistic.observe(ctx, CalibrationBatch(answer_tokens=answers, targets=targets))
-    scores = statistic.result()["scores"]
-    want = torch.zeros(4, dtype=torch.float64)
-    for b in range(2):
-        n, off, q, k, _ = sample_lists(ctx, b)
-        needle = [t - off for t in range(T) if targets[b, t]]
-        want += torch.tensor(needle_mass(q, k, ctx.scaling, int(answers[b]), needle), dtype=torch.float64)
-    torch.testing.assert_close(scores[0].double(), want / 2, atol=1e-5, rtol=0)
+    check_needle_statistic("duo_attention_heads", needle_mass, seed=3, spans=[(12, 9), (10, 8)])
 
 
 def test_needle_sentence_and_its_tokens():

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from naive.context import make_ctx, sample_ctx, sample_lists
+from naive.context import make_ctx, sample_ctx
 from naive.headkv import headkv_capacities, retrieval_reasoning_score
+from support.needle_statistics import check_needle_statistic
 
-from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch
 from kvlab.compression.allocators import HEAD_ALLOCATORS
 from kvlab.config.artefacts import Artefact
 from kvlab.config.errors import ConfigError
@@ -33,21 +33,9 @@ def test_capacities_match_the_formula(beta, temp, free):
 
 
 def test_retrieval_reasoning_statistic_matches_the_loops():
-    ctx = make_ctx([19, 14], seed=4, num_layers=1)
-    T = ctx.seq_len
-    targets = torch.zeros(2, T, dtype=torch.bool)
-    targets[0, T - 13 : T - 9] = True
-    targets[1, T - 11 : T - 8] = True
-    answers = torch.tensor([3, 2])
-    statistic = CALIBRATIONS.build({"name": "retrieval_reasoning_heads"}, "calibration")
-    statistic.start(1, 4, 2)
-    statistic.observe(ctx, CalibrationBatch(answer_tokens=answers, targets=targets))
-    want = torch.zeros(4, dtype=torch.float64)
-    for b in range(2):
-        _, off, q, k, _ = sample_lists(ctx, b)
-        needle = [t - off for t in range(T) if targets[b, t]]
-        want += torch.tensor(retrieval_reasoning_score(q, k, ctx.scaling, int(answers[b]), needle))
-    torch.testing.assert_close(statistic.result()["scores"][0].double(), want / 2, atol=1e-5, rtol=0)
+    check_needle_statistic(
+        "retrieval_reasoning_heads", retrieval_reasoning_score, seed=4, spans=[(13, 9), (11, 8)]
+    )
 
 
 def test_a_batch_keeps_what_each_sample_keeps_alone(tmp_path):
