@@ -26,6 +26,7 @@ from kvlab.compression.context import LayerContext
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.compression.selectors import topk_indices
+from kvlab.config.artefacts import Artefact, UsesArtefact
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import RunOptions
 from kvlab.engine.prefill_attention import prefill_attention
@@ -252,12 +253,26 @@ def bf16_ctx(window: int = 6) -> tuple[LayerContext, LayerContext]:
     return low, up
 
 
+#: the tensors of a random artefact for each scorer that reads one, from (layers, KV heads, head dim)
+SCORER_ARTEFACTS = {
+    "qfilters": lambda L, Hkv, D: {"filters": torch.randn(L, Hkv, D), "explained": torch.ones(L, Hkv)},
+}
+
+
 @pytest.mark.parametrize("registry, name", [(IMPORTANCE, n) for n in IMPORTANCE.names()]
                          + [(DIVERSITY, n) for n in DIVERSITY.names()])  # fmt: skip
-def test_every_scorer_reduces_in_fp32(registry, name):
+def test_every_scorer_reduces_in_fp32(registry, name, tmp_path):
     """bf16 keys, values and queries give fp32 scores equal to those of the fp32-upcast inputs:
-    every reduction (norms, softmax, window sums, GQA, pooling, means) ran in fp32."""
+    every reduction (norms, softmax, window sums, GQA, pooling, means) ran in fp32. A scorer that
+    reads a calibration artefact gets a random one of the context's shape (:data:`SCORER_ARTEFACTS`)."""
     scorer = registry.build({"name": name})
+    low, up = bf16_ctx()
+    if isinstance(scorer, UsesArtefact):
+        assert name in SCORER_ARTEFACTS, f"{name} reads an artefact: add its tensors to SCORER_ARTEFACTS"
+        tensors = SCORER_ARTEFACTS[name](low.num_layers, low.num_kv_heads, low.keys.shape[-1])
+        shape = (low.num_layers, low.num_heads, low.num_kv_heads)
+        artefact = Artefact(scorer.artefact_kind, "toy", *shape, tensors)
+        scorer.artefact = str(artefact.save(tmp_path / f"{name}.safetensors"))
     if scorer.capabilities.model_facts:  # a synthetic context has no model: tested through one
         pytest.skip(
             f"{name} reads model facts {scorer.capabilities.model_facts}: its own test runs it on a model"
@@ -266,7 +281,6 @@ def test_every_scorer_reduces_in_fp32(registry, name):
         scorer.window = 6
     if "layer" in getattr(type(scorer), "layer_allocator_settings", {}):
         scorer.layer = 1  # FastV's K, which its layer allocator restates
-    low, up = bf16_ctx()
     got, wanted = scorer.score(low), scorer.score(up)
     assert got.dtype == torch.float32
     assert torch.equal(got, wanted)
