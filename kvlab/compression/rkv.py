@@ -18,7 +18,7 @@ budget, the ``α`` newest tokens always kept (they are also the observation wind
 kvlab's periodic eviction is the shared step's (:class:`~kvlab.compression.decode.ScoredEviction`
 with ``every = B_buffer``): a layer's rows evict once every ``every`` steps, each keeping its
 ``capacity - every + 1`` entries of highest ``S`` (``recent = α`` newest positions first), so the
-cache never holds more than its capacity after a step (the issue's bound, checked by the tests);
+cache never holds more than its capacity after a step (checked by the tests after every step);
 the paper's ``B_budget`` retained tokens with a buffer of ``B_buffer`` on top correspond to a kvlab
 budget of ``B_budget + B_buffer - 1``. The policy only adds its scores: :meth:`RKVDecodePolicy.update`
 accumulates the importance over the ``recent`` steps before each eviction and
