@@ -171,3 +171,25 @@ def test_shipped_artefacts_are_found_by_auto_and_fit_their_model(tmp_path, monke
     assert tuple(tensor.shape) == shape and float(tensor.sum()) > 0
     with pytest.raises(ConfigError, match="no 'visual_heads' artefact for model 'tiny-llama'"):
         resolve_path("auto", "tiny-llama", "visual_heads", "artefact")
+
+
+@pytest.mark.parametrize(
+    "preset, calibration",
+    [
+        ("qfilters", "qfilters"),
+        ("duo_attention", "duo_attention_heads"),
+        ("headkv", "retrieval_reasoning_heads"),
+    ],
+)
+def test_a_calibrated_preset_is_refused_on_a_model_without_its_artefact_naming_the_command(
+    preset, calibration, tmp_path, monkeypatch
+):
+    from kvlab.config.loader import resolve
+    from kvlab.pipeline import Pipeline
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))  # nothing calibrated locally
+    pipeline = Pipeline.from_config(resolve([preset], [])["model"]["compression"])
+    command = f"kvlab calibrate --config {calibration} --model tiny-qwen2-vl"
+    with pytest.raises(ConfigError, match=command):
+        pipeline.bind_model("tiny-qwen2-vl")
+    pipeline.bind_model("tiny-qwen2")  # a shipped artefact

@@ -15,8 +15,6 @@ from support.presets import budgeted_pipeline, retrieval_samples
 from kvlab.calibration.statistics import needle_sentence, needle_targets
 from kvlab.compression.allocators import HEAD_ALLOCATORS
 from kvlab.config.artefacts import Artefact
-from kvlab.config.errors import ConfigError
-from kvlab.config.loader import resolve
 from kvlab.pipeline import Pipeline
 
 SCORES = torch.rand(4, 4, generator=torch.Generator().manual_seed(0))  # [L, H]: 4 layers, 4 query heads
@@ -95,15 +93,6 @@ def test_needle_sentence_and_its_tokens():
     assert needle_targets(ids, [7, 8, 9, 10]).nonzero().flatten().tolist() == [3, 4, 5, 6]
     # a first token tokenised differently in the prompt: 3 of 4 ids from two windows, the last wins
     assert needle_targets(ids, [17, 8, 9, 10]).nonzero().flatten().tolist() == [4, 5, 6, 7]
-
-
-def test_the_preset_is_refused_on_a_model_without_its_artefact_naming_the_command(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
-    pipeline = Pipeline.from_config(resolve(["duo_attention"], [])["model"]["compression"])
-    command = "kvlab calibrate --config duo_attention_heads --model tiny-qwen2-vl"
-    with pytest.raises(ConfigError, match=command):
-        pipeline.bind_model("tiny-qwen2-vl")
-    pipeline.bind_model("tiny-qwen2")  # a shipped artefact
 
 
 def test_the_duo_mixkv_hybrid_streams_three_quarters_of_the_heads():

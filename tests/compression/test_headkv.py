@@ -12,8 +12,6 @@ from support.needle_statistics import check_needle_statistic
 
 from kvlab.compression.allocators import HEAD_ALLOCATORS
 from kvlab.config.artefacts import Artefact
-from kvlab.config.errors import ConfigError
-from kvlab.config.loader import resolve
 from kvlab.pipeline import Pipeline
 
 SCORES = torch.rand(3, 4, generator=torch.Generator().manual_seed(1)) ** 3  # [L, H]: skewed
@@ -54,12 +52,3 @@ def test_a_batch_keeps_what_each_sample_keeps_alone(tmp_path):
             pad = ctx.seq_len - int(ctx.valid[b].sum())
             for h in range(2):
                 assert [p - pad for p in batched.kept_positions(b, h)] == alone.kept_positions(0, h)
-
-
-def test_the_preset_is_refused_on_a_model_without_its_artefact_naming_the_command(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
-    pipeline = Pipeline.from_config(resolve(["headkv"], [])["model"]["compression"])
-    command = "kvlab calibrate --config retrieval_reasoning_heads --model tiny-qwen2-vl"
-    with pytest.raises(ConfigError, match=command):
-        pipeline.bind_model("tiny-qwen2-vl")
-    pipeline.bind_model("tiny-qwen2")  # a shipped artefact

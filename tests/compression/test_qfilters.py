@@ -13,8 +13,6 @@ from naive.qfilters import first_right_singular_vector, qfilter_scores
 
 from kvlab.calibration.statistics import CALIBRATIONS, CalibrationBatch
 from kvlab.config.artefacts import PACKAGED, Artefact
-from kvlab.config.errors import ConfigError
-from kvlab.config.loader import resolve
 from kvlab.pipeline import Pipeline
 
 LENGTHS = [23, 15]
@@ -94,14 +92,6 @@ def test_scores_are_the_keys_projections_and_batch_alone_agree(tmp_path):
             assert_scores(scores[b, :, off:], expected)
             alone = scorer.score(sample_ctx(ctx, b))
             assert torch.equal(scores[b, :, off:], alone[0])
-
-
-def test_the_preset_is_refused_on_a_model_without_its_artefact_naming_the_command(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
-    pipeline = Pipeline.from_config(resolve(["qfilters"], [])["model"]["compression"])
-    with pytest.raises(ConfigError, match="kvlab calibrate --config qfilters --model tiny-qwen2-vl"):
-        pipeline.bind_model("tiny-qwen2-vl")
-    pipeline.bind_model("tiny-qwen2")  # a shipped artefact
 
 
 def test_shipped_artefacts_hold_unit_filters_that_fit_their_models():
