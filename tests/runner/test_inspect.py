@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 from support.cli import predict, write_jsonl
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from support.events import read_events
 
 from kvlab.cache.selection import Selection
 from kvlab.engine.generation import RunOptions
@@ -16,12 +16,6 @@ from kvlab.pipeline.report import LayerReport
 from kvlab.runner.views.figures import render
 from kvlab.runner.views.inspector import modality_record
 from kvlab.runner.views.patches import image_grids, patch_figure
-
-
-def events(directory):
-    acc = EventAccumulator(str(directory), size_guidance={"images": 0, "histograms": 0, "scalars": 0})
-    acc.Reload()
-    return acc
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +36,7 @@ def vlm_run(tmp_path_factory):
 
 
 def test_event_files_hold_every_view(vlm_run):
-    acc = events(vlm_run / "tensorboard")
+    acc = read_events(vlm_run / "tensorboard")
     tags = acc.Tags()
     layers = len(
         json.loads((vlm_run / "predictions.jsonl").read_text().splitlines()[0])["kept_per_layer_head"]
@@ -70,7 +64,7 @@ def test_event_files_hold_every_view(vlm_run):
 
 
 def test_the_run_summary_is_text_and_an_hparams_trial(vlm_run):
-    acc = events(vlm_run / "tensorboard")  # one TensorBoard run: the views and the summary
+    acc = read_events(vlm_run / "tensorboard")  # one TensorBoard run: the views and the summary
     tags = acc.Tags()
     assert not (vlm_run / "tensorboard" / "summary").exists()
     text = {tag.removesuffix("/text_summary") for tag in tags["tensors"]}

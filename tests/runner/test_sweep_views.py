@@ -6,7 +6,7 @@ import json
 
 import pytest
 from support.cli import write_jsonl
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from support.events import read_events
 from tensorboard.plugins.hparams import metadata
 
 from kvlab.cli.main import main
@@ -21,12 +21,6 @@ COMMON = ["--model.model", "tiny-llama", "--trainer.enable_progress_bar", "false
 #: scalars written per batch (the run's curves); the HPARAMS metrics are the only others
 PER_BATCH = {"cost/kv_kept_over_full", "time/prefill_s_per_batch", "time/compression_s_per_batch",
              "time/decode_s_per_batch", "time/compression_over_prefill"}  # fmt: skip
-
-
-def events(directory):
-    acc = EventAccumulator(str(directory), size_guidance={"images": 0, "histograms": 0, "tensors": 0})
-    acc.Reload()
-    return acc
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +42,7 @@ def trials(root):
     """``{run directory name: (trial name, hparams)}`` read from each run's event files."""
     out = {}
     for run in sorted(p for p in root.iterdir() if (p / "run.json").is_file()):
-        content = events(run / "tensorboard").PluginTagToContent(metadata.PLUGIN_NAME)
+        content = read_events(run / "tensorboard").PluginTagToContent(metadata.PLUGIN_NAME)
         start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
         out[run.name] = (start.group_name, start.hparams)
     return out
@@ -71,7 +65,7 @@ def test_trial_names_say_what_varies_and_differ_in_what_tensorboard_shows(sweep)
 
 
 def test_the_experiment_orders_the_columns_method_budget_model(sweep):
-    content = events(sweep / "compare" / "tensorboard").PluginTagToContent(metadata.PLUGIN_NAME)
+    content = read_events(sweep / "compare" / "tensorboard").PluginTagToContent(metadata.PLUGIN_NAME)
     experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
     columns = [info.name for info in experiment.hparam_infos]
     assert columns[:3] == ["method", "budget", "model"]
@@ -85,7 +79,7 @@ def test_each_run_is_one_tensorboard_run_with_cards_that_carry_information(sweep
     for run in sorted(p for p in sweep.iterdir() if (p / "run.json").is_file()):
         board = run / "tensorboard"
         assert not [p for p in board.iterdir() if p.is_dir()]  # no second run (tensorboard/summary)
-        acc = events(board)
+        acc = read_events(board)
         tags = acc.Tags()
         layers = len(
             json.loads((run / "predictions.jsonl").read_text().splitlines()[0])["kept_per_layer_head"]
