@@ -20,7 +20,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from pathlib import Path
 
-LIBRARIES = ("kvlab", "torch", "triton", "transformers", "lightning", "jsonargparse", "gguf", "pytest")
+LIBRARIES = ("kvlab", "torch", "triton", "transformers", "lightning", "gguf", "pytest")
 TRIM = 2500  # characters of a failure's message kept in the report
 
 

@@ -9,8 +9,8 @@
   (a budget's ``tokens`` / ``ratio``) drops the others.
 - ``--model.compression.<...> VALUE`` and ``--data.dataset.<...> VALUE`` on the command line
   are merged into the resolved config the same way (values parsed as YAML), so
-  ``--model.compression.budget.tokens 128`` changes the budget and keeps its window. Other
-  dotted options go to LightningCLI unchanged.
+  ``--model.compression.budget.tokens 128`` changes the budget and keeps its window; so are
+  every other ``--model.*``, ``--data.*``, ``--trainer.*`` and ``--run.*`` option.
 - Configs hold plain values, read by :func:`kvlab.config.yaml_text.parse_yaml`: YAML tags
   (``!!python/object/apply:...``), duplicate keys, alias bombs, absurd nesting and non-UTF-8
   files are refused, and so are omegaconf interpolations and resolvers (``${model.model}``,
@@ -154,8 +154,8 @@ def check_fields(cfg: dict[str, Any], sections: dict[str, Any]) -> None:
         params = {
             name: param
             for name, param in inspect.signature(cls.__init__).parameters.items()
-            if name != "self" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
-        }
+            if name != "self" and param.kind in (param.POSITIONAL_OR_KEYWORD, param.POSITIONAL_ONLY)
+        }  # keyword-only parameters are wired by the run's driver, never set by a config
         hints = _hints(cls.__init__)
         for key, value in node.items():
             if key not in params:
@@ -231,8 +231,8 @@ def split_overrides(args: list[str]) -> tuple[list[str], list[str], list[tuple[s
     Every ``--model.*``, ``--data.*``, ``--trainer.*``, ``--run.*`` and ``--seed_everything``
     option is an override that kvlab merges into the resolved config itself (so the whole run is
     one config, validated in one place), and so is a group file (``--trainer trainer.yaml``,
-    read like a config file). Options are matched exactly (never by prefix). What remains
-    (``--print_config``, ``--help``) goes to LightningCLI.
+    read like a config file). Options are matched exactly (never by prefix). What remains are
+    the command's flags (``--print_config``, ``--help``).
 
     Returns ``(config_names, passthrough_args, [(dotted_key, value_text)])``; a group file is
     ``(group, its text)``.
@@ -275,7 +275,7 @@ def split_overrides(args: list[str]) -> tuple[list[str], list[str], list[tuple[s
                 )
             overrides.append((option, inline))
         else:
-            if "${" in arg:  # passed to LightningCLI: refused like interpolations in config files
+            if "${" in arg:  # a flag's value: refused like interpolations in config files
                 where = key if key.startswith("--") else (args[i - 1] if i else "argument")
                 reject_interpolation(inline if eq else arg, "the command line", where.lstrip("-"))
             rest.append(arg)

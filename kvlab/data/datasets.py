@@ -23,7 +23,9 @@ from kvlab.data.sample import Sample
 
 
 class SampleSource(Protocol):
-    """What every registered dataset provides."""
+    """What every registered dataset provides. A dataset may also declare ``metrics``: the names
+    of the task metrics its samples are scored with (:func:`check_metrics`; default
+    ``exact_match`` and ``contains_answer``)."""
 
     def samples(self) -> list[Sample]:
         """All samples of the dataset, in a fixed order."""
@@ -45,9 +47,9 @@ def build_dataset(node: Any, where: str = "data.dataset", **context: Any) -> Sam
 def check_metrics(names: str | Sequence[str]) -> tuple[str, ...]:
     """A dataset's ``metrics`` as a non-empty tuple of names (one name alone is a list of one).
 
-    Data sits below the metrics, so the names stay strings here: the run checks them against
-    the task-metric registry (``kvlab.metrics.tasks.validate_task_metrics``, called by the
-    ``kvlab predict`` command and by ``KVLabModule.setup``) before any model loads.
+    Data sits below the metrics, so the names stay strings here: the run's data module checks
+    them against the task-metric registry (``kvlab.metrics.tasks.validate_task_metrics``) when
+    it is built, before any model loads.
     """
     names = (names,) if isinstance(names, str) else tuple(names)
     for name in names:

@@ -21,6 +21,7 @@ from kvlab.data.datasets import build_dataset
 from kvlab.data.long_prompts import LONG_PROMPTS, prompt_length, truncate_left
 from kvlab.data.sample import Sample
 from kvlab.data.tokens import ProcessorSource
+from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, check_task_samples, validate_task_metrics
 from kvlab.models import PROCESSORS, context_length
 from kvlab.models.processors import read_chat_template
 
@@ -51,7 +52,7 @@ class KVLabDataModule(L.LightningDataModule):
         model: model name whose processor tokenizes and batches the samples.
         batch_size: samples per batch (>= 1).
         num_workers: DataLoader worker processes (0 = collate in the main process).
-        limit: use only the first ``limit`` samples (applied before ``skip_ids``).
+        limit: use only the first ``limit`` samples (a resumed run then skips those already written).
         long_prompts: what to do with a prompt longer than the model's context
             (``max_position_embeddings`` of its config): ``refuse`` (default: stop with an error
             naming the sample, before the model loads) or ``truncate_left`` (drop the prompt's
@@ -62,11 +63,17 @@ class KVLabDataModule(L.LightningDataModule):
             ``none`` (always the raw prompt) or the path of a Jinja chat template file. A
             vision-language model without a template is refused. Part of the run's fingerprint.
 
-    The dataset is built (and validated) in ``__init__``, so data errors surface before a model
-    loads. Set :attr:`skip_ids` before predicting to leave out samples already done (resume).
-    :attr:`group_by_context` (set by the model's protocol, ``multi_question``) makes each batch
-    hold whole contexts: every pending sample of a ``context_id``, ``batch_size`` contexts per
-    batch (docs/protocols.md); the samples of one ``context_id`` must share their context.
+    Keyword-only, wired by the run's driver (:mod:`kvlab.cli.predict`), never config fields:
+
+    Args:
+        skip_ids: ids of samples already written (a resumed run): left out of the batches.
+        group_by_context: the run's protocol answers several questions from one compressed
+            context (``multi_question``): each batch holds whole contexts, every pending sample
+            of a ``context_id``, ``batch_size`` contexts per batch (docs/protocols.md); the
+            samples of one ``context_id`` must share their context.
+
+    The dataset is built (and validated) in ``__init__``, with its task metric names checked
+    against the registry (:attr:`task_metrics`), so data errors surface before a model loads.
     The model's name is checked and its processor loaded through :attr:`processors`, which the
     token-measured datasets are given too.
     """
@@ -83,6 +90,9 @@ class KVLabDataModule(L.LightningDataModule):
         limit: int | None = None,
         long_prompts: Literal["refuse", "truncate_left"] = "refuse",
         chat_template: str = "auto",
+        *,
+        skip_ids: frozenset[str] = frozenset(),
+        group_by_context: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -109,11 +119,14 @@ class KVLabDataModule(L.LightningDataModule):
                 "none), `none` (always the raw prompt) or a file path."
             )
         read_chat_template(chat_template)  # a missing file surfaces before anything loads
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["skip_ids", "group_by_context"])
         node = to_plain(dataset) if dataset is not None else dict(DEFAULT_DATASET)
         self.dataset_config: dict[str, Any] | str = node
         self.processors.check(model)  # before the dataset, which may load the model's tokenizer
         self.source = build_dataset(node, "data.dataset", tokenizer=model, processors=self.processors)
+        #: the task metrics every sample is scored with (the dataset's, else the default ones)
+        declared = getattr(self.source, "metrics", None)  # optional on a dataset (SampleSource)
+        self.task_metrics = validate_task_metrics(declared or DEFAULT_TASK_METRICS)
         self.model_name = model
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -121,9 +134,8 @@ class KVLabDataModule(L.LightningDataModule):
         self.long_prompts = long_prompts
         self.chat_template = chat_template
         self._checked = False
-        self.skip_ids: set[str] = set()
-        #: batch whole contexts (all samples of a ``context_id``), ``batch_size`` contexts a batch
-        self.group_by_context = False
+        self.skip_ids = frozenset(str(i) for i in skip_ids)
+        self.group_by_context = group_by_context
         self.processor: Any = None
         self._samples: list[Sample] | None = None
 
@@ -141,8 +153,7 @@ class KVLabDataModule(L.LightningDataModule):
 
     def pending_samples(self) -> list[Sample]:
         """The selected samples whose ids are not in :attr:`skip_ids`, in dataset order."""
-        skip = {str(i) for i in self.skip_ids}
-        return [s for s in self.selected_samples if s.id not in skip]
+        return [s for s in self.selected_samples if s.id not in self.skip_ids]
 
     def setup(self, stage: str | None = None) -> None:
         """Load the model's processor (once) and the samples, and check the selected samples
@@ -165,6 +176,7 @@ class KVLabDataModule(L.LightningDataModule):
         sample whose benchmark prompts without a chat template (``meta["reference_chat_template"]``
         ``none``: LongBench's few-shot and code tasks) in a run that applies one."""
         selected = self.selected_samples
+        check_task_samples(self.task_metrics, selected)
         for sample in selected:
             check_encodable(sample)
         raw = [s.id for s in selected if (s.meta or {}).get("reference_chat_template") == "none"]

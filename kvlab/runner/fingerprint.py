@@ -67,10 +67,8 @@ def kvlab_version() -> str:
 
 
 def plain(value: Any) -> Any:
-    """``value`` as JSON-ready data (jsonargparse namespaces and omegaconf nodes become dicts)."""
-    if hasattr(value, "as_dict"):
-        value = value.as_dict()
-    return json.loads(json.dumps(value, default=lambda v: v.as_dict() if hasattr(v, "as_dict") else str(v)))
+    """``value`` as JSON-ready data (a deep copy; values JSON cannot hold become their text)."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def resolved_model(name: str) -> str:
@@ -80,7 +78,8 @@ def resolved_model(name: str) -> str:
 
 
 def fingerprint_fields(config: Any, imports: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """The fields of a predict config (LightningCLI namespace or dict) that change the results."""
+    """The fields of a predict config (a run plan's :meth:`~kvlab.runner.plan.RunPlan.config`) that
+    change the results."""
     config = plain(config)
     model = {k: v for k, v in (config.get("model") or {}).items() if k not in MODEL_EXCLUDED}
     if "model" in model:

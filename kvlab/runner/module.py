@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,12 +20,7 @@ from kvlab.engine.verify import verify_engine
 from kvlab.kernels.dispatch import check_mode, kernel_mode
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
 from kvlab.metrics.reference import ReferenceStore
-from kvlab.metrics.tasks import (
-    DEFAULT_TASK_METRICS,
-    check_task_samples,
-    score_output,
-    validate_task_metrics,
-)
+from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, score_output
 from kvlab.models import MODELS, validate_model_dtype, validate_model_name
 from kvlab.models.base import Batch, LoadedModel
 from kvlab.models.fingerprint import model_fingerprint, reproduce_record
@@ -36,6 +31,16 @@ from kvlab.runner.files import atomic_write_text
 from kvlab.runner.positions import RECORD_FIELD as POSITIONS_FIELD
 from kvlab.runner.positions import position_rows
 from kvlab.runner.views import Inspector, modality_record, run_label
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """Where a module's run writes: ``run_dir`` (``reproduce.json``) and ``reference_dir`` (the
+    full-cache references that ``model.fidelity`` caches per sample, shared by an experiment's runs)."""
+
+    run_dir: Path
+    reference_dir: Path
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: what a re-run needs to reproduce a run, written into the run directory (``docs/evaluation.md``)
@@ -60,8 +65,7 @@ class KVLabModule(L.LightningModule):
             and samples finished before it was turned on have no row.
         fidelity: compare every sample with the full-cache model (greedy agreement,
             teacher-forced KL and top-1; ``docs/evaluation.md``). The full-cache reference is
-            cached per sample in :attr:`reference_dir` (set by the CLI to
-            ``<run.dir>/<run.experiment>/reference``).
+            cached per sample in ``files.reference_dir`` (``<run.dir>/<run.experiment>/reference``).
         inspect_samples: batches (from the first) whose first sample gets the detailed
             TensorBoard views (heatmap, score histograms, kept image patches).
         inspect_layers: layers whose score histograms and kept image patches are drawn (negative:
@@ -88,6 +92,14 @@ class KVLabModule(L.LightningModule):
             compressed after the last chunk (``docs/scaling.md``). Refused here, before the
             model loads, for methods whose scorers need every prompt query (H2O, LOOK-M), and
             for vision-language models when the model is loaded.
+
+    Keyword-only, wired by the run's driver (:mod:`kvlab.cli.predict`), never config fields:
+
+    Args:
+        files: where the run writes (``reproduce.json``, the fidelity references); None (a module
+            built without a run directory) writes nothing and keeps references in memory.
+        task_metrics: the task metrics each sample is scored with (the dataset's, checked against
+            the registry by the data module).
     """
 
     def __init__(
@@ -106,6 +118,9 @@ class KVLabModule(L.LightningModule):
         verify: Literal["first_batch", "off"] = "first_batch",
         protocol: str | dict[str, Any] = "query_aware",
         prefill_chunk: int | None = None,
+        *,
+        files: RunFiles | None = None,
+        task_metrics: tuple[str, ...] = DEFAULT_TASK_METRICS,
     ):
         super().__init__()
         if max_new_tokens < 1:
@@ -142,10 +157,8 @@ class KVLabModule(L.LightningModule):
         #: the layers the detailed views draw (None: every layer)
         layers = (0, -1) if inspect_layers is None else inspect_layers
         self.inspect_layers = None if layers == "all" else tuple(layers)
-        self.reference_dir: str | None = None
-        #: the run directory (set by the CLI); ``reproduce.json`` is written there when it is set
-        self.run_dir: str | None = None
-        self.task_metrics: tuple[str, ...] = DEFAULT_TASK_METRICS
+        self.files = files
+        self.task_metrics = task_metrics
         self.inspector: Inspector | None = None
         self.kernels = check_mode(kernels)  # the mode of this run's prediction steps (kernel_mode)
         validate_device_map(device_map)
@@ -153,7 +166,7 @@ class KVLabModule(L.LightningModule):
         self.loaded: LoadedModel | None = None
         #: the loaded model's fingerprint (reproduce.json), computed when first written
         self.fingerprint: dict[str, Any] | None = None
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["files", "task_metrics"])
 
     def configure_model(self) -> None:
         """Load the model (once) and route its language-model attention through kvlab."""
@@ -175,30 +188,17 @@ class KVLabModule(L.LightningModule):
         # with a device_map the model stays unregistered: Lightning's move of the module to its root
         # device (strategy.model_to_device) would otherwise pull every layer onto that one device
 
-    def setup(self, stage: str) -> None:
-        """Before the data loaders are built and the model loads: the dataset's task metric names
-        are checked against the registry, and a protocol that shares one compressed context among
-        samples (``multi_question``) has the data module batch each ``context_id`` together."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        source = getattr(datamodule, "source", None)
-        self.task_metrics = validate_task_metrics(getattr(source, "metrics", None) or DEFAULT_TASK_METRICS)
-        if datamodule is not None and hasattr(datamodule, "selected_samples"):
-            check_task_samples(self.task_metrics, datamodule.selected_samples)
-        if datamodule is not None and hasattr(datamodule, "group_by_context"):
-            datamodule.group_by_context = self.protocol.groups_contexts
-
     def on_predict_start(self) -> None:
-        """The TensorBoard inspector and, on rank 0 of a run with a directory (:attr:`run_dir`, set
-        by the CLI), ``reproduce.json``."""
+        """The TensorBoard inspector and, on rank 0 of a run with files (:attr:`files`),
+        ``reproduce.json``."""
         if self.logger is not None:
-            method = Path(self.run_dir).name if getattr(self, "run_dir", None) else None
+            method = self.files.run_dir.name if self.files is not None else None
             label = run_label(method, self.pipeline)  # figure titles: method and budget
             experiment = self.logger.experiment
             self.inspector = Inspector(experiment, self.inspect_samples, self.inspect_layers, label)
-        run_dir = getattr(self, "run_dir", None)
-        if run_dir is not None and self.global_rank == 0:
+        if self.files is not None and self.global_rank == 0:
             record = self.reproduce_record()
-            atomic_write_text(Path(run_dir) / REPRODUCE, json.dumps(record, indent=2) + "\n")
+            atomic_write_text(self.files.run_dir / REPRODUCE, json.dumps(record, indent=2) + "\n")
 
     def reproduce_record(self) -> dict[str, Any]:
         """:func:`kvlab.models.fingerprint.reproduce_record` of this run (the model's fingerprint is
@@ -272,7 +272,7 @@ class KVLabModule(L.LightningModule):
             if rss_before is not None:
                 record["peak_memory_rss_before_bytes"] = rss_before
         if options.return_logits:  # model.fidelity
-            store = ReferenceStore(self.reference_dir)
+            store = ReferenceStore(self.files.reference_dir if self.files is not None else None)
             evaluator = FidelityEvaluator(self.loaded, store, self.options, self.dtype_name, self.protocol)
             values = evaluator.evaluate(self.pipeline, batch, result)
             for record, fidelity in zip(records, values, strict=True):

@@ -84,6 +84,12 @@ def read_predictions(run_dir: str | Path, ids: Sequence[str] | None = None) -> l
     return records
 
 
+def completed_ids(run_dir: str | Path) -> frozenset[str]:
+    """Ids of the samples already written in ``predictions.jsonl`` or a shard (a resumed run skips
+    them; an id outside the run's selection is never among its pending samples anyway)."""
+    return frozenset(str(r["id"]) for r in read_predictions(run_dir))
+
+
 def unreadable_lines(run_dir: str | Path, ids: Sequence[str]) -> list[str]:
     """What a resume cannot count, one phrase per line with its file and line number: a line that is
     not JSON (except a last line cut short by a crash, which is dropped), not a JSON object with an
@@ -173,15 +179,6 @@ class PredictionWriter(BasePredictionWriter):
         self.summary: dict[str, Any] = {}
         self.path = self.run_dir / PREDICTIONS
         self.positions_path = self.run_dir / positions.POSITIONS
-
-    def completed_ids(self) -> set[str]:
-        """Ids of this run's samples already written, in ``predictions.jsonl`` or a shard (skipped
-        when the run is resumed)."""
-        return {str(r["id"]) for r in read_predictions(self.run_dir, self.order or None)}
-
-    def unreadable_lines(self) -> list[str]:
-        """The written lines a resume does not count (:func:`unreadable_lines`)."""
-        return unreadable_lines(self.run_dir, self.order)
 
     def drop_partial_line(self) -> None:
         """Remove a last line cut short by a crash from this process's predictions file."""

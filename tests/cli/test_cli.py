@@ -243,7 +243,7 @@ def test_every_registry_is_enrolled_and_listed_with_its_kind_and_field():
         assert all(f"  {name}: " in listing for name in names)
 
 
-def test_resolved_config_file_is_deleted_after_the_run(tmp_path, monkeypatch, capsys):
+def test_print_config_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
     temp_dir = tmp_path / "tmp"
     temp_dir.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp_dir))

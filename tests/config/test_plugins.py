@@ -103,7 +103,7 @@ def test_scorer_from_a_plugin_file_runs_end_to_end_and_is_recorded(tmp_path, mon
     assert all(c == 24 for r in records for row in r["kept_per_layer_head"] for c in row)
     config_text = (run / "config.yaml").read_text()
     assert "my_scorer" in config_text and f"imports:\n- {PLUGIN}" in config_text
-    assert not list(temp_dir.iterdir())  # the resolved config handed to LightningCLI was deleted
+    assert not list(temp_dir.iterdir())  # the run leaves no temporary file behind
 
 
 def test_module_name_imports_from_the_working_directory(tmp_path, monkeypatch, own_registry):

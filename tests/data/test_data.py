@@ -367,16 +367,18 @@ def test_datamodule_images_through_collate(fake_models: dict[str, Any]) -> None:
 
 
 def test_datamodule_limit_and_skip_ids(fake_models: dict[str, Any]) -> None:
-    dm = KVLabDataModule({"name": "synthetic_retrieval", "num_samples": 6, "context_words": 30}, limit=4)
-    ids = [s.id for s in dm.samples]
+    node = {"name": "synthetic_retrieval", "num_samples": 6, "context_words": 30}
+    ids = [s.id for s in KVLabDataModule(node).samples]
+    skip = frozenset({ids[0], ids[2], ids[5]})  # ids[5] is beyond the limit: no effect
+    dm = KVLabDataModule(node, limit=4, skip_ids=skip)
     assert len(ids) == 6 and [s.id for s in dm.selected_samples] == ids[:4]
-    dm.skip_ids = {ids[0], ids[2], ids[5]}  # ids[5] is beyond the limit: no effect
     assert [s.id for s in dm.pending_samples()] == [ids[1], ids[3]]
     dm.setup("predict")
     got = [i for b in dm.predict_dataloader() for i in b.ids]
     assert got == [ids[1], ids[3]]
-    dm.skip_ids = set(ids)
-    assert list(dm.predict_dataloader()) == []
+    done = KVLabDataModule(node, limit=4, skip_ids=frozenset(ids))
+    done.setup("predict")
+    assert list(done.predict_dataloader()) == []
 
 
 def test_datamodule_errors_before_model_load(tmp_path: Path, fake_models: dict[str, Any]) -> None:
