@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvlab.data.sample import Sample
+from kvlab.models.base import PromptProcessor
 
 #: characters of a prompt example kept at each end before the middle is elided
 EXAMPLE_KEEP = 200
@@ -34,10 +35,10 @@ def describe_prompt(processor: Any, sample: Sample) -> tuple[str, int]:
     """
     ids = processor.collate([sample]).input_ids[0]
     tokens = [int(t) for t in ids.tolist()]
-    tokenizer = getattr(processor, "tokenizer", None)
-    if tokenizer is None:  # a custom processor without a tokenizer: the ids themselves
+    if not isinstance(processor, PromptProcessor):  # a custom processor: the ids themselves
         return elide(" ".join(map(str, tokens))), len(tokens)
-    if sample.question is not None and hasattr(processor, "context_token_count"):
+    tokenizer = processor.tokenizer
+    if sample.question is not None:
         split = processor.context_token_count(sample, tokens)
         parts = (tokens[:split], tokens[split:])
         context, question = (tokenizer.decode(p, skip_special_tokens=False) for p in parts)

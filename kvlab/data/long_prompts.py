@@ -12,6 +12,7 @@ from typing import Any
 
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import PromptTokens
 
 #: the values of ``data.long_prompts``
 LONG_PROMPTS = ("refuse", "truncate_left")
@@ -20,7 +21,7 @@ LONG_PROMPTS = ("refuse", "truncate_left")
 def prompt_length(processor: Any, sample: Sample) -> int:
     """Tokens of ``sample``'s full prompt (chat template, images expanded), as the model sees it.
     A text-only sample is tokenized without building tensors."""
-    if not sample.images and hasattr(processor, "prompt_ids"):
+    if not sample.images and isinstance(processor, PromptTokens):
         return len(processor.prompt_ids(sample))
     return int(processor.collate([sample]).input_ids.shape[-1])
 

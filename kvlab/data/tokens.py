@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvlab.config.errors import ConfigError
 from kvlab.data.sample import Sample
@@ -43,6 +43,16 @@ __all__ = [
     "truncate_middle",
     "truncate_before_question",
 ]
+
+
+@runtime_checkable
+class PromptTokens(Protocol):
+    """A processor that gives a sample's prompt ids without building tensors (kvlab's
+    ``ChatProcessor``); any other processor is measured through its ``collate``."""
+
+    def prompt_ids(self, sample: Sample) -> list[int]:
+        """The ids the model sees for ``sample``'s prompt (chat template, answer prefix)."""
+        ...
 
 
 class ProcessorSource(Protocol):
@@ -88,7 +98,7 @@ class TokenCounter:
         """Tokens of ``sample``'s prompt as the model sees it under ``data.chat_template: auto``:
         ``ChatProcessor.prompt_ids`` (the chat template with the assistant turn opened, the
         answer prefix after it), the ids ``collate`` feeds the model."""
-        if hasattr(self.processor, "prompt_ids"):
+        if isinstance(self.processor, PromptTokens):
             return len(self.processor.prompt_ids(sample))
         return int(self.processor.collate([sample]).input_ids.shape[-1])  # a custom processor
 

@@ -28,7 +28,7 @@ from kvlab.engine.generation import (
 )
 from kvlab.engine.prompt_split import PromptSplit, question_block, report_rows, split_prompts
 from kvlab.engine.protocols import PROTOCOLS, WHERE, Protocol, ProtocolResult, cut_at_limits, sample_limits
-from kvlab.models.base import Batch, LoadedModel
+from kvlab.models.base import Batch, LoadedModel, PromptProcessor
 from kvlab.pipeline import Pipeline
 
 
@@ -55,7 +55,7 @@ def _context_run(
     tokens: list[list[int]] = [[] for _ in range(B)]
     logits: list[torch.Tensor | None] = [None] * B
     seconds = {"extend": 0.0, "decode": 0.0}
-    pad_id = getattr(loaded.processor, "pad_token_id", 0) or 0
+    pad_id = loaded.processor.pad_token_id if isinstance(loaded.processor, PromptProcessor) else 0
     for r in range(rounds):
         members = [g[r] if r < len(g) else None for g in split.groups]  # one sample (or none) per context
         if r > 0:

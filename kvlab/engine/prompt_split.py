@@ -19,7 +19,7 @@ from kvlab.cache.selection import Selection
 from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
 from kvlab.engine.protocols import WHERE
-from kvlab.models.base import PAD, Batch
+from kvlab.models.base import PAD, Batch, PromptProcessor
 from kvlab.pipeline import LayerReport
 
 #: per-token model inputs a context batch slices like ``input_ids`` (Qwen2-VL's token types)
@@ -59,7 +59,7 @@ def split_prompts(processor: Any, batch: Batch, group: bool) -> PromptSplit:
             or samples of one ``context_id`` whose contexts differ.
     """
     samples = batch.samples
-    if not samples or not hasattr(processor, "context_token_count"):
+    if not samples or not isinstance(processor, PromptProcessor):
         raise ConfigError(
             f"{WHERE}: query_agnostic and multi_question need prompts kvlab can split into context and "
             "question (samples, string prompts or one-turn chats, through kvlab's processor); token-id "

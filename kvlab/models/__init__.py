@@ -25,7 +25,7 @@ from PIL import Image
 
 from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.models import hub
-from kvlab.models.base import IMAGE, PAD, TEXT, VIDEO, LoadedModel, ModelInfo, Processor
+from kvlab.models.base import IMAGE, PAD, TEXT, VIDEO, LoadedModel, ModelInfo, Processor, PromptProcessor
 from kvlab.models.builtin import MODELS, BuiltinModel
 from kvlab.models.common import resolve_dtype
 from kvlab.models.info import model_info
@@ -45,6 +45,7 @@ __all__ = [
     "LoadedModel",
     "ModelInfo",
     "Processor",
+    "PromptProcessor",
     "load_model",
     "context_length",
     "load_processor",
@@ -162,7 +163,7 @@ def load_model(
         model = hub.load_model(name, torch_dtype, device_map)
         origin = {"source": "pretrained", "path": str(hub.local_dir(name) or name)}
     info = model_info(model.config, name)
-    images = getattr(processor, "images", None)
+    images = processor.images if isinstance(processor, PromptProcessor) else None
     if images is not None and origin.get("image_size"):
         size = origin["image_size"]
         origin["tokens_per_image"] = images.process([Image.new("RGB", (size, size))])[1][0]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 from kvlab.data.sample import Sample
+from kvlab.data.tokens import PromptTokens
 
 # modality ids carried per token in every batch
 TEXT, IMAGE, VIDEO, PAD = 0, 1, 2, -1
@@ -70,8 +71,10 @@ class Batch:
     samples: list[Sample] = field(default_factory=list)
 
 
+@runtime_checkable
 class Processor(Protocol):
-    """Turns samples into a padded model batch, and token ids back into text."""
+    """Turns samples into a padded model batch, and token ids back into text: all a run needs of
+    a processor. A processor that also builds prompts from text is a :class:`PromptProcessor`."""
 
     def collate(self, samples: list[Sample]) -> Batch:
         """Batch of samples -> :class:`Batch` (B = len(samples), T = longest prompt, left padded)."""
@@ -84,6 +87,45 @@ class Processor(Protocol):
     @property
     def eos_token_ids(self) -> list[int]:
         """Ids that end generation."""
+        ...
+
+
+@runtime_checkable
+class PromptProcessor(Processor, PromptTokens, Protocol):
+    """A processor that builds each prompt from text through a tokenizer and a chat template
+    (kvlab's :class:`~kvlab.models.processors.ChatProcessor`). What kvlab does only with one is
+    asked with ``isinstance(processor, PromptProcessor)``: the data module's checks of prompt
+    lengths, images and templates, splitting a prompt into context and question
+    (``query_agnostic``, ``multi_question``), token-id and multi-turn prompts, the prompt example.
+
+    Attributes:
+        tokenizer: the Hugging Face tokenizer.
+        pad_token_id: the id batches are left-padded with.
+        images: the model's image adapter (:class:`~kvlab.models.images.ImageAdapter`); None for
+            a text-only model.
+        chat_template: ``auto``, ``none`` or the path of a template file (``data.chat_template``).
+    """
+
+    tokenizer: Any
+    pad_token_id: int
+    images: Any
+    chat_template: str
+
+    @property
+    def template(self) -> str | None:
+        """The chat template in use (the tokenizer's or a file's); None: the raw prompt."""
+        ...
+
+    def with_chat_template(self, chat_template: str) -> PromptProcessor:
+        """A copy that formats prompts with ``chat_template``."""
+        ...
+
+    def check_template(self) -> None:
+        """Refuse a template this processor cannot use (a VLM without one)."""
+        ...
+
+    def context_token_count(self, sample: Sample, ids: list[int]) -> int:
+        """How many of ``ids`` (``sample``'s prompt) belong to its context, before the question."""
         ...
 
 

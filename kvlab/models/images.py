@@ -50,9 +50,12 @@ class ImageAdapter(ABC):
     Attributes:
         placeholder: the text the chat template writes for one image, which the processor replaces
             per image (None: the model's image token, as for Qwen2-VL and LLaVA).
+        merge_size: patches merged per side into one token on a grid-based family (Qwen2-VL:
+            the image's tokens are its ``image_grid_thw`` grid divided by it); None elsewhere.
     """
 
     placeholder: str | None = None
+    merge_size: int | None = None
 
     @abstractmethod
     def process(self, images: list[Image.Image]) -> ProcessedImages | tuple[dict[str, Any], list[int]]:

@@ -22,7 +22,7 @@ from PIL import Image
 from kvlab.config.errors import ConfigError
 from kvlab.data.contexts import context_batches
 from kvlab.data.sample import Sample
-from kvlab.models.base import PAD, TEXT, Batch, LoadedModel
+from kvlab.models.base import PAD, TEXT, Batch, LoadedModel, PromptProcessor
 
 #: the ``images`` argument: one entry per prompt, each None, an image or a list of images
 ImagesArg = Sequence[Image.Image | Sequence[Image.Image] | None] | None
@@ -175,11 +175,12 @@ def _render_chat(loaded: LoadedModel, messages: Sequence[Mapping[str, Any]]) -> 
     setting: the tokenizer's own or a file), assistant turn opened; a conversation cannot be
     passed raw, so a model without a template is refused."""
     processor = loaded.processor
-    template = getattr(processor, "template", None)
+    template = processor.template if isinstance(processor, PromptProcessor) else None
     if template is None:
+        setting = processor.chat_template if isinstance(processor, PromptProcessor) else None
         raise ConfigError(
             f"prompts: a multi-turn chat needs a chat template, and model {loaded.info.name!r} has none in "
-            f"use (chat_template={getattr(processor, 'chat_template', None)!r}). Pass a template file "
+            f"use (chat_template={setting!r}). Pass a template file "
             "(wrap_model(..., chat_template='path/to/template.jinja')) or give the prompt as one string."
         )
     tokenizer = processor.tokenizer
@@ -225,7 +226,7 @@ def collate_ids(loaded: LoadedModel, rows: list[list[int]]) -> Batch:
     image adapter's per-token inputs, e.g. Qwen2-VL's ``mm_token_type_ids`` ``[B, T]``).
     """
     processor = loaded.processor
-    if not hasattr(processor, "pad_token_id"):
+    if not isinstance(processor, PromptProcessor):
         raise ConfigError(
             f"token-id and multi-turn prompts need kvlab's ChatProcessor; {type(processor).__name__} only "
             "takes string prompts."

@@ -23,6 +23,7 @@ from kvlab.data.sample import Sample
 from kvlab.data.tokens import ProcessorSource
 from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, check_task_samples, validate_task_metrics
 from kvlab.models import PROCESSORS, context_length
+from kvlab.models.base import PromptProcessor
 from kvlab.models.processors import read_chat_template
 
 DEFAULT_DATASET: dict[str, Any] = {"name": "synthetic_retrieval", "num_samples": 8, "context_words": 400}
@@ -161,7 +162,7 @@ class KVLabDataModule(L.LightningDataModule):
         trainer calls this before the model's weights load."""
         if self.processor is None:
             processor = self.processors.load(self.model_name)
-            if hasattr(processor, "with_chat_template"):  # kvlab's ChatProcessor (a copy: the load is cached)
+            if isinstance(processor, PromptProcessor):  # a copy: the load is cached
                 processor = processor.with_chat_template(self.chat_template)
                 processor.check_template()
             self.processor = processor
@@ -188,7 +189,7 @@ class KVLabDataModule(L.LightningDataModule):
                 "comparable. Set data.chat_template: none (`--config benchmarks/longbench_fewshot` does), "
                 "or choose the other tasks."
             )
-        if getattr(self.processor, "images", True) is None:
+        if isinstance(self.processor, PromptProcessor) and self.processor.images is None:
             with_images = [s.id for s in selected if s.images]
             if with_images:
                 raise ConfigError(
@@ -197,7 +198,7 @@ class KVLabDataModule(L.LightningDataModule):
                     "tiny-qwen2-vl, smollm2-qwen2-vl) or a dataset without images."
                 )
         limit = context_length(self.model_name)
-        if limit is None or not hasattr(self.processor, "tokenizer"):  # a custom processor: not checked
+        if limit is None or not isinstance(self.processor, PromptProcessor):  # a custom one: not checked
             return
         check_contexts(selected)
         truncated: list[str] = []

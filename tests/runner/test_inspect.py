@@ -118,17 +118,11 @@ def test_kept_mask_and_modality_record_match_loops():
 
 
 def test_image_grids_and_overlay():
-    class Adapter:
-        merge_size = 2
-
-    class Proc:
-        images = Adapter()
-
     sample = type("S", (), {"images": [Image.new("RGB", (8, 8))] * 2})()
     modality = torch.tensor([[-1, 0, 1, 1, 1, 1, 0, 1, 1, 0]])
     grid_thw = torch.tensor([[1, 4, 4], [1, 4, 2]])  # merged 2x2: 2x2 and 2x1 tokens
     batch = SimpleNamespace(samples=[sample], modality=modality, model_inputs={"image_grid_thw": grid_thw})
-    assert image_grids(batch, 0, Proc()) == [(2, 2, 2), (7, 2, 1)]
+    assert image_grids(batch, 0, 2) == [(2, 2, 2), (7, 2, 1)]
     modality = torch.tensor([[0] + [1] * 10])
     square_plus_cls = SimpleNamespace(samples=[sample], modality=modality, model_inputs={})
     assert image_grids(square_plus_cls, 0, None) == [(2, 2, 2), (7, 2, 2)]  # 5 tokens: CLS + 2x2

@@ -14,7 +14,7 @@ from kvlab.models.base import IMAGE, TEXT, VIDEO, Batch
 from kvlab.pipeline.report import budget_overshoot
 from kvlab.runner.views.figures import fitted_range, heatmap_figure, layer_curves_figure, render
 from kvlab.runner.views.labels import titled
-from kvlab.runner.views.patches import cell_labels, image_grids, patch_figure, patch_share
+from kvlab.runner.views.patches import cell_labels, image_grids, merge_size, patch_figure, patch_share
 
 MODALITY_NAMES = {TEXT: "text", IMAGE: "image", VIDEO: "video"}
 
@@ -183,7 +183,7 @@ class Inspector:
                 for name, counts in row.get("modality_kept", {}).items()}  # fmt: skip
 
     def _patches(self, result: GenerationResult, batch: Batch, step: int, processor: Any) -> None:
-        grids = image_grids(batch, 0, processor)
+        grids = image_grids(batch, 0, merge_size(processor))
         reports = [r for r in result.reports if r.selection is not None]
         if not grids or not reports:
             return

@@ -15,14 +15,21 @@ import numpy as np
 import torch
 from PIL import Image
 
-from kvlab.models.base import IMAGE, Batch
+from kvlab.models.base import IMAGE, Batch, PromptProcessor
 from kvlab.runner.views.figures import WIDTH, new_figure, styled
 
 
-def image_grids(batch: Batch, b: int, processor: Any) -> list[tuple[int, int, int]]:
+def merge_size(processor: Any) -> int | None:
+    """The patches merged per side into one image token by ``processor``'s image adapter
+    (:attr:`~kvlab.models.images.ImageAdapter.merge_size`; None without one)."""
+    images = processor.images if isinstance(processor, PromptProcessor) else None
+    return images.merge_size if images is not None else None
+
+
+def image_grids(batch: Batch, b: int, merge: int | None) -> list[tuple[int, int, int]]:
     """``(first token, rows, cols)`` of each image of sample ``b`` in the prompt (empty if unknown).
 
-    Qwen2-VL: the grid is ``image_grid_thw`` merged by the processor's ``merge_size``. Others:
+    Qwen2-VL: the grid is ``image_grid_thw`` merged by ``merge`` (:func:`merge_size`). Others:
     the image's tokens split evenly per image and laid out as a square (a leading CLS token
     skipped when the count is a square plus one).
     """
@@ -32,7 +39,6 @@ def image_grids(batch: Batch, b: int, processor: Any) -> list[tuple[int, int, in
     if not positions or n_images == 0:
         return []
     grid_thw = batch.model_inputs.get("image_grid_thw")
-    merge = getattr(getattr(processor, "images", None), "merge_size", None)
     if grid_thw is not None and merge:
         first = sum(len(s.images) for s in samples[:b])
         thw = grid_thw[first : first + n_images].tolist()
