@@ -411,6 +411,12 @@ class ChunkStore:
         """Bytes of the host store (keys and values of every retrieving row)."""
         return sum(t.numel() * t.element_size() for t in (self.host_keys, self.host_values))
 
+    def for_samples(self, rows: torch.Tensor) -> SampleFigures:
+        """The store's figures for a batch whose sample ``b`` was compressed as row ``rows[b]`` of
+        this store's batch (the context protocols: a context compressed alone, for one or several
+        questions); read by :meth:`RetrieveSelector.report`."""
+        return SampleFigures(self, rows.tolist())
+
     def sample_figures(self, b: int) -> dict[str, float]:
         """Sample ``b``'s retrieving heads, device bytes, host bytes and bytes fetched per decode step."""
         mine = [i for i, (s, _) in enumerate(self._rows) if s == b]
@@ -423,6 +429,31 @@ class ChunkStore:
             "offloaded_bytes": host_row * len(mine),
             "moved_per_step": moved,
         }
+
+
+@dataclass(frozen=True)
+class SampleFigures:
+    """A :class:`ChunkStore`'s figures as another batch's samples see them: sample ``b`` reads the
+    store's row ``contexts[b]`` (a report's view: it serves no decode step)."""
+
+    store: ChunkStore
+    contexts: list[int]
+
+    def sample_figures(self, b: int) -> dict[str, float]:
+        """:meth:`ChunkStore.sample_figures` of sample ``b``'s context."""
+        return self.store.sample_figures(self.contexts[b])
+
+    def device_bytes(self) -> int:
+        return self.store.device_bytes()
+
+    def offloaded_bytes(self) -> int:
+        return self.store.offloaded_bytes()
+
+    def for_samples(self, rows: torch.Tensor) -> SampleFigures:
+        return SampleFigures(self.store, [self.contexts[r] for r in rows.tolist()])
+
+    def decode_attention(self, layer: Any, query: torch.Tensor, scaling: float, options: Any) -> torch.Tensor:
+        raise TypeError("SampleFigures is a report's view of a chunk store; the store itself serves decode")
 
 
 def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:

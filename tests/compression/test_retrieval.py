@@ -256,3 +256,20 @@ def test_retrieve_selector_is_in_the_registry_and_dispatch_counts_its_kernels():
     assert dispatch.CALLS[("gather_chunks", "reference")] == 1
     assert retrieval_module.RetrieveSelector.registry_name == "retrieve"
 
+
+@pytest.mark.parametrize("protocol", ["query_agnostic", "multi_question"])
+def test_cost_fields_are_recorded_under_the_context_protocols(protocol):
+    """The context compressed alone keeps its store: each question reports its context's retrieving
+    heads, device, host and fetched bytes (they were all 0 when the context's report dropped it)."""
+    from support.questions import QUESTIONS
+
+    loaded = kvlab_model("tiny-qwen2")
+    pipeline = kvlab.load_pipeline("retrieval", {"budget.tokens": 32, "budget.window": 8})
+    outputs = kvlab.compress_and_generate(loaded, pipeline, QUESTIONS, max_new_tokens=3, protocol=protocol)
+    fox = [o.reported for o, s in zip(outputs, QUESTIONS, strict=True) if s.context_id == "fox"]
+    for reported in fox:
+        assert all(heads == 2 for heads in reported["retrieval_heads_per_layer"])  # every KV head
+        assert reported["kv_bytes_offloaded"] > 0 and reported["retrieval_bytes_per_step"] > 0
+        assert reported["kv_bytes_device"] > 0
+    if protocol == "multi_question":  # one context compressed once: its questions report the same store
+        assert len({r["kv_bytes_offloaded"] for r in fox}) == 1
