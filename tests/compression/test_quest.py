@@ -11,12 +11,14 @@ import torch
 from naive.attention import dot, naive_attention
 from naive.quest import naive_page_bounds, naive_page_choice
 
+import kvlab
 from kvlab.cache.layer import CompressedLayer
 from kvlab.compression.context import LayerContext
 from kvlab.compression.quest import KeyBoundsIndex
 from kvlab.compression.retrieval import ChunkStore, RetrieveSelector
 from kvlab.compression.retrieval_index import MeanKeyIndex
 from kvlab.config.errors import ConfigError
+from kvlab.config.loader import resolve
 from kvlab.kernels.retrieval import page_bounds_reference
 from kvlab.pipeline import Pipeline
 
@@ -149,3 +151,10 @@ def test_the_index_is_a_yaml_component_under_the_selector():
     with pytest.raises(ConfigError, match="key_bounds"):  # no parameters: the page is the selector's chunk
         Pipeline.from_config({**node, "select": paged})
 
+
+def test_quest_preset_pages_of_16_and_the_bound_index():
+    node = resolve(["quest"], [])["model"]["compression"]
+    want = {"name": "retrieve", "chunk": 16, "local": "protected", "index": {"name": "key_bounds"}}
+    assert node["select"] == want
+    pipeline = kvlab.load_pipeline("quest")
+    assert isinstance(pipeline.selector.parts()["index"], KeyBoundsIndex)
