@@ -158,3 +158,14 @@ def test_quest_preset_pages_of_16_and_the_bound_index():
     assert node["select"] == want
     pipeline = kvlab.load_pipeline("quest")
     assert isinstance(pipeline.selector.parts()["index"], KeyBoundsIndex)
+
+
+def test_bench_decode_compares_the_indexes_in_one_table(capsys):
+    from kvlab.cli.main import main
+
+    main(["bench", "decode", "--indexes", "mean_key,key_bounds", "--contexts", "256", "--budgets", "0.25",
+          "--repeat", "1", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"])  # fmt: skip
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 256 |")]
+    assert [row.split(" | ")[2] for row in rows] == ["kvlab full", "retrieve mean_key", "retrieve key_bounds"]
+    assert [row.split(" | ")[3] for row in rows] == ["all", "3", "3"]  # (64 - 16 resident) // 16 pages
