@@ -15,7 +15,12 @@ A retrieving (sample, KV head) row ``r`` keeps its prompt K/V off the accelerato
 2. :func:`gather_chunks` copies the chosen chunks' keys and values from the host store
    ``[R, M, D]`` into a device buffer ``[R, q, S * chunk, D]``.
 
-Both dispatch (:mod:`kvlab.kernels.dispatch`) to Triton kernels in
+With Quest's index (``key_bounds``: the per-channel minimum and maximum of each page's keys,
+``index [R, NC, 2, D]``), :func:`page_topk` replaces step 1: a page's score is the upper bound of
+the logit over its keys, ``sum_d max(qbar_d m_{c,d}, qbar_d M_{c,d})`` (Tang et al. 2024, Sec. 3,
+Algorithm 1), and the same exact top-k picks the pages.
+
+All three dispatch (:mod:`kvlab.kernels.dispatch`) to Triton kernels in
 :mod:`kvlab.kernels.tl.retrieval` on CUDA and to the torch references here elsewhere. The
 Triton gather reads the pinned host store directly (CUDA unified addressing: pinned host memory
 is addressable from the device), so the chunk ids never travel to the host; the reference moves
@@ -117,6 +122,72 @@ def chunk_topk(
         from kvlab.kernels.tl.retrieval import chunk_topk_triton as impl
     else:
         impl = chunk_topk_reference
+    with launch_device(query):
+        return impl(query, index, rows, chunk_valid, n_sel, num_kv_heads, width)
+
+
+def page_bounds_reference(
+    query: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, chunk_valid: torch.Tensor, num_kv_heads: int
+) -> torch.Tensor:
+    """Quest's page upper bounds of every retrieving row, ``[R, q, NC]`` fp32 (-inf on empty pages).
+
+    Args:
+        query: ``[B, H, q, D]`` the step's queries (query head ``h`` reads KV head ``h // G``).
+        index: ``[R, NC, 2, D]`` per page, the per-channel minimum (``[..., 0, :]``) and maximum
+            (``[..., 1, :]``) of its keys.
+        rows: ``[R, 2]`` long, the (sample, KV head) of each row.
+        chunk_valid: ``[R, NC]`` bool, False on pages that hold no token.
+        num_kv_heads: ``Hkv``; ``G = H / Hkv``.
+
+    ``U[r, i, c] = sum_d max(qbar_d m_{c,d}, qbar_d M_{c,d})`` in fp32 with ``qbar`` the mean of the
+    row's ``G`` queries: since ``m <= M``, the larger product is ``qbar_d M_d`` where ``qbar_d >= 0``
+    and ``qbar_d m_d`` elsewhere (Quest, Tang et al. 2024, Algorithm 1). ``U >= qbar . k_j`` for
+    every key ``k_j`` of the page.
+    """
+    B, H, q, D = query.shape
+    G = H // num_kv_heads
+    grouped = query.float().view(B, num_kv_heads, G, q, D)[rows[:, 0], rows[:, 1]]  # [R, G, q, D]
+    qbar = grouped.mean(1)  # [R, q, D]
+    low, high = index[:, :, 0].float(), index[:, :, 1].float()  # [R, NC, D] each
+    bounds = torch.einsum("rqd,rcd->rqc", qbar.clamp(min=0), high) + torch.einsum(
+        "rqd,rcd->rqc", qbar.clamp(max=0), low
+    )
+    return bounds.masked_fill(~chunk_valid[:, None, :], float("-inf"))
+
+
+def page_topk_reference(
+    query: torch.Tensor,
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    chunk_valid: torch.Tensor,
+    n_sel: torch.Tensor,
+    num_kv_heads: int,
+    width: int | None = None,
+) -> torch.Tensor:
+    """Bound the pages of every retrieving row and pick its top ``n_sel`` per query (Quest).
+
+    Arguments and result as :func:`chunk_topk_reference`, with ``index [R, NC, 2, D]`` the pages'
+    per-channel key minimum and maximum (:func:`page_bounds_reference`).
+    """
+    bounds = page_bounds_reference(query, index, rows, chunk_valid, num_kv_heads)
+    return topk_chunks_reference(bounds, n_sel, width)
+
+
+def page_topk(
+    query: torch.Tensor,
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    chunk_valid: torch.Tensor,
+    n_sel: torch.Tensor,
+    num_kv_heads: int,
+    width: int | None = None,
+) -> torch.Tensor:
+    """Dispatcher of :func:`page_topk_reference` (same arguments and result)."""
+    if use_triton("page_topk", query, index):
+        # triton is optional: the launcher (which imports it) loads on this path only
+        from kvlab.kernels.tl.retrieval import page_topk_triton as impl
+    else:
+        impl = page_topk_reference
     with launch_device(query):
         return impl(query, index, rows, chunk_valid, n_sel, num_kv_heads, width)
 

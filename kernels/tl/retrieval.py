@@ -1,6 +1,6 @@
-"""Triton chunk retrieval: chunk scores, an exact top-k by radix search, and the chunk gather.
+"""Triton chunk retrieval: chunk scores or page bounds, an exact top-k by radix search, the gather.
 
-Three kernels, all with one-dimensional grids and 64-bit offsets:
+Four kernels, all with one-dimensional grids and 64-bit offsets:
 
 1. ``_chunk_scores``, grid ``(R * q * ceil(NC / BLOCK_N),)``: a program averages the ``G``
    query vectors of its (row, query) (``BLOCK_G`` padded), then scores ``BLOCK_N`` chunk mean
@@ -16,6 +16,12 @@ Three kernels, all with one-dimensional grids and 64-bit offsets:
    tokens, ``BLOCK_T`` padded) of keys and values from the host store to the device buffer,
    zeros for an empty slot (id -1). On a GPU the store is pinned host memory, which the device
    addresses directly (unified virtual addressing), so the chunk ids never go to the host.
+
+4. ``_page_bounds``, grid ``(R * q * ceil(NC / BLOCK_N),)``: Quest's index instead of 1. A program
+   averages its (row, query)'s ``G`` queries as ``_chunk_scores`` does, then bounds ``BLOCK_N``
+   pages from their per-channel key minimum and maximum (``[R, NC, 2, D]``):
+   ``sum_d where(qbar_d >= 0, qbar_d M_d, qbar_d m_d)`` in fp32, -inf on empty pages; the
+   selection is ``_chunk_select``'s.
 
 Only ``D`` and the tile sizes are compile-time constants; chunk counts, queries, slots, the
 chunk size and the group size are runtime arguments.
@@ -59,6 +65,37 @@ def _chunk_scores(
     score = tl.sum(k * qbar[None, :], 1)
     ok = c_ok & (tl.load(cvalid_ptr + r * NC + c, mask=c_ok, other=0) != 0)
     tl.store(out_ptr + ri * NC + c, tl.where(ok, score, float("-inf")), mask=c_ok)
+
+
+@triton.jit(do_not_specialize=["NC", "Q", "G", "n_tiles"])
+def _page_bounds(
+    q_ptr, idx_ptr, rows_ptr, cvalid_ptr, out_ptr, NC, Q, G, n_tiles,
+    sq_b, sq_h, sq_q, sq_d, si_r, si_c, si_p, si_d,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    tile = pid % n_tiles
+    ri = pid // n_tiles  # r * Q + i
+    r = ri // Q
+    i = ri % Q
+    b = tl.load(rows_ptr + r * 2).to(tl.int64)
+    h = tl.load(rows_ptr + r * 2 + 1).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    q_mask = (g < G)[:, None] & (d < D)[None, :]
+    q_off = b * sq_b + (h * G + g)[:, None] * sq_h + i * sq_q + d[None, :] * sq_d
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(tl.float32)
+    qbar = tl.sum(q, 0) / G  # [BLOCK_D]: the group's mean query
+    c = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = c < NC
+    k_mask = c_ok[:, None] & (d < D)[None, :]
+    k_off = r * si_r + c[:, None] * si_c + d[None, :] * si_d
+    low = tl.load(idx_ptr + k_off, mask=k_mask, other=0.0).to(tl.float32)
+    high = tl.load(idx_ptr + k_off + si_p, mask=k_mask, other=0.0).to(tl.float32)
+    scaled = qbar[None, :]
+    bound = tl.sum(tl.where(scaled >= 0, scaled * high, scaled * low), 1)
+    ok = c_ok & (tl.load(cvalid_ptr + r * NC + c, mask=c_ok, other=0) != 0)
+    tl.store(out_ptr + ri * NC + c, tl.where(ok, bound, float("-inf")), mask=c_ok)
 
 
 @triton.jit
@@ -132,7 +169,7 @@ def _gather_chunks(
     tl.store(ov_ptr + dst, tl.load(hv_ptr + src, mask=read, other=0.0), mask=in_chunk)
 
 
-LAUNCHED = (_chunk_scores, _chunk_select, _gather_chunks)
+LAUNCHED = (_chunk_scores, _page_bounds, _chunk_select, _gather_chunks)
 
 
 def chunk_topk_triton(
@@ -169,6 +206,52 @@ def chunk_topk_triton(
     )  # fmt: skip
     _chunk_select[check_grid((R * q,))](
         scores, n_sel.to(torch.int64).contiguous(), out, NC, q, width, BLOCK_N=SELECT_TILE, num_warps=4
+    )
+    return out
+
+
+def page_bounds_triton(
+    query: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, chunk_valid: torch.Tensor, num_kv_heads: int
+) -> torch.Tensor:
+    """Triton version of :func:`~kvlab.kernels.retrieval.page_bounds_reference` (``[R, q, NC]`` fp32)."""
+    B, H, q, D = query.shape
+    R, NC = chunk_valid.shape
+    bounds = torch.empty(R, q, NC, dtype=torch.float32, device=query.device)
+    if bounds.numel() == 0:
+        return bounds
+    block_d = head_block(D)
+    n_tiles = triton.cdiv(NC, SCORE_TILE)
+    _page_bounds[check_grid((R * q * n_tiles,))](
+        query, index, rows.to(torch.int64).contiguous(), chunk_valid.to(torch.uint8).contiguous(), bounds,
+        NC, q, H // num_kv_heads, n_tiles, *query.stride(), *index.stride(),
+        D=D, BLOCK_G=pow2(H // num_kv_heads), BLOCK_N=SCORE_TILE, BLOCK_D=block_d,
+        num_warps=launch_options(block_d, query.dtype)["num_warps"],
+    )  # fmt: skip
+    return bounds
+
+
+def page_topk_triton(
+    query: torch.Tensor,
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    chunk_valid: torch.Tensor,
+    n_sel: torch.Tensor,
+    num_kv_heads: int,
+    width: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`~kvlab.kernels.retrieval.page_topk_reference` (``index [R, NC, 2, D]``):
+    :func:`page_bounds_triton`, then ``_chunk_select``."""
+    q = query.shape[2]
+    R, NC = chunk_valid.shape
+    if width is None:
+        width = int(n_sel.max()) if R else 0
+    width = min(width, NC)
+    out = torch.full((R, q, width), -1, dtype=torch.long, device=query.device)
+    if R == 0 or width == 0:
+        return out
+    bounds = page_bounds_triton(query, index, rows, chunk_valid, num_kv_heads)
+    _chunk_select[check_grid((R * q,))](
+        bounds, n_sel.to(torch.int64).contiguous(), out, NC, q, width, BLOCK_N=SELECT_TILE, num_warps=4
     )
     return out
 

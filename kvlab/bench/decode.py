@@ -40,6 +40,18 @@ prompt per context, the same teacher-forced tokens everywhere), in one run:
   entries stored as codes (``model.compression.quantize``, ``docs/methods/quantization.md``):
   the same kept counts in fewer ``KV MiB``, decode dequantizing chunk by chunk.
 
+**Retrieval-index table** (``--indexes mean_key,key_bounds``). Per context and budget, one decoder
+layer's decode step (random keys, values and queries; Llama-3-8B attention shapes by default, fp32
+on CPU) over the whole prompt (``kvlab full``) and through the ``retrieve`` selector with each
+retrieval index (:mod:`kvlab.compression.retrieval_index`: the mean key, Quest's per-channel key
+bounds) at the same budget: pages of ``--page`` tokens (16, Quest's), the last ``--page`` prompt
+tokens resident, ``(budget - page) // page`` pages fetched per KV head and step (Quest's top-k).
+The torch path on CPU (and the Triton kernels on CUDA) of the whole step: the pages ranked, the
+chosen ones gathered, one softmax over them, the resident tokens and one decoded token. Timed in
+interleaved rounds (warm-up excluded; ``--stat``), as ms per step and as ratios to ``kvlab full``
+and to the mean-key index measured in the same run; ``index KiB``: the device index of the layer
+(every KV head), ``fetched MiB/step``: K/V gathered per step.
+
 Every contender is prefilled once; its cache is then cropped back (transformers) or restored
 from a checkpoint (kvlab) before each timed run. A warm-up round is excluded, and the rounds
 interleave the contenders, so a load change on a shared machine hits them alike; the table
@@ -80,8 +92,11 @@ from kvlab.bench.common import (
     time_call,
     triton_note,
 )
+from kvlab.cache.layer import CompressedLayer
 from kvlab.cache.packed import packed_decode_attention
+from kvlab.compression.context import LayerContext
 from kvlab.compression.quantizers import KIVI, PerToken, Quantizer
+from kvlab.compression.retrieval import RetrieveSelector
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import decode, prefill
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention_reference
@@ -476,6 +491,94 @@ def target_lines(
     return lines
 
 
+# --- retrieval indexes: one layer's decode step through each index at the same budget ------------
+INDEX_HEADERS = [
+    "context", "budget", "contender", "pages/head", "index KiB", "fetched MiB/step", "decode ms/step",
+    "vs kvlab full", "vs mean_key",
+]  # fmt: skip
+
+
+def retrieving_layer(ctx: LayerContext, index: str | None, tokens: int, page: int) -> CompressedLayer:
+    """``ctx``'s layer compressed by ``retrieve`` with retrieval index ``index`` at ``tokens`` per KV
+    head (the last ``page`` tokens resident), or kept whole (``index`` None), plus one decoded token."""
+    B, Hkv, T, D = ctx.keys.shape
+    scores = torch.zeros(B, Hkv, T, device=ctx.keys.device)
+    scores[..., T - page :] = float("inf")  # the resident window: Quest's current page
+    selector = RetrieveSelector(chunk=page, local="protected", index={"name": index or "mean_key"})
+    counts = torch.full((B, Hkv), T if index is None else tokens, dtype=torch.long, device=ctx.keys.device)
+    layer = CompressedLayer(decode_capacity=4)
+    layer.update(ctx.keys, ctx.values)
+    layer.compress(selector.select(scores, counts, ctx))
+    gen = torch.Generator().manual_seed(T + 2)
+    layer.update(*(torch.randn(B, Hkv, 1, D, generator=gen).to(ctx.keys) for _ in range(2)))
+    return layer
+
+
+def clocked(
+    fn: Callable[..., object], args: tuple[object, ...], device: torch.device, clock: Callable[[], float]
+) -> float:
+    """Seconds of one call of ``fn(*args)`` by ``clock`` (CUDA-synchronised on GPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = clock()
+    fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return clock() - start
+
+
+def run_indexes(opts: argparse.Namespace) -> None:
+    """The retrieval-index table: per context and budget, a layer's decode step over the full cache
+    and through each retrieval index, timed in interleaved rounds."""
+    device, dtype = resolve(opts)
+    indexes = [name for name in opts.indexes.split(",") if name]
+    stat, clock = STATS[opts.stat], CLOCKS[opts.clock]
+    rows = []
+    for T in parse_list(opts.contexts, int):
+        gen = torch.Generator().manual_seed(T)
+        B, H, Hkv, D = opts.batch, opts.heads, opts.kv_heads, opts.head_dim
+        keys, values = (torch.randn(B, Hkv, T, D, generator=gen).to(device, dtype) for _ in range(2))
+        query = torch.randn(B, H, 1, D, generator=gen).to(device, dtype)
+        valid = torch.ones(B, T, dtype=torch.bool, device=device)
+        ctx = LayerContext(0, 1, query, keys, values, valid, torch.zeros_like(valid, dtype=torch.long),
+                           D**-0.5, query_start=T - 1)  # fmt: skip
+        for budget in parse_list(opts.budgets, float):
+            tokens = kept_count(budget, T)
+            layers = {"kvlab full": retrieving_layer(ctx, None, tokens, opts.page)}
+            layers.update(
+                {f"retrieve {name}": retrieving_layer(ctx, name, tokens, opts.page) for name in indexes}
+            )
+            times: dict[str, list[float]] = {name: [] for name in layers}
+            for round_ in range(opts.repeat + 1):  # round 0 warms up; rounds interleave the contenders
+                for name, layer in layers.items():
+                    seconds = clocked(layer.decode_attention, (query, ctx.scaling), device, clock)
+                    if round_:
+                        times[name].append(seconds)
+            seconds = {name: stat(values) for name, values in times.items()}
+            full, mean_key = seconds["kvlab full"], seconds.get("retrieve mean_key")
+            for name, layer in layers.items():
+                store = layer.offloaded
+                pages = "all" if store is None else str(int(store.n_sel.max()))
+                index_kib = (
+                    "-"
+                    if store is None
+                    else f"{store.index.numel() * store.index.element_size() / 2**10:.0f}"
+                )
+                moved = 0.0 if store is None else float(store.moved.sum()) / max(store.steps, 1)
+                vs_mean = f"{seconds[name] / mean_key:.2f}" if mean_key and store is not None else "-"
+                rows.append([context_label(T), f"{budget:.0%}", name, pages, index_kib,
+                             f"{moved / 2**20:.2f}", ms(seconds[name]), f"{seconds[name] / full:.2f}",
+                             vs_mean])  # fmt: skip
+            del layers
+    title = (
+        f"kvlab bench decode --indexes on {device_name(device)}, {str(dtype).replace('torch.', '')}: one "
+        f"layer, B={opts.batch}, H={opts.heads}, Hkv={opts.kv_heads}, D={opts.head_dim}, pages of "
+        f"{opts.page} tokens, {opts.threads} threads; {opts.clock} ms per step ({opts.stat} of {opts.repeat} "
+        "interleaved rounds, warm-up excluded)"
+    )
+    print_table(title, INDEX_HEADERS, rows)
+
+
 def random_prompt(loaded: Any, T: int) -> Batch:
     """A batch of one seeded random prompt of ``T`` token ids (time does not depend on the words)."""
     gen = torch.Generator().manual_seed(T)
@@ -511,19 +614,31 @@ def run(args: list[str]) -> None:
         "--clock",
         choices=list(CLOCKS),
         default="wall",
-        help="--model: wall time, or the process's CPU time (steadier on a loaded machine; use --threads 1)",
+        help="--model, --indexes: wall time, or the process's CPU time (steadier on a loaded machine; use "
+        "--threads 1)",
     )
     p.add_argument(
         "--stat",
         choices=list(STATS),
         default="min",
-        help="--model: each contender's fastest round (default: the least disturbed one on a shared "
-        "machine) or its median",
+        help="--model, --indexes: each contender's fastest round (default: the least disturbed one on a "
+        "shared machine) or its median",
     )
+    p.add_argument(
+        "--indexes",
+        default=None,
+        help="the retrieval-index table instead: one layer's decode step through the retrieve selector "
+        "with each of these retrieval indexes (e.g. mean_key,key_bounds) against the full cache",
+    )
+    p.add_argument("--page", type=int, default=16, help="--indexes: tokens per page (chunk)")
     add_threads_option(p, default=2)
     opts = p.parse_args(args)
     torch.set_num_threads(opts.threads)
-    if opts.formats:
+    if opts.indexes:
+        opts.contexts, opts.budgets = opts.contexts or "32k", opts.budgets or "0.10"
+        opts.repeat = opts.repeat or 10
+        run_indexes(opts)
+    elif opts.formats:
         opts.contexts, opts.budgets = opts.contexts or "4k,32k", opts.budgets or "0.10"
         opts.repeat = opts.repeat or 10
         run_packed(opts)

@@ -75,3 +75,10 @@ class OffloadedStore(Protocol):
     def offloaded_bytes(self) -> int:
         """Bytes the store holds elsewhere (host memory)."""
         ...
+
+    def for_samples(self, rows: torch.Tensor) -> Any:
+        """What the store reports for a batch of samples whose sample ``b`` was compressed as row
+        ``rows[b]`` of the store's batch (``[B]`` long: a context compressed alone, for one or
+        several questions), for the report only: the context protocols' layer reports carry it so
+        the store's figures reach every sample."""
+        ...

@@ -69,9 +69,12 @@ def print_components(out: Any = None) -> None:
 
 
 def plural(kind: str) -> str:
-    """``"decode policy"`` -> ``"decode policies"``, ``"mixer"`` -> ``"mixers"``."""
+    """``"decode policy"`` -> ``"decode policies"``, ``"mixer"`` -> ``"mixers"``, ``"retrieval
+    index"`` -> ``"retrieval indexes"``."""
     if kind.endswith("y") and kind[-2:-1] not in tuple("aeiou"):
         return kind[:-1] + "ies"
+    if kind.endswith(("x", "s", "ch", "sh")):
+        return kind + "es"
     return kind + "s"
 
 

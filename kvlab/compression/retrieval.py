@@ -6,15 +6,18 @@ decode step, the chunks its current query points at (HybridKV's dynamic heads, Z
 Inference", Sec. 3.3 and Appendix A; the chunk-wise retrieval of Quest and ShadowKV):
 
 - at prefill the head's tokens are split into contiguous ``chunk``-token chunks (in the
-  sample's own order; the last chunk may be partial), the mean key of each chunk
-  ``kbar_c = mean_{j in c} k_j`` (post-RoPE keys, a partial chunk averaged over its tokens) goes
-  into an index kept on the layer's device, and the head's K/V go to host memory: pinned when
-  the layer sits on CUDA, ordinary memory on a CPU-only machine (the same code path);
-- at each decode step every retrieving head scores its chunks by ``qbar . kbar_c`` (``qbar`` the
-  mean of the GQA group's queries: one selection per KV head), takes the top ``budget // chunk``
-  chunks, fetches them from the host into a device buffer and attends over them together with
-  the head's local entries (what the compressed cache holds for it: the tokens generated so
-  far, and the protected prompt tokens with ``local: protected``), in one softmax.
+  sample's own order; the last chunk may be partial), each chunk is summarised by the selector's
+  ``index`` (:mod:`kvlab.compression.retrieval_index`: by default ``mean_key``, the mean key of
+  each chunk ``kbar_c = mean_{j in c} k_j``, post-RoPE keys, a partial chunk averaged over its
+  tokens; ``key_bounds``, Quest's per-channel min and max) into an index kept on the layer's
+  device, and the head's K/V go to host memory: pinned when the layer sits on CUDA, ordinary
+  memory on a CPU-only machine (the same code path);
+- at each decode step every retrieving head ranks its chunks by the index against the step's
+  query (``qbar . kbar_c`` for ``mean_key``, ``qbar`` the mean of the GQA group's queries: one
+  selection per KV head), takes the top ``budget // chunk`` chunks, fetches them from the host
+  into a device buffer and attends over them together with the head's local entries (what the
+  compressed cache holds for it: the tokens generated so far, and the protected prompt tokens
+  with ``local: protected``), in one softmax.
 
 Kernels: :mod:`kvlab.kernels.retrieval` (scoring + exact top-k, gather; Triton on CUDA). The
 store implements :class:`~kvlab.cache.selection.OffloadedStore`: the layer hands it every
@@ -24,6 +27,7 @@ to its local entries only). Budget semantics, accounting and choices: ``docs/met
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -31,12 +35,13 @@ import torch
 
 from kvlab.cache.selection import Selection
 from kvlab.compression.context import LayerContext
+from kvlab.compression.retrieval_index import RETRIEVAL_INDEXES, RetrievalIndex
 from kvlab.compression.selectors import SELECTORS, Selector, topk_indices
 from kvlab.config import papers
 from kvlab.config.capabilities import Outcome, RecordField, Report
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention, reads_in_place
-from kvlab.kernels.retrieval import chunk_topk, gather_chunks
+from kvlab.kernels.retrieval import gather_chunks
 
 NEG_INF = float("-inf")
 
@@ -61,6 +66,9 @@ class RetrieveSelector(Selector):
     are not read otherwise: retrieval ranks chunks by the decode query, not by prefill scores.
     Under a per-head route only the heads routed to this branch are offloaded
     (``ctx.routed_heads``); the other rows of this selection are discarded by the route.
+    ``index``: the chunk summaries and their ranking, a :data:`RETRIEVAL_INDEXES
+    <kvlab.compression.retrieval_index.RETRIEVAL_INDEXES>` node (``mean_key``, the default, or
+    Quest's ``key_bounds``).
     """
 
     paper: ClassVar[str | None] = papers.HYBRIDKV
@@ -75,10 +83,15 @@ class RetrieveSelector(Selector):
 
     chunk: int = 8
     local: Literal["none", "protected"] = "none"
+    index: dict[str, Any] = field(default_factory=lambda: {"name": "mean_key"})
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1 token, got {self.chunk}")
+        self._index = RETRIEVAL_INDEXES.build(self.index, "model.compression.select.index")
+
+    def parts(self) -> dict[str, Any]:
+        return {"index": self._index}
 
     def report(self, outcome: Outcome) -> Report:
         """Each sample's retrieving heads and fetched bytes per layer, its device and host bytes
@@ -121,7 +134,7 @@ class RetrieveSelector(Selector):
             return Selection(indices=indices, counts=local_counts)
         fetch = ((counts - local_counts)[rows[:, 0], rows[:, 1]] // self.chunk).clamp(min=0)
         region = (valid & ~local)[rows[:, 0], rows[:, 1]]  # [R, T]
-        store = ChunkStore.build(ctx.keys, ctx.values, rows, region, fetch, self.chunk)
+        store = ChunkStore.build(ctx.keys, ctx.values, rows, region, fetch, self.chunk, self._index)
         return Selection(indices=indices, counts=local_counts, offloaded=store)
 
 
@@ -133,7 +146,8 @@ class ChunkStore:
 
     Attributes:
         rows: ``[R, 2]`` long, (sample, KV head) of each row (device).
-        index: ``[R, NC, D]`` mean key of each chunk, in the keys' dtype (device).
+        index: ``[R, NC, ...]`` the chunk summaries of :attr:`ranker` (``mean_key``: ``[R, NC, D]``
+            mean keys), in the keys' dtype (device).
         chunk_valid: ``[R, NC]`` bool, chunks holding at least one token (device).
         token_valid: ``[R, M]`` bool, real token slots (device).
         n_sel: ``[R]`` long, chunks fetched per step (device).
@@ -141,6 +155,7 @@ class ChunkStore:
             pinned when the layer is on CUDA). Slot ``j`` of row ``r`` is its ``j``-th token.
         chunk: tokens per chunk.
         batch_size / num_kv_heads: the layer's B and Hkv.
+        ranker: the retrieval index that built :attr:`index` and ranks the chunks at decode.
         moved: ``[B]`` long, bytes fetched so far per sample (device, no sync per step).
         steps: decode calls served.
     """
@@ -155,6 +170,7 @@ class ChunkStore:
     chunk: int
     batch_size: int
     num_kv_heads: int
+    ranker: RetrievalIndex
     moved: torch.Tensor = field(default=None)  # type: ignore[assignment]
     steps: int = 0
 
@@ -185,8 +201,10 @@ class ChunkStore:
         region: torch.Tensor,
         n_sel: torch.Tensor,
         chunk: int,
+        ranker: RetrievalIndex,
     ) -> ChunkStore:
-        """Chunk the ``region [R, T]`` tokens of each row of ``keys/values [B, Hkv, T, D]`` in order."""
+        """Chunk the ``region [R, T]`` tokens of each row of ``keys/values [B, Hkv, T, D]`` in order
+        and summarise the chunks with ``ranker``."""
         B, Hkv, T, D = keys.shape
         R = rows.shape[0]
         counts = region.sum(-1)  # [R]
@@ -200,13 +218,12 @@ class ChunkStore:
             rows_kv = source[rows[:, 0], rows[:, 1]].gather(1, gather)  # [R, M, D]
             host[name] = rows_kv.masked_fill(~token_valid[..., None], 0)
         per_chunk = token_valid.view(R, M // chunk, chunk)
-        filled = per_chunk.sum(-1)  # [R, NC]
-        index = host["keys"].float().view(R, M // chunk, chunk, D).sum(2) / filled.clamp(min=1)[..., None]
+        index = ranker.summarise(host["keys"].view(R, M // chunk, chunk, D), per_chunk)
         pinned = keys.is_cuda
         return cls(
             rows=rows,
-            index=index.to(keys.dtype),
-            chunk_valid=filled > 0,
+            index=index,
+            chunk_valid=per_chunk.any(-1),
             token_valid=token_valid,
             n_sel=n_sel.to(torch.long),
             host_keys=_to_host(host["keys"], pinned),
@@ -214,6 +231,7 @@ class ChunkStore:
             chunk=chunk,
             batch_size=B,
             num_kv_heads=Hkv,
+            ranker=ranker,
         )
 
     # --- decode ----------------------------------------------------------------------------
@@ -230,7 +248,7 @@ class ChunkStore:
         B, H, q, D = query.shape
         Hkv = self.num_kv_heads
         G = H // Hkv
-        ids = chunk_topk(query, self.index, self.rows, self.chunk_valid, self.n_sel, Hkv, self.width)
+        ids = self.ranker.topk(query, self.index, self.rows, self.chunk_valid, self.n_sel, Hkv, self.width)
         keys, values = gather_chunks(self.host_keys, self.host_values, ids, self.chunk, query.device)
         R, S = ids.shape[0], ids.shape[-1]
         tokens = ids.clamp(min=0)[..., None] * self.chunk + torch.arange(self.chunk, device=ids.device)
@@ -357,6 +375,7 @@ class ChunkStore:
             chunk=self.chunk,
             batch_size=self.batch_size,
             num_kv_heads=self.num_kv_heads,
+            ranker=self.ranker,
         )
 
     def retrieval_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,8 +398,8 @@ class ChunkStore:
 
     def _device_row_bytes(self) -> list[int]:
         """Device bytes per row: its index, masks and fetch count, and the buffer one step fills."""
-        NC, M, D = self.index.shape[1], self.token_valid.shape[1], self.index.shape[2]
-        fixed = NC * D * self.index.element_size() + NC + M + 8 + 16
+        NC, M, D = self.index.shape[1], self.token_valid.shape[1], self.host_keys.shape[2]
+        fixed = math.prod(self.index.shape[1:]) * self.index.element_size() + NC + M + 8 + 16
         per_token = D * 2 * self.host_keys.element_size()
         return [fixed + min(n, NC) * self.chunk * per_token for n in self._fetch]
 
@@ -391,6 +410,12 @@ class ChunkStore:
     def offloaded_bytes(self) -> int:
         """Bytes of the host store (keys and values of every retrieving row)."""
         return sum(t.numel() * t.element_size() for t in (self.host_keys, self.host_values))
+
+    def for_samples(self, rows: torch.Tensor) -> SampleFigures:
+        """The store's figures for a batch whose sample ``b`` was compressed as row ``rows[b]`` of
+        this store's batch (the context protocols: a context compressed alone, for one or several
+        questions); read by :meth:`RetrieveSelector.report`."""
+        return SampleFigures(self, rows.tolist())
 
     def sample_figures(self, b: int) -> dict[str, float]:
         """Sample ``b``'s retrieving heads, device bytes, host bytes and bytes fetched per decode step."""
@@ -404,6 +429,31 @@ class ChunkStore:
             "offloaded_bytes": host_row * len(mine),
             "moved_per_step": moved,
         }
+
+
+@dataclass(frozen=True)
+class SampleFigures:
+    """A :class:`ChunkStore`'s figures as another batch's samples see them: sample ``b`` reads the
+    store's row ``contexts[b]`` (a report's view: it serves no decode step)."""
+
+    store: ChunkStore
+    contexts: list[int]
+
+    def sample_figures(self, b: int) -> dict[str, float]:
+        """:meth:`ChunkStore.sample_figures` of sample ``b``'s context."""
+        return self.store.sample_figures(self.contexts[b])
+
+    def device_bytes(self) -> int:
+        return self.store.device_bytes()
+
+    def offloaded_bytes(self) -> int:
+        return self.store.offloaded_bytes()
+
+    def for_samples(self, rows: torch.Tensor) -> SampleFigures:
+        return SampleFigures(self.store, [self.contexts[r] for r in rows.tolist()])
+
+    def decode_attention(self, layer: Any, query: torch.Tensor, scaling: float, options: Any) -> torch.Tensor:
+        raise TypeError("SampleFigures is a report's view of a chunk store; the store itself serves decode")
 
 
 def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:

@@ -190,10 +190,6 @@ class RouteRule(Component):
         """The branch of every sample at layer ``ctx.layer_idx``."""
         raise NotImplementedError
 
-    def parts(self) -> dict[str, Any]:
-        """Components the rule built from its own fields, by field name (e.g. its ``metric``)."""
-        return {}
-
     def report(self, outcome: Outcome) -> Report | None:
         """Per-head rules (HybridKV): each branch's KV heads per layer. Per-sample rules (DAVID): each
         sample's first switched layer and metric per layer, and TensorBoard's

@@ -149,6 +149,12 @@ class Component:
     capabilities: ClassVar[Capabilities] = Capabilities()
     record_fields: ClassVar[dict[str, RecordField]] = {}
 
+    def parts(self) -> dict[str, Component]:
+        """Components this one built from its own fields, by field name (a route rule's ``metric``,
+        the ``retrieve`` selector's ``index``): the pipeline's walk lists them under the field, so
+        their capabilities, budget settings and reports count. None by default."""
+        return {}
+
     def bind_model(self, model: str, shape: Mapping[str, int] | None = None) -> None:
         """Called with the model name (and its ``num_layers`` / ``num_heads`` / ``num_kv_heads``
         when known) before the model loads: components reading a per-model calibration artefact

@@ -93,3 +93,7 @@ SIMLAYERKV = (
     'Zhang et al. 2024, "SimLayerKV: A Simple Framework for Layer-Level KV Cache Reduction" '
     "(SimLayerKV, arXiv 2410.13846)"
 )
+QUEST = (
+    'Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference" '
+    "(ICML 2024, arXiv 2406.10774)"
+)

@@ -149,7 +149,8 @@ def take_columns(scores: torch.Tensor | None, shift: torch.Tensor, width: int) -
 
 def report_rows(report: LayerReport, rows: torch.Tensor, shift: torch.Tensor, width: int) -> LayerReport:
     """A context batch's layer report as the samples' report: row ``b`` from context ``rows[b]``,
-    positions moved by ``shift[b]`` into the batch's padded prompt of ``width`` tokens."""
+    positions moved by ``shift[b]`` into the batch's padded prompt of ``width`` tokens; a store of
+    offloaded K/V (retrieval) reports each sample's context's figures."""
 
     def take(value: torch.Tensor | None) -> torch.Tensor | None:
         return None if value is None else value[rows.to(value.device)]
@@ -160,8 +161,9 @@ def report_rows(report: LayerReport, rows: torch.Tensor, shift: torch.Tensor, wi
         indices = take(selection.indices)
         real = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None]
         moved = indices + shift.to(indices.device)[:, None, None]
+        offloaded = selection.offloaded.for_samples(rows) if selection.offloaded is not None else None
         selection = Selection(
-            torch.where(real, moved, 0), counts, take(selection.keys), take(selection.values)
+            torch.where(real, moved, 0), counts, take(selection.keys), take(selection.values), offloaded
         )
     route = report.route
     if route is not None:

@@ -20,7 +20,7 @@ from kvlab.config.capabilities import Component
 class Part(NamedTuple):
     """One component of a pipeline: its YAML field, the component, and what it is there
     (``scorer``: importance / diversity; ``route``: a route rule or one of its parts; ``slot``:
-    the mixer, allocators, selector, decode policy)."""
+    the mixer, allocators, selector and its index, decode policy)."""
 
     field: str
     component: Component

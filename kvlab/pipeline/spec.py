@@ -243,15 +243,19 @@ class Pipeline(LayerExecution, RoutedExecution):
                 )
 
     def walk(self, where: str = WHERE) -> list[Part]:
-        """Every component with its YAML field: the scorers by role, the slots, the route rule and
-        its parts, then every branch's (the one walk the pipeline's checks and capabilities read)."""
+        """Every component with its YAML field: the scorers by role, the slots and their parts (the
+        ``retrieve`` selector's index), the route rule and its parts, then every branch's (the one
+        walk the pipeline's checks and capabilities read)."""
         parts = [Part(f"{where}.importance.{role}", c, "scorer") for role, c in self.importance.items()]
         parts += [Part(f"{where}.diversity.{role}", c, "scorer") for role, c in self.diversity.items()]
         slots = {"mixer": self.mixer, "allocate.layer": self.layer_allocator,
                  "allocate.head": self.head_allocator, "allocate.modality": self.modality_allocator,
                  "select": self.selector, "decode": self.decode_policy,
                  "quantize": self.quantizer}  # fmt: skip
-        parts += [Part(f"{where}.{name}", c, "slot") for name, c in slots.items() if c is not None]
+        for name, component in slots.items():
+            if component is not None:
+                parts.append(Part(f"{where}.{name}", component, "slot"))
+                parts += [Part(f"{where}.{name}.{n}", c, "slot") for n, c in component.parts().items()]
         if self.route_rule is not None:
             parts.append(Part(f"{where}.route.rule", self.route_rule, "route"))
             parts += [Part(f"{where}.route.rule.{n}", c, "route") for n, c in self.route_rule.parts().items()]

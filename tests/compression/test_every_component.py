@@ -41,6 +41,8 @@ def _slot(field: str, name: str) -> dict[str, Any]:
     if field.endswith("route.rule.metric"):
         rule = {"name": "latch", "metric": component, "before": "first", "after": "second"}
         return {"route": {"rule": rule, "branches": {"first": {}, "second": {}}}}
+    if field.endswith("select.index"):
+        return {"select": {"name": "retrieve", "index": component}}
     if field.endswith("route.rule"):
         return {"route": {"rule": component, "branches": {}}}  # the rule's own branch names, below
     path = field.removeprefix("model.compression.").split(".")
@@ -143,4 +145,5 @@ def test_every_component_registry_is_covered():
     assert kinds == {
         "importance scorer", "diversity scorer", "mixer", "layer allocator", "head allocator",
         "modality allocator", "selector", "route rule", "layer metric", "decode policy", "quantizer",
+        "retrieval index",
     }  # fmt: skip

@@ -19,6 +19,7 @@ from kvlab.cli.main import main
 from kvlab.compression import retrieval as retrieval_module
 from kvlab.compression.context import LayerContext
 from kvlab.compression.retrieval import ChunkStore, RetrieveSelector
+from kvlab.compression.retrieval_index import MeanKeyIndex
 from kvlab.config.loader import resolve
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.kernels import dispatch
@@ -42,7 +43,7 @@ def test_chunk_score_is_the_mean_logit_of_its_tokens():
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(1, 1, 21, 8, generator=gen)
     region = torch.ones(1, 21, dtype=torch.bool)
-    store = ChunkStore.build(keys, keys, torch.tensor([[0, 0]]), region, torch.tensor([1]), chunk=8)
+    store = ChunkStore.build(keys, keys, torch.tensor([[0, 0]]), region, torch.tensor([1]), 8, MeanKeyIndex())
     query = torch.randn(1, 2, 1, 8, generator=gen)
     scores = chunk_scores_reference(query, store.index, store.rows, store.chunk_valid, 1)[0, 0]
     qbar = query[0, :, 0].mean(0).tolist()
@@ -118,8 +119,8 @@ def test_fetch_covering_every_chunk_attends_over_everything(monkeypatch):
     """A retrieval budget holding every chunk gives the full cache's attention (decode and end to end)."""
     build = ChunkStore.build
 
-    def every_chunk(keys, values, rows, region, n_sel, chunk):
-        return build(keys, values, rows, region, torch.full_like(n_sel, 10**6), chunk)
+    def every_chunk(keys, values, rows, region, n_sel, chunk, ranker):
+        return build(keys, values, rows, region, torch.full_like(n_sel, 10**6), chunk, ranker)
 
     monkeypatch.setattr(ChunkStore, "build", staticmethod(every_chunk))
     full_layer, _, _, _, _ = compressed_layer([23, 17], [[99, 99], [99, 99]])
@@ -254,3 +255,21 @@ def test_retrieve_selector_is_in_the_registry_and_dispatch_counts_its_kernels():
     assert dispatch.CALLS[("chunk_topk", "reference")] == 1
     assert dispatch.CALLS[("gather_chunks", "reference")] == 1
     assert retrieval_module.RetrieveSelector.registry_name == "retrieve"
+
+
+@pytest.mark.parametrize("protocol", ["query_agnostic", "multi_question"])
+def test_cost_fields_are_recorded_under_the_context_protocols(protocol):
+    """The context compressed alone keeps its store: each question reports its context's retrieving
+    heads, device, host and fetched bytes (they were all 0 when the context's report dropped it)."""
+    from support.questions import QUESTIONS
+
+    loaded = kvlab_model("tiny-qwen2")
+    pipeline = kvlab.load_pipeline("retrieval", {"budget.tokens": 32, "budget.window": 8})
+    outputs = kvlab.compress_and_generate(loaded, pipeline, QUESTIONS, max_new_tokens=3, protocol=protocol)
+    fox = [o.reported for o, s in zip(outputs, QUESTIONS, strict=True) if s.context_id == "fox"]
+    for reported in fox:
+        assert all(heads == 2 for heads in reported["retrieval_heads_per_layer"])  # every KV head
+        assert reported["kv_bytes_offloaded"] > 0 and reported["retrieval_bytes_per_step"] > 0
+        assert reported["kv_bytes_device"] > 0
+    if protocol == "multi_question":  # one context compressed once: its questions report the same store
+        assert len({r["kv_bytes_offloaded"] for r in fox}) == 1

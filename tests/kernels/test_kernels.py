@@ -24,6 +24,7 @@ from support.kernel_cases import (  # noqa: E402
     GATHER_CASES,
     MERGE_CASES,
     PACKED_CASES,
+    PAGE_CASES,
     REAL_DECODE,
     REAL_PACKED,
     REAL_WINDOW,
@@ -34,10 +35,12 @@ from support.kernel_cases import (  # noqa: E402
     gather_inputs,
     merge_case,
     merge_inputs,
+    page_inputs,
     run_crowded_merge,
     run_decode,
     run_gather,
     run_packed,
+    run_page_topk,
     run_real_decode,
     run_real_packed,
     run_real_window,
@@ -56,11 +59,22 @@ from kvlab.config.errors import ConfigError  # noqa: E402
 from kvlab.kernels import dispatch  # noqa: E402
 from kvlab.kernels.compaction import compact_kv_reference  # noqa: E402
 from kvlab.kernels.merge import merge_scatter, merge_scatter_reference  # noqa: E402
-from kvlab.kernels.retrieval import chunk_topk_reference, gather_chunks_reference  # noqa: E402
+from kvlab.kernels.retrieval import (  # noqa: E402
+    chunk_topk_reference,
+    gather_chunks_reference,
+    page_bounds_reference,
+    page_topk,
+    page_topk_reference,
+)
 from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
 from kvlab.kernels.tl.launches import record_launches  # noqa: E402
 from kvlab.kernels.tl.merge import merge_scatter_triton  # noqa: E402
-from kvlab.kernels.tl.retrieval import chunk_topk_triton, gather_chunks_triton  # noqa: E402
+from kvlab.kernels.tl.retrieval import (  # noqa: E402
+    chunk_topk_triton,
+    gather_chunks_triton,
+    page_bounds_triton,
+    page_topk_triton,
+)
 from kvlab.kernels.window_scores import window_attention_scores  # noqa: E402
 
 
@@ -196,6 +210,30 @@ def test_chunk_topk_kernel_equals_the_reference(case):
     assert torch.equal((want >= 0).sum(-1), k.expand(-1, query.shape[2]))
 
 
+@pytest.mark.parametrize("case", PAGE_CASES)
+def test_page_topk_kernel_equals_the_reference(case):
+    """Quest's page bounds and top-k: the same page ids as the torch path (exact), ascending, -1 past
+    each count; through the dispatcher, ``kernels: triton`` runs the kernel."""
+    inputs = page_inputs(*case)
+    want = page_topk_reference(*inputs)
+    assert torch.equal(run_page_topk(*case), want)
+    query, _, _, chunk_valid, n_sel, _ = inputs
+    k = torch.minimum(n_sel[:, None], chunk_valid.sum(-1, keepdim=True))  # [R, 1]
+    assert torch.equal((want >= 0).sum(-1), k.expand(-1, query.shape[2]))
+    dispatch.CALLS.clear()
+    with dispatch.kernel_mode("triton"):
+        assert torch.equal(page_topk(*inputs), want)
+    assert dispatch.CALLS[("page_topk", "triton")] == 1
+
+
+def test_page_bound_kernel_equals_the_reference_bounds():
+    """The kernel's bounds themselves (not only the ranking) against the torch path, in fp32."""
+    query, index, rows, chunk_valid, _, Hkv = page_inputs(2, 2, 2, 2, 24, 70, 3, torch.float32)
+    got = page_bounds_triton(query, index, rows, chunk_valid, Hkv)
+    want = page_bounds_reference(query, index, rows, chunk_valid, Hkv)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("case", GATHER_CASES)
 def test_gather_kernel_equals_the_reference(case):
     got, want = run_gather(*case), gather_chunks_reference(*gather_inputs(*case))
@@ -209,13 +247,19 @@ def test_retrieval_launches_do_not_recompile_with_chunk_counts_rows_queries_or_s
     def launches(B, q, NC, R, S, M):
         with record_launches(execute=False) as recorded:
             chunk_topk_triton(*topk_inputs(B, 2, 4, q, 64, NC, R, torch.bfloat16))
+            page_topk_triton(*page_inputs(B, 2, 4, q, 64, NC, R, torch.bfloat16))
             gather_chunks_triton(*gather_inputs(R, q, S, M, 64, 8, torch.bfloat16))
         return recorded
 
     short, long = launches(1, 1, 9, 2, 3, 40), launches(3, 2, 500, 6, 60, 4000)
     assert [launch.grid for launch in short] != [launch.grid for launch in long]
     assert [launch.compile_key() for launch in short] == [launch.compile_key() for launch in long]
-    assert {launch.kernel for launch in short} == {"_chunk_scores", "_chunk_select", "_gather_chunks"}
+    assert {launch.kernel for launch in short} == {
+        "_chunk_scores",
+        "_page_bounds",
+        "_chunk_select",
+        "_gather_chunks",
+    }
 
 
 def test_merge_reference_gives_the_three_lookm_rules():

@@ -10,6 +10,7 @@ the papers' formulas (never from kvlab's code), and the random contexts they are
 - :mod:`naive.prefixkv`: PrefixKV's layer importance, global prefix sizes and decode rule.
 - :mod:`naive.hybridkv`: HybridKV's text-centric sparsity, top-down budgets, text-prior keep.
 - :mod:`naive.retrieval`: chunk retrieval's choice of chunks by mean keys.
+- :mod:`naive.quest`: Quest's page bounds from per-channel key minima and maxima, its page choice.
 - :mod:`naive.expected_attention`: Expected Attention's query statistics, future rotation and scores.
 - :mod:`naive.criticalkv`: CriticalKV's projected value norm and second-stage score.
 - :mod:`naive.qfilters`: Q-Filters' first right singular vector (power iteration) and projections.

@@ -23,7 +23,7 @@ from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
 from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton  # noqa: E402
 from kvlab.kernels.tl.merge import merge_scatter_triton  # noqa: E402
 from kvlab.kernels.tl.packed_attention import packed_decode_attention_triton  # noqa: E402
-from kvlab.kernels.tl.retrieval import chunk_topk_triton, gather_chunks_triton  # noqa: E402
+from kvlab.kernels.tl.retrieval import chunk_topk_triton, gather_chunks_triton, page_topk_triton  # noqa: E402
 from kvlab.kernels.tl.window_scores import window_attention_scores_triton  # noqa: E402
 from kvlab.kernels.window_scores import window_attention_scores_reference  # noqa: E402
 
@@ -275,6 +275,30 @@ def run_topk(*case):
     return chunk_topk_triton(*topk_inputs(*case))
 
 
+def page_inputs(B, Hkv, G, q, D, NC, R, dtype, tie=False, seed=0):
+    """:func:`topk_inputs` with Quest's page index ``[R, NC, 2, D]`` (per-channel minimum and maximum
+    of 16 random keys per page) in place of the mean keys."""
+    query, _, rows, chunk_valid, n_sel, Hkv = topk_inputs(B, Hkv, G, q, D, NC, R, dtype, tie, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    keys = torch.randn(R, NC, 16, D, generator=gen)
+    index = torch.stack([keys.amin(2), keys.amax(2)], 2).to(dtype)
+    return query, index.to(DEVICE), rows, chunk_valid, n_sel, Hkv
+
+
+# (B, Hkv, G, q, D, NC, R, dtype, tie): MHA (the paper's models) and GQA, q 1 and 2, an odd head
+# dim, ties, a 32k prompt's 2048 pages of 16 at head dim 128
+PAGE_CASES = [
+    (1, 2, 1, 1, 16, 37, 2, torch.float32, False),
+    (2, 3, 4, 2, 12, 90, 5, torch.float16, False),
+    (1, 1, 2, 1, 16, 20, 1, torch.float32, True),
+    (1, 2, 4, 1, 128, 2048, 2, torch.bfloat16, False),
+]
+
+
+def run_page_topk(*case):
+    return page_topk_triton(*page_inputs(*case))
+
+
 def gather_inputs(R, q, S, M, D, chunk, dtype, seed=0):
     """A host store ``[R, M, D]`` (M a multiple of ``chunk``) and chunk ids ``[R, q, S]`` (-1: empty)."""
     gen = torch.Generator().manual_seed(seed)
@@ -314,4 +338,5 @@ def kernel_test_launches() -> Iterator[tuple[Callable[..., object], tuple]]:
     yield from ((lambda *c: merge_scatter_triton(*merge_case(*c)), case) for case in MERGE_CASES)
     yield from ((run_crowded_merge, case) for case in CROWDED_CASES)
     yield from ((run_topk, case) for case in TOPK_CASES)
+    yield from ((run_page_topk, case) for case in PAGE_CASES)
     yield from ((run_gather, case) for case in GATHER_CASES)

@@ -1,0 +1,171 @@
+"""Quest (Tang et al. 2024): the `key_bounds` retrieval index of the `retrieve` selector and the
+`quest` preset. The page bound and the page choice against the paper's formula written as loops
+(tests/naive/quest.py), the bound against every logit of its page, decode attention against a
+loop over the pages the naive choice picks, and the index as a YAML component. The Triton kernel
+is tested against the torch path in tests/kernels/test_kernels.py and compiled for sm_80/sm_90 by
+tests/kernels/test_kernel_compile.py; the preset runs through the preset matrices
+(tests/engine/test_methods.py, test_batching.py, test_preset_regression.py)."""
+
+import pytest
+import torch
+from naive.attention import dot, naive_attention
+from naive.quest import naive_page_bounds, naive_page_choice
+
+import kvlab
+from kvlab.cache.layer import CompressedLayer
+from kvlab.compression.context import LayerContext
+from kvlab.compression.quest import KeyBoundsIndex
+from kvlab.compression.retrieval import ChunkStore, RetrieveSelector
+from kvlab.compression.retrieval_index import MeanKeyIndex
+from kvlab.config.errors import ConfigError
+from kvlab.config.loader import resolve
+from kvlab.kernels.retrieval import page_bounds_reference
+from kvlab.pipeline import Pipeline
+
+
+def store_of(keys: torch.Tensor, page: int, ranker=None) -> ChunkStore:
+    """The store of one retrieving row holding every token of ``keys [1, 1, T, D]``."""
+    region = torch.ones(1, keys.shape[2], dtype=torch.bool)
+    return ChunkStore.build(keys, keys, torch.tensor([[0, 0]]), region, torch.tensor([1]), page,
+                            ranker or KeyBoundsIndex())  # fmt: skip
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_page_bound_is_the_papers_formula(G):
+    """``U_c = sum_i max(q_i M_i, q_i m_i)`` over 16-token pages (a partial last page), per channel."""
+    gen = torch.Generator().manual_seed(G)
+    keys = torch.randn(1, 1, 70, 12, generator=gen) * torch.linspace(0.2, 3.0, 12)  # uneven channels
+    store = store_of(keys, 16)
+    assert store.index.shape == (1, 5, 2, 12)
+    query = torch.randn(1, G, 2, 12, generator=gen)
+    bounds = page_bounds_reference(query, store.index, store.rows, store.chunk_valid, 1)  # [1, 2, 5]
+    rows = keys[0, 0].tolist()
+    for i in range(2):
+        want = naive_page_bounds([query[0, g, i].tolist() for g in range(G)], rows, 16)
+        torch.testing.assert_close(bounds[0, i].double(), torch.tensor(want, dtype=torch.float64),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_bound_holds_every_logit_of_its_page_and_is_tight_for_one_token_pages():
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 1, 200, 16, generator=gen) * 2.0
+    query = torch.randn(1, 4, 1, 16, generator=gen)  # GQA: 4 query heads on the KV head
+    for page in (1, 5, 16, 64):
+        store = store_of(keys, page)
+        bounds = page_bounds_reference(query, store.index, store.rows, store.chunk_valid, 1)[0, 0]
+        qbar = query[0, :, 0].double().mean(0)
+        for c, bound in enumerate(bounds.tolist()):
+            page_keys = keys[0, 0, c * page : (c + 1) * page].double()
+            logits = page_keys @ qbar  # the group's mean logit of every key of the page
+            assert bound >= float(logits.max()) - 1e-5
+            for g in range(4) if page == 16 else ():  # each head's own bound holds its own logits
+                own = naive_page_bounds([query[0, g, 0].tolist()], page_keys.tolist(), page)[0]
+                assert own >= max(dot(query[0, g, 0].tolist(), k) for k in page_keys.tolist()) - 1e-9
+            if page == 1:  # min = max = the key: the bound is the logit itself
+                assert bound == pytest.approx(float(logits[0]), abs=1e-5)
+
+
+def retrieving_layer(index: dict, lengths=(23, 17), counts=((9, 30), (13, 8)), page=4, G=2, seed=0):
+    """A padded two-sample layer compressed by ``retrieve`` with ``index`` (3 protected tokens held
+    locally), after two decode tokens, and the next query."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T, Hkv, D = len(lengths), max(lengths), 2, 8
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        valid[b, T - n :] = True
+    keys, values = torch.randn(B, Hkv, T, D, generator=gen), torch.randn(B, Hkv, T, D, generator=gen)
+    ctx = LayerContext(0, 1, torch.randn(B, Hkv * G, T, D, generator=gen), keys, values, valid,
+                       torch.where(valid, 0, -1), D**-0.5)  # fmt: skip
+    scores = torch.where(valid, 0.0, float("-inf"))[:, None].expand(B, Hkv, T).clone()
+    scores[..., -3:] = float("inf")
+    selector = RetrieveSelector(chunk=page, local="protected", index=index)
+    layer = CompressedLayer(decode_capacity=4)
+    layer.update(keys, values)
+    layer.compress(selector.select(scores, torch.tensor(counts), ctx))
+    decoded = [(torch.randn(B, Hkv, 1, D, generator=gen), torch.randn(B, Hkv, 1, D, generator=gen))
+               for _ in range(2)]  # fmt: skip
+    for k, v in decoded:
+        layer.update(k, v)
+    return layer, torch.randn(B, Hkv * G, 1, D, generator=gen), ctx, decoded
+
+
+def test_decode_attends_to_the_pages_the_papers_bound_picks():
+    """Each retrieving head attends, in one softmax, to its resident tokens, its decoded tokens and
+    the tokens of the top ``(budget - resident) // page`` pages by the naive bound."""
+    lengths, counts, page, G = (23, 17), ((9, 30), (13, 8)), 4, 2
+    layer, query, ctx, decoded = retrieving_layer({"name": "key_bounds"}, lengths, counts, page, G)
+    got = layer.decode_attention(query, ctx.scaling)
+    T = ctx.seq_len
+    for b, n in enumerate(lengths):
+        off = T - n
+        for h in range(2):
+            if counts[b][h] >= n:
+                chosen_tokens = list(range(n))
+            else:
+                held = [n - 3, n - 2, n - 1]
+                region = list(range(n - 3))
+                q_group = [query[b, h * G + g, 0].tolist() for g in range(G)]
+                region_keys = [ctx.keys[b, h, off + j].tolist() for j in region]
+                chosen = naive_page_choice(q_group, region_keys, page, (counts[b][h] - 3) // page)
+                pages = [range(c * page, min(c * page + page, n - 3)) for c in chosen]
+                chosen_tokens = held + [j for tokens in pages for j in tokens]
+            keys = [ctx.keys[b, h, off + j].tolist() for j in chosen_tokens] + [
+                k[b, h, 0].tolist() for k, _ in decoded
+            ]
+            values = [ctx.values[b, h, off + j].tolist() for j in chosen_tokens] + [
+                v[b, h, 0].tolist() for _, v in decoded
+            ]
+            for g in range(G):
+                want = naive_attention(query[b, h * G + g, 0].tolist(), keys, values, ctx.scaling)
+                torch.testing.assert_close(got[b, h * G + g, 0], torch.tensor(want, dtype=torch.float32),
+                                           atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_pages_of_one_token_pick_what_the_mean_key_picks():
+    """With one token per page the bound is the logit and the mean key the key: both indexes fetch
+    the same tokens, so decode attention is the same."""
+    outputs = []
+    for index in ({"name": "mean_key"}, {"name": "key_bounds"}):
+        layer, query, ctx, _ = retrieving_layer(index, page=1)
+        outputs.append(layer.decode_attention(query, ctx.scaling))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
+
+
+def test_index_bytes_are_twice_the_mean_keys():
+    keys = torch.randn(1, 1, 64, 8)
+    mean, bounds = store_of(keys, 16, MeanKeyIndex()), store_of(keys, 16)
+    assert bounds.device_bytes() - mean.device_bytes() == 4 * 8 * 4  # one more [NC, D] fp32 tensor
+    assert bounds.offloaded_bytes() == mean.offloaded_bytes()
+
+
+def test_the_index_is_a_yaml_component_under_the_selector():
+    node = {"budget": {"tokens": 32, "window": 4}, "importance": {"recency": {}}}
+    default = Pipeline.from_config({**node, "select": {"name": "retrieve"}})
+    quest = Pipeline.from_config({**node, "select": {"name": "retrieve", "index": {"name": "key_bounds"}}})
+    assert isinstance(default.selector.parts()["index"], MeanKeyIndex)
+    part = [p for p in quest.walk() if p.field == "model.compression.select.index"]
+    assert [type(p.component) for p in part] == [KeyBoundsIndex]
+    with pytest.raises(ConfigError, match=r"model\.compression\.select\.index.*key_bounds"):
+        Pipeline.from_config({**node, "select": {"name": "retrieve", "index": {"name": "key_bound"}}})
+    paged = {"name": "retrieve", "index": {"name": "key_bounds", "page": 16}}
+    with pytest.raises(ConfigError, match="key_bounds"):  # no parameters: the page is the selector's chunk
+        Pipeline.from_config({**node, "select": paged})
+
+
+def test_quest_preset_pages_of_16_and_the_bound_index():
+    node = resolve(["quest"], [])["model"]["compression"]
+    want = {"name": "retrieve", "chunk": 16, "local": "protected", "index": {"name": "key_bounds"}}
+    assert node["select"] == want
+    pipeline = kvlab.load_pipeline("quest")
+    assert isinstance(pipeline.selector.parts()["index"], KeyBoundsIndex)
+
+
+def test_bench_decode_compares_the_indexes_in_one_table(capsys):
+    from kvlab.cli.main import main
+
+    main(["bench", "decode", "--indexes", "mean_key,key_bounds", "--contexts", "256", "--budgets", "0.25",
+          "--repeat", "1", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"])  # fmt: skip
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 256 |")]
+    assert [row.split(" | ")[2] for row in rows] == ["kvlab full", "retrieve mean_key", "retrieve key_bounds"]
+    assert [row.split(" | ")[3] for row in rows] == ["all", "3", "3"]  # (64 - 16 resident) // 16 pages
