@@ -86,6 +86,24 @@ def bench_section(path: str) -> list[str]:
     return lines[first:]
 
 
+def perf_section(path: str) -> list[str]:
+    """The performance benches' output: each step's marker line becomes a heading, its output a
+    block as the bench printed it."""
+    out: list[str] = []
+    block: list[str] = []
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("== ") and "(at most" in line:
+            out += [
+                *(["```", *block, "```", ""] if block else []),
+                f"### {line[3:].split(' (at most')[0]}",
+                "",
+            ]
+            block = []
+        elif not line.startswith("== "):
+            block.append(line)
+    return out + (["```", *block, "```", ""] if block else [])
+
+
 def figures(cases: list[dict]) -> list[str]:
     """One table per test function with recorded properties: a row per parametrised case."""
     by_test: dict[str, list[dict]] = defaultdict(list)
@@ -159,6 +177,8 @@ def render(args: argparse.Namespace) -> int:
         out += ["## Measured figures (the tests' recorded properties)", "", *table]
     if any(name == "kvlab bench kernels" for name, *_ in steps):
         out += ["## kvlab bench kernels", "", *bench_section(args.bench), ""]
+    if args.perf and Path(args.perf).is_file():
+        out += ["## Performance benches (`--part perf`)", "", *perf_section(args.perf)]
     Path(args.out).write_text("\n".join(out) + "\n")
     print("\n".join(out[: 12 + len(rows)]))
     return status
@@ -170,6 +190,7 @@ def main() -> int:
     p.add_argument("--steps")
     p.add_argument("--part", default="core")
     p.add_argument("--bench", default="")
+    p.add_argument("--perf", default="")
     p.add_argument("--seconds", default="?")
     p.add_argument("--out", default="gpu_report.md")
     args = p.parse_args()
