@@ -97,6 +97,29 @@ class SegmentRuns:
         return len(self.runs) == 1 and self.runs[0].length == self.width
 
 
+@dataclass(frozen=True)
+class RunViews:
+    """:class:`SegmentRuns` bound to the flat buffers they cut: each run's keys and values as the
+    ``[count, 1, length, D]`` view the flash kernel reads (None for a run of empty segments).
+
+    Views of the buffers, not copies: in-place writes to the buffers show through. The cache keeps
+    them for the buffers and segments they were made from
+    (:meth:`kvlab.cache.layer.CompressedLayer.run_views`), so a decode step makes no view of the
+    prompt entries.
+    """
+
+    runs: SegmentRuns
+    keys: tuple[torch.Tensor | None, ...]
+    values: tuple[torch.Tensor | None, ...]
+
+    @classmethod
+    def of(cls, runs: SegmentRuns, prompt_keys: torch.Tensor, prompt_values: torch.Tensor) -> RunViews:
+        """The views of ``prompt_keys / prompt_values [N, D]`` cut by ``runs`` (no host sync)."""
+        keys = tuple(run.view(prompt_keys, True) if run.length else None for run in runs.runs)
+        values = tuple(run.view(prompt_values, True) if run.length else None for run in runs.runs)
+        return cls(runs, keys, values)
+
+
 def grouped_logits(
     query: torch.Tensor,
     prompt_keys: torch.Tensor,
@@ -144,9 +167,7 @@ def _decode_mask(q: int, rows: int, decode_length: int, like: torch.Tensor) -> t
 
 def _flash_attention(
     query: torch.Tensor,
-    prompt_keys: torch.Tensor,
-    prompt_values: torch.Tensor,
-    runs: SegmentRuns,
+    views: RunViews,
     decode_keys: torch.Tensor,
     decode_values: torch.Tensor,
     scaling: float,
@@ -154,22 +175,22 @@ def _flash_attention(
 ) -> torch.Tensor:
     """``[n, 1, r, D]``: one flash call per run and one over the decode entries, merged by log-sum-exp.
 
-    ``query [n, 1, r, D]`` (each segment one "batch" entry with one head), ``decode_keys /
-    decode_values [n, 1, t, D]``. With ``lse_p`` / ``lse_d`` the log-sum-exps of the prompt and
-    decode parts, the result is ``lerp(out_d, out_p, sigmoid(lse_p - lse_d))`` (:func:`merge_by_lse`,
-    in fp32 for 16-bit inputs): three small ops, exact up to rounding. A head with no prompt entry
-    has ``lse_p = -inf`` (share 0).
+    ``query [n, 1, r, D]`` (each segment one "batch" entry with one head), ``views`` the prompt
+    entries' runs as views, ``decode_keys / decode_values [n, 1, t, D]``. With ``lse_p`` / ``lse_d``
+    the log-sum-exps of the prompt and decode parts, the result is
+    ``lerp(out_d, out_p, sigmoid(lse_p - lse_d))`` (:func:`merge_by_lse`, in fp32 for 16-bit
+    inputs): three small ops, exact up to rounding. A head with no prompt entry has
+    ``lse_p = -inf`` (share 0).
     Every op is counted: on a busy CPU each costs more than its arithmetic (docs/kernels.md).
     """
     n, _, rows, D = query.shape
-    if len(runs.runs) == 1 and runs.runs[0].length:  # equal-length heads: one call over the buffer
-        run = runs.runs[0]
-        out, lse = _flash(query, run.view(prompt_keys, True), run.view(prompt_values, True), scaling)
+    runs = views.runs.runs
+    if len(runs) == 1 and runs[0].length:  # equal-length heads: one call over the buffer
+        out, lse = _flash(query, views.keys[0], views.values[0], scaling)
     else:
         outs, lses = [], []
-        for run in runs.runs:
+        for run, keys, values in zip(runs, views.keys, views.values, strict=True):
             if run.length:
-                keys, values = run.view(prompt_keys, True), run.view(prompt_values, True)
                 part, part_lse = _flash(query[run.segments], keys, values, scaling)
             else:
                 part = query.new_zeros(run.count, 1, rows, D)
@@ -182,7 +203,8 @@ def _flash_attention(
         return out
     mask = _decode_mask(q, rows, t, query) if q > 1 else None
     decode, decode_lse = _flash(query, decode_keys, decode_values, scaling, mask)
-    return merge_by_lse(out, lse, decode, decode_lse, with_lse=False)[0].to(query.dtype)
+    merged = merge_by_lse(out, lse, decode, decode_lse, with_lse=False)[0]
+    return merged if merged.dtype == query.dtype else merged.to(query.dtype)
 
 
 def merge_by_lse(
@@ -329,7 +351,7 @@ def ragged_decode_attention_reference(
     decode_positions: torch.Tensor | None = None,
     query_positions: torch.Tensor | None = None,
     decode_valid: torch.Tensor | None = None,
-    runs: SegmentRuns | None = None,
+    runs: SegmentRuns | RunViews | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over each (sample, KV head)'s kept prompt tokens plus decoded tokens.
 
@@ -349,8 +371,9 @@ def ragged_decode_attention_reference(
         sinks: ``[H]`` one extra logit per query head in the softmax denominator (no value row).
         decode_valid: ``[B, C]`` bool, False on padding entries of the decode region (hidden from
             every query but their own, so a padding query's output stays finite), or None.
-        runs: the :class:`SegmentRuns` of ``starts / lengths`` if the caller keeps them (the cache
-            does); computed here otherwise (one host sync).
+        runs: the :class:`SegmentRuns` of ``starts / lengths`` if the caller keeps them, or their
+            :class:`RunViews` of ``prompt_keys / prompt_values`` (the cache keeps these); computed
+            here otherwise (one host sync).
 
     Returns:
         ``[B, H, q, D]`` in the query dtype. GQA: query head ``h`` reads KV head ``h // (H // Hkv)``.
@@ -365,14 +388,34 @@ def ragged_decode_attention_reference(
             sinks=sinks, prompt_positions=prompt_positions, decode_positions=decode_positions,
             query_positions=query_positions, decode_valid=decode_valid,
         )  # fmt: skip
+    if not isinstance(runs, RunViews):
+        runs = SegmentRuns.of(starts, lengths) if runs is None else runs
+        runs = RunViews.of(runs, prompt_keys, prompt_values)
+    return in_place_decode_attention(query, runs, decode_keys, decode_values, decode_length, scaling)
+
+
+def in_place_decode_attention(
+    query: torch.Tensor,
+    views: RunViews,
+    decode_keys: torch.Tensor,
+    decode_values: torch.Tensor,
+    decode_length: int,
+    scaling: float,
+) -> torch.Tensor:
+    """The plain in-place CPU path of :func:`ragged_decode_attention_reference` (module docstring):
+    ``query [B, H, q, D]`` over the prompt entries' ``views`` and the first ``decode_length``
+    entries of ``decode_keys / decode_values [B, Hkv, C, D]`` -> ``[B, H, q, D]``.
+
+    No check is made: the caller has established a plain call (no variant, no padding entry) on
+    CPU floating tensors (:func:`reads_in_place`). The cache calls it directly at every decode
+    step; each Python call and tensor op here counts against a decode step (docs/kernels.md).
+    """
     B, H, q, D = query.shape
-    Hkv = starts.shape[1]
-    runs = SegmentRuns.of(starts, lengths) if runs is None else runs
-    grouped = query.reshape(B * Hkv, 1, (H // Hkv) * q, D)  # [n, 1, r, D]: one head per segment
+    n = views.runs.segments
+    grouped = query.reshape(n, 1, (H * B // n) * q, D)  # [n, 1, r, D]: one head per segment
     dk = _segments_view(decode_keys, decode_length)  # [n, 1, t, D] views
     dv = _segments_view(decode_values, decode_length)
-    out = _flash_attention(grouped, prompt_keys, prompt_values, runs, dk, dv, scaling, q)
-    return out.reshape(B, H, q, D)
+    return _flash_attention(grouped, views, dk, dv, scaling, q).reshape(B, H, q, D)
 
 
 def ragged_decode_attention(
@@ -394,13 +437,14 @@ def ragged_decode_attention(
     decode_positions: torch.Tensor | None = None,
     query_positions: torch.Tensor | None = None,
     decode_valid: torch.Tensor | None = None,
-    runs: SegmentRuns | None = None,
+    runs: SegmentRuns | RunViews | None = None,
 ) -> torch.Tensor:
     """Dispatcher: the Triton kernel on CUDA tensors, the torch path elsewhere (same arguments).
 
     A call with a sliding window, soft-capping, sinks or padding entries in the decode region
     always runs the torch path (the kernel implements none of them). ``runs`` (the segment runs
-    the cache keeps) is used by the torch path only.
+    the cache keeps, or their views) is used by the torch path only; a plain call on CPU with
+    :class:`RunViews` goes straight to :func:`in_place_decode_attention`.
     """
     args = (query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values)
     used = variants(sliding_window, softcap, sinks, decode_valid)
@@ -418,6 +462,8 @@ def ragged_decode_attention(
 
         with launch_device(query):
             return ragged_decode_attention_triton(*args, decode_length, scaling, max_prompt_length)
+    elif isinstance(runs, RunViews) and reads_in_place(query):  # the decode step's path on CPU
+        return in_place_decode_attention(query, runs, decode_keys, decode_values, decode_length, scaling)
     return ragged_decode_attention_reference(
         *args, decode_length, scaling, max_prompt_length, sliding_window=sliding_window, softcap=softcap,
         sinks=sinks, prompt_positions=prompt_positions, decode_positions=decode_positions,

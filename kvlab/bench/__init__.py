@@ -17,6 +17,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "scoring": ("kvlab.bench.scoring", "compression time of MixKV scoring vs its host (SnapKV)"),
     "retrieval": ("kvlab.bench.retrieval", "device KV, fetched bytes, decode time: retrieval vs full/snapkv"),
     "kernels": ("kvlab.bench.kernels", "every Triton kernel: GB/s vs peak and copy, speedup (CUDA only)"),
+    "e2e": (
+        "kvlab.bench.e2e",
+        "8B-class model end to end: TTFT, decode tok/s, peak memory, KV kept vs transformers",
+    ),
 }
 
 

@@ -54,7 +54,7 @@ from kvlab.cache.packed import EntryQuantizer, PackedPrompt, fold, merged_order,
 from kvlab.cache.selection import OffloadedStore, Selection
 from kvlab.cache.slots import SlotLayout
 from kvlab.kernels.compaction import compact_kv
-from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention, reads_in_place
+from kvlab.kernels.decode_attention import RunViews, SegmentRuns, ragged_decode_attention, reads_in_place
 from kvlab.kernels.types import segment_starts
 
 
@@ -67,6 +67,8 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
         super().__init__()
         # (starts, lengths, their SegmentRuns), see segment_runs
         self._runs: tuple[torch.Tensor, torch.Tensor, SegmentRuns] | None = None
+        # (prompt_keys, prompt_values, runs, their RunViews), see run_views
+        self._views: tuple[torch.Tensor, torch.Tensor, SegmentRuns, RunViews] | None = None
         self.decode_capacity = max(1, decode_capacity)
         self.cumulative_length = 0
         self.compressed = False
@@ -103,6 +105,21 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
         if self._runs is None or self._runs[0] is not self.starts or self._runs[1] is not self.lengths:
             self._runs = (self.starts, self.lengths, SegmentRuns.of(self.starts, self.lengths))
         return self._runs[2]
+
+    def run_views(self) -> RunViews:
+        """:meth:`segment_runs` bound to the prompt buffers
+        (:class:`~kvlab.kernels.decode_attention.RunViews`): each run's keys and values as the
+        view the CPU flash kernel reads.
+
+        Made once per buffers and segments (kept while ``prompt_keys``, ``prompt_values`` and the
+        runs stay the same objects; a copy before an in-place write or an eviction assigns new
+        ones), so a decode step makes no view of the prompt entries.
+        """
+        runs, held = self.segment_runs(), self._views
+        keys, values = self.prompt_keys, self.prompt_values
+        if held is None or held[0] is not keys or held[1] is not values or held[2] is not runs:
+            held = self._views = (keys, values, runs, RunViews.of(runs, keys, values))
+        return held[3]
 
     # --- transformers CacheLayerMixin API -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -322,7 +339,7 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
             self.max_prompt_length,
             # the runs serve the in-place torch path (CPU) only; elsewhere computing them would
             # cost a host sync whenever the segments change (a decode policy's eviction)
-            runs=self.segment_runs() if reads_in_place(query) else None,
+            runs=self.run_views() if reads_in_place(query) else None,
             sliding_window=window,
             softcap=softcap,
             sinks=sinks,

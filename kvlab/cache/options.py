@@ -36,3 +36,7 @@ class AttentionOptions:
         parts = [f"sliding_window={self.sliding_window}"] if self.sliding_window is not None else []
         parts += [f"softcap={self.softcap}"] if self.softcap is not None else []
         return ", ".join(parts + (["sinks (s_aux)"] if self.sinks is not None else []))
+
+
+#: the options of a plain layer (no variant), shared by every call that asks for none
+PLAIN = AttentionOptions()

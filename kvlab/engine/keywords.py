@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kvlab.cache.options import AttentionOptions
+from kvlab.cache.options import PLAIN, AttentionOptions
 from kvlab.config.errors import ConfigError
 
 # Keywords transformers 5.x passes to attention functions that kvlab implements.
@@ -34,10 +34,30 @@ KNOWN_KWARGS = HANDLED_KWARGS | frozenset(IGNORED_KWARGS)  # checked at every ca
 def attention_options(module: torch.nn.Module, kwargs: dict[str, Any]) -> AttentionOptions:
     """Validate the keywords transformers passed and collect the layer's :class:`AttentionOptions`.
 
+    Runs for every layer at every decode step: the accepted case costs a set test and three
+    lookups, and a plain layer gets the shared :data:`~kvlab.cache.options.PLAIN` (the model's
+    name is read only for an error).
+
     Raises:
         ConfigError: a keyword kvlab neither implements nor may ignore, a non-zero ``dropout``
             or ``is_causal=False`` (naming the model and the argument).
     """
+    if not KNOWN_KWARGS.issuperset(kwargs) or kwargs.get("dropout") or kwargs.get("is_causal") is False:
+        _refuse(module, kwargs)
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if window is None and softcap is None and sinks is None:
+        return PLAIN
+    return AttentionOptions(
+        sliding_window=int(window) if window is not None else None,
+        softcap=float(softcap) if softcap is not None else None,
+        sinks=sinks,
+    )
+
+
+def _refuse(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Raise the :class:`ConfigError` for keywords :func:`attention_options` does not accept."""
     unknown = sorted(key for key in kwargs if key not in KNOWN_KWARGS)
     name = getattr(getattr(module, "config", None), "name_or_path", "")
     owner = f"model {name!r} ({type(module).__name__})" if name else type(module).__name__
@@ -51,12 +71,4 @@ def attention_options(module: torch.nn.Module, kwargs: dict[str, Any]) -> Attent
         raise ConfigError(
             f"{owner}: attention argument dropout={kwargs['dropout']} (training) is not supported."
         )
-    if kwargs.get("is_causal") is False:
-        raise ConfigError(f"{owner}: attention argument is_causal=False (bidirectional) is not supported.")
-    window = kwargs.get("sliding_window")
-    softcap = kwargs.get("softcap")
-    return AttentionOptions(
-        sliding_window=int(window) if window is not None else None,
-        softcap=float(softcap) if softcap is not None else None,
-        sinks=kwargs.get("s_aux"),
-    )
+    raise ConfigError(f"{owner}: attention argument is_causal=False (bidirectional) is not supported.")
