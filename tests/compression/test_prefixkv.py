@@ -13,6 +13,7 @@ from naive.context import LENGTHS, make_ctx, sample_lists
 from naive.prefixkv import naive_fixed_index_decode, naive_layer_importance, naive_prefix_sizes
 from support import e2e
 from support.preset_runs import RECORD, is_vlm_preset, preset_compression, preset_models, preset_samples
+from support.presets import preset_config
 
 from kvlab.cache.cache import CompressedCache
 from kvlab.cache.selection import Selection
@@ -34,7 +35,7 @@ from kvlab.compression.prefixkv import (
 )
 from kvlab.config.artefacts import Artefact
 from kvlab.config.errors import ConfigError
-from kvlab.config.loader import preset_names, resolve
+from kvlab.config.loader import preset_names
 from kvlab.data import build_dataset
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.attention import kvlab_attention
@@ -64,7 +65,7 @@ def items(*words: int) -> tuple:
 
 
 def prefixkv(budget=None, **compression) -> Pipeline:
-    node = resolve(["prefixkv"], [])["model"]["compression"]
+    node = preset_config("prefixkv")["model"]["compression"]
     if budget is not None:
         kept = {k: v for k, v in node["budget"].items() if k not in ("ratio", "tokens")}  # one of the two
         node["budget"] = {**kept, **budget}
@@ -325,7 +326,7 @@ def test_protected_tokens_are_kept_and_heads_of_a_layer_share_positions(ratio):
 
 
 def test_prefix_threshold_needs_the_global_schedule():
-    node = resolve(["prefixkv"], [])["model"]["compression"]
+    node = preset_config("prefixkv")["model"]["compression"]
     node["allocate"]["layer"] = {"name": "prefix_threshold"}
     with pytest.raises(
         ConfigError, match=r"allocate\.layer \(prefix_threshold\) compares every layer.*schedule: global"
@@ -373,8 +374,8 @@ def test_offline_sizes_equal_the_calibration_prompt_solution_and_online(tmp_path
 LAYER_LOCAL = [
     (name, model)
     for name in preset_names()
-    if resolve([name], [])["model"].get("compression")
-    and not Pipeline.from_config(resolve([name], [])["model"]["compression"]).needs_all_layers
+    if preset_config(name)["model"].get("compression")
+    and not Pipeline.from_config(preset_config(name)["model"]["compression"]).needs_all_layers
     for model in preset_models(name)
 ]
 
@@ -412,7 +413,7 @@ def test_every_layer_local_preset_keeps_the_same_selection_under_both_schedules(
 
 def test_global_schedule_keeps_what_layerwise_keeps_for_layer_local_methods():
     loaded = e2e.kvlab_model("tiny-qwen2")
-    node = resolve(["snapkv"], [])["model"]["compression"]
+    node = preset_config("snapkv")["model"]["compression"]
     node["budget"] = {"tokens": 40, "window": 8}
     want = e2e.run(loaded, Pipeline.from_config(node), items(60, 35), 4)
     got = e2e.run(loaded, Pipeline.from_config({**node, "schedule": "global"}), items(60, 35), 4)
@@ -437,7 +438,7 @@ def test_online_allocator_splits_the_total_budget_over_layers(solver):
 
 
 def online(**compression) -> Pipeline:
-    return Pipeline.from_config({**resolve(["prefixkv_online"], [])["model"]["compression"], **compression})
+    return Pipeline.from_config({**preset_config("prefixkv_online")["model"]["compression"], **compression})
 
 
 def test_per_head_selection_keeps_the_layer_sizes_of_the_head_mean():
@@ -474,7 +475,7 @@ def test_global_schedule_refuses_what_cannot_work():
     decode_time = build_protocol({"name": "decode_time", "interval": 8, "target_size": 16})
     with pytest.raises(ConfigError, match=r"decode_time: model\.compression\.allocate\.layer \(prefix_thre"):
         decode_time.check(online())
-    routed = resolve(["david"], [])["model"]["compression"]
+    routed = preset_config("david")["model"]["compression"]
     routed.update(
         schedule="global", allocate={**routed.get("allocate", {}), "layer": {"name": "prefix_threshold"}}
     )

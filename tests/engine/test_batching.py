@@ -14,9 +14,10 @@ import pytest
 import torch
 from support import e2e
 from support.preset_runs import TOKEN_BUDGET, preset_compression, preset_models, preset_samples
+from support.presets import preset_config
 
 from kvlab.calibration.synthetic import synthetic_visual_heads
-from kvlab.config.loader import preset_names, resolve
+from kvlab.config.loader import preset_names
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.pipeline import Pipeline
 
@@ -51,7 +52,7 @@ def kept_positions(result, b: int, pad: int) -> list[list[list[int]]]:
 @pytest.mark.parametrize("preset, model", CASES)
 def test_padded_batch_equals_each_sample_alone(preset, model):
     loaded = e2e.kvlab_model(model)
-    compresses = bool(resolve([preset], [])["model"].get("compression"))
+    compresses = bool(preset_config(preset)["model"].get("compression"))
     node = preset_compression(preset, model, visual_heads) if compresses else None
     pipeline = Pipeline.from_config(node)
     items = batch_items(loaded.info.vision_language)

@@ -16,17 +16,17 @@ import torch
 from support import e2e
 from support.e2e import kvlab_model
 from support.preset_runs import is_vlm_preset, preset_models, preset_samples
-from support.presets import budgeted_compression, budgeted_pipeline, retrieval_samples
+from support.presets import budgeted_compression, budgeted_pipeline, preset_config, retrieval_samples
 from transformers import DynamicCache
 
 from kvlab.compression.decode import DECODE_POLICIES, ScoredEviction
 from kvlab.config.artefacts import Artefact, resolve_path
-from kvlab.config.loader import preset_names, resolve
+from kvlab.config.loader import preset_names
 from kvlab.engine.masking import load_masked_model
 from kvlab.models.base import TEXT
 from kvlab.pipeline import Pipeline
 
-PRESETS = [name for name in preset_names() if resolve([name], [])["model"].get("compression")]  # not `full`
+PRESETS = [name for name in preset_names() if preset_config(name)["model"].get("compression")]  # not `full`
 # every preset on each of its tiny models
 CASES = [(preset, model) for preset in PRESETS for model in preset_models(preset)]
 # a padded batch equals its samples one by one (kept positions included): tests/engine/test_batching.py
@@ -54,7 +54,7 @@ class Traits:
 
 
 def traits(name: str) -> Traits:
-    node = resolve([name], [])["model"]["compression"]
+    node = preset_config(name)["model"]["compression"]
     allocate = node.get("allocate") or {}
     head = (allocate.get("head") or {}).get("name", "uniform")
     layer = (allocate.get("layer") or {}).get("name", "uniform")

@@ -15,18 +15,18 @@ import torch
 from support.attention_variants import build, prompts, tokenizer
 from support.e2e import kvlab_model, run
 from support.preset_runs import preset_models, preset_samples
-from support.presets import budgeted_compression
+from support.presets import budgeted_compression, preset_config
 from support.questions import QUESTIONS
 
 import kvlab
 from kvlab.config.errors import ConfigError
-from kvlab.config.loader import preset_names, resolve
+from kvlab.config.loader import preset_names
 from kvlab.engine.generation import RunOptions, generate
 from kvlab.engine.protocols import build_protocol
 from kvlab.models.prompts import collate_ids
 from kvlab.pipeline import Pipeline
 
-PRESETS = [name for name in preset_names() if resolve([name], [])["model"].get("compression")]
+PRESETS = [name for name in preset_names() if preset_config(name)["model"].get("compression")]
 QUANTIZERS = {
     "kivi2": {"name": "kivi", "bits": 2, "group": 8, "residual": 8},
     "int4": {"name": "per_token", "bits": 4, "group": 16},

@@ -10,12 +10,12 @@ import sys
 
 import torch
 
-from kvlab.config.loader import preset_names, resolve
+from kvlab.config.loader import preset_names
 from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
 from kvlab.pipeline import Pipeline
 from support import e2e
 from support.paths import FIXTURES
-from support.presets import fit_layers
+from support.presets import fit_layers, preset_config
 
 RECORD = FIXTURES / "preset_selections.json"
 TEXT_MODELS = ("tiny-llama", "tiny-qwen2")
@@ -25,7 +25,7 @@ NEW_TOKENS = 6
 
 
 def is_vlm_preset(name: str) -> bool:
-    return resolve([name], [])["model"]["model"] != "smollm2-135m"
+    return preset_config(name)["model"]["model"] != "smollm2-135m"
 
 
 def preset_models(name: str) -> tuple[str, ...]:
@@ -48,7 +48,7 @@ def preset_compression(name: str, model: str, visual_heads) -> dict:
     (FastV's K) lowered to fit the tiny model (:func:`~support.presets.fit_layers`) and a
     ``threshold`` route rule's threshold lowered to 0: the tiny random models put little attention
     on sinks + window, so SimLayerKV would find no lazy layer and evict nothing."""
-    node = resolve([name], [])["model"]["compression"]
+    node = preset_config(name)["model"]["compression"]
     budget = node.get("budget") or {}
     if "tokens" in budget and budget.get("window", 0) < TOKEN_BUDGET:
         budget["tokens"] = TOKEN_BUDGET
