@@ -189,6 +189,8 @@ class UsesArtefact(Component):
 
     artefact_kind: str = ""
     artefact: str = "auto"
+    #: the artefact :meth:`bind_model` (or the first :meth:`artefact_for`) loaded; None until then
+    loaded_artefact: Artefact | None = None
 
     def _where(self) -> str:
         return f"model.compression ({getattr(self, 'registry_name', type(self).__name__)}).artefact"
@@ -201,11 +203,11 @@ class UsesArtefact(Component):
         loaded = Artefact.load(path, self._where()).check(
             self.artefact_kind, self._where(), model=model, **(shape or {})
         )
-        self._loaded_artefact = loaded
+        self.loaded_artefact = loaded
 
     def artefact_for(self, ctx: Any) -> Artefact:
         """The loaded artefact, checked against ``ctx``'s layer count and head counts."""
-        loaded = getattr(self, "_loaded_artefact", None)
+        loaded = self.loaded_artefact
         if loaded is None:
             if self.artefact == "auto":
                 raise ConfigError(
@@ -213,7 +215,7 @@ class UsesArtefact(Component):
                     "give an explicit path."
                 )
             loaded = Artefact.load(self.artefact, self._where()).check(self.artefact_kind, self._where())
-            self._loaded_artefact = loaded
+            self.loaded_artefact = loaded
         return loaded.check(
             self.artefact_kind,
             self._where(),

@@ -149,6 +149,8 @@ class Pipeline(LayerExecution, RoutedExecution):
     route_rule: RouteRule | None = None
     branches: dict[str, Pipeline] = field(default_factory=dict)
     quantizer: Quantizer | None = None
+    #: the model :meth:`bind_model` last bound (None: none yet)
+    bound_model: str | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, node: Any) -> Pipeline:
@@ -328,7 +330,7 @@ class Pipeline(LayerExecution, RoutedExecution):
         here is checked when it loads, before the prefill). Called before the model loads
         (``KVLabModule``) and again by ``generate`` (idempotent).
         """
-        if getattr(self, "_bound_model", None) == model:
+        if self.bound_model == model:
             return
         readers = self.capabilities.model_facts
         config = model_config(model) if readers else None
@@ -337,7 +339,7 @@ class Pipeline(LayerExecution, RoutedExecution):
         shape = model_shape(model)  # read from the model's config, no weights; {} when unknown
         for part in self.walk():
             part.component.bind_model(model, shape)
-        self._bound_model = model
+        self.bound_model = model
 
     @property
     def compresses(self) -> bool:
