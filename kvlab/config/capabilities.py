@@ -17,6 +17,7 @@ refused before it runs (:mod:`kvlab.models.facts`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
@@ -126,6 +127,14 @@ class Report:
     scalars: dict[str, float] = field(default_factory=dict)
 
 
+@functools.cache
+def parameters(cls: type) -> frozenset[str]:
+    """The parameters of a component class: its dataclass fields set at construction."""
+    if not dataclasses.is_dataclass(cls):
+        return frozenset()
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+
+
 class Component:
     """Base of every component kind: its registry name, what it restates of the budget, its
     capabilities, what it reports, and the model-binding hook.
@@ -143,11 +152,28 @@ class Component:
     """
 
     registry_name: str = ""
+    #: whether :meth:`seal` froze the parameters
+    sealed: ClassVar[bool] = False
     paper: ClassVar[str | None] = None
     budget_settings: ClassVar[dict[str, str]] = {}
     layer_allocator_settings: ClassVar[dict[str, str]] = {}
     capabilities: ClassVar[Capabilities] = Capabilities()
     record_fields: ClassVar[dict[str, RecordField]] = {}
+
+    def seal(self) -> None:
+        """Freeze this component's parameters (its dataclass fields set at construction): the
+        pipeline seals every component once it is built and validated; assigning a parameter
+        afterwards raises. State a component keeps while it runs is not a parameter and stays
+        writable."""
+        object.__setattr__(self, "sealed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.sealed and name in parameters(type(self)):
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is a parameter of a built pipeline and cannot change; build "
+                "another pipeline (kvlab.load_pipeline) with the value you want."
+            )
+        object.__setattr__(self, name, value)
 
     def parts(self) -> dict[str, Component]:
         """Components this one built from its own fields, by field name (a route rule's ``metric``,

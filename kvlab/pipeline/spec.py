@@ -217,6 +217,7 @@ class Pipeline(LayerExecution, RoutedExecution):
         pipeline._check_schedule()
         if pipeline.quantizer is not None:
             check_quantizer(pipeline.quantizer, pipeline.walk())
+        pipeline.seal()
         return pipeline
 
     @property
@@ -322,6 +323,13 @@ class Pipeline(LayerExecution, RoutedExecution):
                 "allocator with a calibration artefact)."
             )
 
+    def seal(self) -> None:
+        """Freeze every component's parameters (:meth:`~kvlab.config.capabilities.Component.seal`):
+        called once the pipeline is built and validated (the validation fills the parameters that
+        restate the budget or the layer allocator), so nothing can change a method afterwards."""
+        for part in self.walk():
+            part.component.seal()
+
     def bind_model(self, model: str) -> None:
         """Tell components that load per-model artefacts which model runs; fails fast on a mismatch.
 
@@ -377,4 +385,5 @@ class Pipeline(LayerExecution, RoutedExecution):
             take_budget_settings(part, f"{where}.rule.{name}", pipeline.budget)
         pipeline.route_rule = rule
         pipeline.branches = branches
+        pipeline.seal()
         return pipeline

@@ -10,11 +10,12 @@ from naive.rkv import naive_redundancy, naive_rkv_decode
 from support import e2e
 from support.decode_steps import compressed_layer, decode_steps
 from support.e2e import kvlab_model
-from support.presets import budgeted_pipeline, retrieval_samples
+from support.presets import budgeted_compression, retrieval_samples
 
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.rkv import key_redundancy
 from kvlab.engine.generation import decode, prefill
+from kvlab.pipeline import Pipeline
 
 B, HKV, G, D, T = 2, 2, 2, 4, 10
 
@@ -82,14 +83,20 @@ def test_rkv_decode_matches_naive_simulation_and_holds_the_budget_after_every_st
     assert int((evicted >= 0).sum()) == 4
 
 
+def rkv_every(tokens: int, every: int) -> Pipeline:
+    """The R-KV preset at a ``tokens`` budget, evicting every ``every`` decode steps."""
+    node = budgeted_compression("rkv", tokens=tokens)
+    node["decode"]["every"] = every
+    return Pipeline.from_config(node)
+
+
 @pytest.mark.parametrize("tokens", [40, 300])
 def test_rkv_preset_holds_its_budget_after_every_decode_step(tokens):
     """On a tiny model, a compressed prompt (budget 40) and prompts kept whole that grow to the
     budget (300): after every decode step each (sample, KV head) holds at most the budget, and it
     does evict (the cache is not simply appended to)."""
     loaded = kvlab_model("tiny-qwen2")
-    pipeline = budgeted_pipeline("rkv", tokens=tokens)
-    pipeline.decode_policy.every = 16
+    pipeline = rkv_every(tokens, 16)
     state = prefill(loaded, pipeline, loaded.processor.collate(retrieval_samples(2, 60)), decode_capacity=40)
     held = []
     decode(
@@ -109,8 +116,7 @@ def test_rkv_padded_batch_equals_one_by_one():
     loaded = kvlab_model("tiny-qwen2")
     items = retrieval_samples(2, 60)
     for tokens in (40, 290):
-        pipeline = budgeted_pipeline("rkv", tokens=tokens)
-        pipeline.decode_policy.every = 8
+        pipeline = rkv_every(tokens, 8)
         batched = e2e.run(loaded, pipeline, items, 24)
         for b, item in enumerate(items):
             alone = e2e.run(loaded, pipeline, [item], 24)
