@@ -52,7 +52,10 @@ class ExpectedAttentionScorer(ImportanceScorer):
     Where kvlab departs from the reference (both documented in ``docs/methods/expected_attention.md``):
     the logits use the layer's softmax scale ``s`` (the reference hard-codes ``1/sqrt(d)``, which
     is the same for Llama, Qwen2 and Mistral), and statistics, rotation and scores run in fp32
-    (the reference in the model's dtype).
+    (the reference in the model's dtype). Neither shows on the tiny models in fp32: a prefill keeps
+    the positions kvpress 0.5.5's press keeps in every layer and head, on tiny-qwen2 (GQA) with the
+    reference's settings and on tiny-llama without covariance or value norm
+    (``tests/fixtures/kvpress/``).
 
     Reads the model facts ``queries_before_rotation`` and ``rotary`` (refused on a model without a
     1-D rotary embedding, e.g. Qwen2-VL's M-RoPE) and every prompt query (refused with

@@ -25,7 +25,10 @@ splits it in its two places:
 Choices where kvpress' ``TOVAPress`` (0.5.x) and the paper differ, resolved for the paper
 (``docs/methods/tova.md``): kvpress gives the last prompt token more than the highest score so it
 is never pruned; the paper lets it compete, so the preset protects nothing (``budget.window: 0``) and the
-last token keeps or loses its place by its own attention weight. kvpress compresses once, at
+last token keeps or loses its place by its own attention weight; ``budget.window: 1`` reproduces
+kvpress: the same kept positions as ``TOVAPress`` 0.5.5 in every layer and head of tiny-qwen2 and
+tiny-llama (``tests/fixtures/kvpress/``), where the preset (window 0) drops the last token on
+tiny-qwen2 for the next best one in every layer. kvpress compresses once, at
 prefill, to a ratio of the prompt (``compression_ratio``) and appends every decoded token; the
 paper drops one token per step at a fixed size, as the decode policy does. A prompt shorter than
 the budget is kept whole and the state grows until it holds ``budget`` tokens, then evicts (the

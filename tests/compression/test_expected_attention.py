@@ -1,5 +1,5 @@
 """Expected Attention against the formula (``naive.expected_attention``: loops in fp64), its model
-facts, and its one source for the sinks."""
+facts, its one source for the sinks, and what kvpress 0.5.5's ``ExpectedAttentionPress`` keeps."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from naive.context import assert_scores, make_ctx, sample_lists
 from naive.expected_attention import expected_attention
+from support import kvpress_cases
 
 from kvlab.compression.expected_attention import ExpectedAttentionScorer
 from kvlab.config.errors import ConfigError
@@ -119,3 +120,14 @@ def test_expected_attention_refuses_a_model_with_a_3d_rotary_embedding():
     )
     assert "tiny-qwen2-vl cannot provide: its rotary embedding is 3-D (M-RoPE" in message
     assert "Run this method on a model that has it" in message
+
+
+@pytest.mark.parametrize("case", ["expected_attention", "expected_attention_mean"])
+def test_expected_attention_keeps_what_kvpress_keeps(case):
+    """kvpress 0.5.5's ExpectedAttentionPress hooked on the plain model (tests/fixtures/kvpress/)
+    keeps what kvlab's prefill keeps, every layer and head: tiny-qwen2 (GQA) with the reference's
+    settings and epsilon 0.02, tiny-llama with 2 sinks, 64 future positions, no covariance or value
+    norm. kvpress projects the layer's input hidden states with ``q_proj``, kvlab rotates the
+    post-RoPE queries back; kvpress pads its sinks at ``max + 1``, kvlab scores them ``+inf``."""
+    want = kvpress_cases.recorded()["cases"][case]["kept"]
+    assert kvpress_cases.kvlab_prefill_kept(kvpress_cases.CASES[case]) == want

@@ -2,15 +2,17 @@
 against a naive list simulation of the paper's policy (a prompt kept whole growing to its budget,
 ragged heads, a padded batch), and the preset end to end: a budget holding the prompt and every
 generated token is the full cache; a chunked prefill keeps the same positions; on a tiny model each
-layer's prefill keeps the naive top of the score on the queries and keys it saw."""
+layer's prefill keeps the naive top of the score on the queries and keys it saw, and what kvpress
+0.5.5's ``TOVAPress`` keeps (with the last token protected, as kvpress protects it)."""
 
+import pytest
 import torch
 from naive.context import LENGTHS, make_ctx, sample_lists
 from naive.tova import naive_tova_decode, naive_tova_scores
-from support import e2e
+from support import e2e, kvpress_cases
 from support.decode_steps import compressed_layer, decode_steps
 from support.e2e import kvlab_model
-from support.presets import budgeted_pipeline, retrieval_samples
+from support.presets import budgeted_compression, budgeted_pipeline, retrieval_samples
 
 from kvlab.compression.decode import DECODE_POLICIES
 from kvlab.compression.importance import IMPORTANCE
@@ -114,3 +116,27 @@ def test_tova_on_a_tiny_model_keeps_the_top_of_the_last_querys_head_mean():
         want = sorted(sorted(range(n), key=lambda t: (-scores[t], t))[:budget])
         for h in range(len(k)):
             assert report.selection.kept_positions(0, h) == want
+
+
+@pytest.mark.parametrize("case", ["tova", "tova_llama"])
+def test_tova_keeps_what_kvpress_keeps(case):
+    """kvpress 0.5.5's TOVAPress hooked on tiny-qwen2 (GQA) and tiny-llama (tests/fixtures/kvpress/)
+    keeps what kvlab's prefill keeps with ``budget.window: 1``, every layer and head: kvpress scores
+    the last token ``max + 1``, the window protects it."""
+    want = kvpress_cases.recorded()["cases"][case]["kept"]
+    assert kvpress_cases.kvlab_prefill_kept(kvpress_cases.CASES[case]) == want
+
+
+def test_the_tova_preset_differs_from_kvpress_by_the_last_token_only():
+    """The preset (``window: 0``, the paper) lets the last token compete with its own attention
+    weight, where kvpress keeps it whatever its score. On tiny-qwen2 it ranks below the budget in
+    every layer: kvlab keeps the next best token in its place and every other kept position is
+    kvpress's (on tiny-llama, ``tova_llama``, it ranks inside: the preset keeps kvpress's positions)."""
+    case = kvpress_cases.CASES["tova"]
+    want = kvpress_cases.recorded()["cases"]["tova"]["kept"]
+    got = kvpress_cases.kvlab_prefill_kept(case, budgeted_compression("tova", case.model, tokens=case.kept))
+    last = kvpress_cases.LENGTH - 1
+    for got_layer, want_layer in zip(got, want, strict=True):
+        for mine, theirs in zip(got_layer, want_layer, strict=True):
+            assert last in theirs and last not in mine
+            assert set(theirs) - set(mine) == {last} and len(set(mine) - set(theirs)) == 1

@@ -1,24 +1,36 @@
 """kvpress's kept positions on a tiny model, the cases of ``tests/fixtures/kvpress/kept.json``.
 
-One prompt of seeded random token ids through the plain model (its own attention, no kvlab): each
-layer's keys and values ``[1, Hkv, T, D]`` (post-RoPE, as both frameworks see them). Each case
-names a kvpress press with its arguments and the kvlab ``model.compression`` that should keep the
-same positions; ``tests/fixtures/kvpress/make_kept.py`` records kvpress's, run in a separate
-environment holding kvpress (its versions are in the file), and the method tests compare kvlab's.
+One prompt of seeded random token ids (:func:`prompt_ids`). Each case names a kvpress press with
+its arguments and the kvlab ``model.compression`` that should keep the same positions;
+``tests/fixtures/kvpress/make_kept.py`` records kvpress's, run in a separate environment holding
+kvpress (its versions are in the file), and the method tests compare kvlab's. Two kinds of case:
+
+- a press that scores keys and values alone (LagKV, CUR, ChunkKV): the prompt through the plain
+  model (its own attention, no kvlab) gives each layer's keys and values ``[1, Hkv, T, D]``
+  (post-RoPE, as both frameworks see them); kvpress scores them, and kvlab's pipeline compresses a
+  :class:`LayerContext` of them (:func:`kvlab_kept`);
+- a press that reads the attention layer (``forward``: the layer's input hidden states, its
+  ``q_proj``, rotary embedding or ``o_proj``: Expected Attention, TOVA, CriticalKV): kvpress's own
+  hooks run during a forward of the plain model, and kvlab's side is its prefill of the same
+  prompt with the same weights (:func:`kvlab_prefill_kept`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from kvlab.compression.context import LayerContext
+from kvlab.config.loader import merge, resolve
+from kvlab.engine.generation import prefill
 from kvlab.models import load_model
+from kvlab.models.base import Batch
 from kvlab.pipeline import Pipeline
+from support.e2e import kvlab_model
 from support.paths import FIXTURES
 
 RECORD = FIXTURES / "kvpress" / "kept.json"
@@ -30,7 +42,8 @@ SEED = 0
 @dataclass(frozen=True)
 class Case:
     """A kvpress press (class name in ``kvpress``, its arguments) and the kvlab compression node
-    expected to keep the same ``kept`` positions per head."""
+    expected to keep the same ``kept`` positions per head (with head budgets, ``kept`` is the
+    mean count)."""
 
     press: str
     args: dict[str, Any]
@@ -38,6 +51,9 @@ class Case:
     kept: int
     wraps: str | None = None  # the ScorerPress a wrapping press (ChunkKVPress) scores with
     ratio: float | None = None  # the compression ratio, when it is not ``ratio_for(kept)``
+    wraps_args: dict[str, Any] = field(default_factory=dict)  # the wrapped press's arguments
+    model: str = MODEL
+    forward: bool = False  # the press reads the attention layer: recorded from the model's forward
 
 
 def ratio_for(kept: int) -> float:
@@ -104,14 +120,109 @@ CASES: dict[str, Case] = {
         wraps="KnormPress",
         ratio=1 - 2.5 / 5,
     ),
+    # Expected Attention with the reference's settings (4 sinks, 512 future positions, covariance,
+    # value norm; epsilon 0.02 as kvlab's preset, kvpress' default being 0): the sinks are
+    # budget.sinks, no recent window; tiny-qwen2 for GQA (the softmax averaged over a group)
+    "expected_attention": Case(
+        "ExpectedAttentionPress",
+        {"n_sink": 4, "epsilon": 0.02},
+        {
+            "budget": {"tokens": 24, "window": 0, "sinks": 4},
+            "importance": {"expected": {"name": "expected_attention", "epsilon": 0.02}},
+        },
+        24,
+        model="tiny-qwen2",
+        forward=True,
+    ),
+    "expected_attention_mean": Case(
+        "ExpectedAttentionPress",
+        {"n_sink": 2, "n_future_positions": 64, "use_covariance": False, "use_vnorm": False},
+        {
+            "budget": {"tokens": 30, "window": 0, "sinks": 2},
+            "importance": {
+                "expected": {
+                    "name": "expected_attention",
+                    "n_future_positions": 64,
+                    "use_covariance": False,
+                    "use_vnorm": False,
+                    "epsilon": 0.0,
+                }
+            },
+        },
+        30,
+        forward=True,
+    ),
+    # TOVAPress scores the last token above every other: budget.window 1 (the preset's window 0 lets
+    # it compete, as the paper: tests/compression/test_tova.py)
+    "tova": Case(
+        "TOVAPress",
+        {},
+        {"budget": {"tokens": 20, "window": 1}, "importance": {"attention": {"name": "tova"}}},
+        20,
+        model="tiny-qwen2",
+        forward=True,
+    ),
+    "tova_llama": Case(
+        "TOVAPress",
+        {},
+        {"budget": {"tokens": 33, "window": 1}, "importance": {"attention": {"name": "tova"}}},
+        33,
+        forward=True,
+    ),
+    # CriticalKVPress around SnapKVPress (window 8, kernel 5) on uniform head budgets: kvpress's
+    # stage one is int(0.5 * 27.5) = 13 of the 27 with the window's 8 inside, so 5 by attention;
+    # kvlab's is floor(share * 19) of the 19 beyond the window: share 0.3 gives the same 5 (the
+    # preset's 0.5 gives 9)
+    "criticalkv": Case(
+        "CriticalKVPress",
+        {"epsilon": 1e-4, "first_stage_ratio": 0.5},
+        {
+            "preset": "criticalkv",
+            "budget": {"tokens": 27, "window": 8},
+            "allocate": {"head": {"name": "uniform"}},
+            "select": {"share": 0.3},
+        },
+        27,
+        wraps="SnapKVPress",
+        wraps_args={"window_size": 8, "kernel_size": 5},
+        model="tiny-qwen2",
+        forward=True,
+    ),
+    # CriticalAdaKVPress around SnapKVPress (window 8): the criticalkv preset (AdaKV head budgets,
+    # alpha 0.2, share 0.5) with that window; kvpress's stage one counts the window in (see
+    # tests/compression/test_criticalkv.py for what matches and what does not)
+    "criticalkv_ada": Case(
+        "CriticalAdaKVPress",
+        {"alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5},
+        {"preset": "criticalkv", "budget": {"tokens": 27, "window": 8}},
+        27,
+        wraps="SnapKVPress",
+        wraps_args={"window_size": 8, "kernel_size": 5},
+        model="tiny-qwen2",
+        forward=True,
+    ),
+    "criticalkv_ada_llama": Case(
+        "CriticalAdaKVPress",
+        {"alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5},
+        {"preset": "criticalkv", "budget": {"tokens": 30, "window": 8}},
+        30,
+        wraps="SnapKVPress",
+        wraps_args={"window_size": 8, "kernel_size": 5},
+        forward=True,
+    ),
 }
+
+
+def prompt_ids(vocab_size: int) -> torch.Tensor:
+    """``[1, LENGTH]``: the seeded prompt, token ids drawn uniformly below ``vocab_size``."""
+    gen = torch.Generator().manual_seed(SEED)
+    return torch.randint(0, vocab_size, (1, LENGTH), generator=gen)
 
 
 def prompt_states(model: str = MODEL) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's ``(keys, values)`` ``[1, Hkv, LENGTH, D]`` fp32 of the seeded prompt."""
     loaded = load_model(model)
-    gen = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(0, loaded.model.config.vocab_size, (1, LENGTH), generator=gen)
+    ids = prompt_ids(loaded.model.config.vocab_size)
     cache = DynamicCache(config=loaded.model.config)
     with torch.no_grad():
         loaded.model(input_ids=ids, cache=cache, use_cache=True)
@@ -138,6 +249,34 @@ def kvlab_kept(case: Case, states: list[tuple[torch.Tensor, torch.Tensor]]) -> l
         selection, _ = pipeline.compress(ctx)
         kept.append([selection.kept_positions(0, h) for h in range(Hkv)])
     return kept
+
+
+def compression_node(case: Case) -> dict[str, Any]:
+    """``case.kvlab``, a ``preset`` key resolved to that preset's compression node with the case's
+    other fields merged in."""
+    node = dict(case.kvlab)
+    preset = node.pop("preset", None)
+    if preset is None:
+        return node
+    return merge(resolve([preset], [])["model"]["compression"], node)
+
+
+def kvlab_prefill_kept(case: Case, node: dict[str, Any] | None = None) -> list[list[list[int]]]:
+    """kvlab's kept positions ``[layer][head][kept]`` after its prefill of the prompt on
+    ``case.model`` (its attention routed through kvlab) with ``node`` (default
+    :func:`compression_node` of ``case``)."""
+    loaded = kvlab_model(case.model)
+    ids = prompt_ids(loaded.model.config.vocab_size)
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), modality=torch.zeros_like(ids))
+    pipeline = Pipeline.from_config(compression_node(case) if node is None else node)
+    reports = prefill(loaded, pipeline, batch, decode_capacity=1).session.reports
+    heads = range(loaded.info.num_kv_heads)
+    return [[report.selection.kept_positions(0, h) for h in heads] for report in reports]
+
+
+def jaccard(a: list[int], b: list[int]) -> float:
+    """``|a & b| / |a | b|`` of two position lists."""
+    return len(set(a) & set(b)) / len(set(a) | set(b))
 
 
 def recorded() -> dict[str, Any]:
