@@ -157,6 +157,19 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
         return -1
 
     # --- compression -----------------------------------------------------------------------
+    def hold_dense(self, keys: torch.Tensor, values: torch.Tensor, logical_length: int) -> None:
+        """Replace the dense prefill K/V, before compression, by ``keys / values [B, Hkv, S, D]``.
+
+        A progressive prefill (:mod:`kvlab.engine.progressive`) keeps between two chunks only each
+        sample's kept entries (one dense row per sample, left padded) and drops the question it
+        scored with; the next chunk's K/V are concatenated to them (:meth:`update`).
+        ``logical_length``: the prompt tokens seen so far (what :meth:`get_seq_length` reports).
+        """
+        if self.compressed:
+            raise RuntimeError("hold_dense: the layer is already compressed")
+        self.keys, self.values = keys, values
+        self.cumulative_length = logical_length
+
     def compress(self, selection: Selection, sliding_window: int | None = None) -> None:
         """Replace the dense prefill K/V by the ragged kept entries of ``selection``.
 

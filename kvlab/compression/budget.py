@@ -163,3 +163,15 @@ class Budget:
         recent = pos >= lengths - self.window_counts(lengths[:, 0])[:, None]
         sink = pos < self.sinks
         return valid & (recent | sink)
+
+
+@dataclass(frozen=True)
+class TargetBudget(Budget):
+    """A per-sample token target ``targets [B]`` in place of ``tokens`` / ``ratio`` (decode-time
+    compression, a progressive prefill's steps); the window, sinks and window share are the
+    configured budget's."""
+
+    targets: torch.Tensor | None = None
+
+    def asked(self, lengths: torch.Tensor) -> torch.Tensor:
+        return self.targets.to(lengths.device)

@@ -16,6 +16,11 @@ position, the queries before rotation (:meth:`LayerContext.queries_before_rotati
 projection weights; a frozen view holding only what the pipeline's components declared in
 ``Capabilities(model_facts=...)`` (empty otherwise: reading an undeclared fact raises).
 
+The question (:attr:`LayerContext.question`): during a progressive prefill with ``question: true``
+(``model.compression.prefill``, Finch) the question part of the prompt runs after each chunk; its
+queries and keys are a :class:`QuestionView`, and :meth:`LayerContext.question_attention` is the
+attention the question pays to each entry (its own keys in the softmax, never among the entries).
+
 Image blocks (Gemma 3, :attr:`LayerContext.image_blocks`): the model lets the tokens of one image
 attend to each other in both directions, and every attention helper here applies the same mask as
 the model's prefill attention (``causal | same image block``), so scorers read the attention the
@@ -38,6 +43,21 @@ from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
 from kvlab.kernels.window_scores import REFERENCE_BLOCK_ELEMENTS, window_attention_scores
 from kvlab.models.facts import LayerFacts
+
+
+@dataclass(frozen=True)
+class QuestionView:
+    """The question of a progressive prefill's step, after one layer's attention (Finch, Sec. 3).
+
+    Attributes:
+        queries: post-RoPE queries ``[B, H, Q, D]`` of the question tokens, left padded.
+        keys: their post-RoPE keys ``[B, Hkv, Q, D]`` (in the softmax, never entries to keep).
+        valid: ``[B, Q]`` bool, False on padding (and for a sample with no chunk at this step).
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    valid: torch.Tensor
 
 
 @dataclass
@@ -92,6 +112,8 @@ class LayerContext:
             set by the pipeline once the layer is scored, before allocation and selection (a
             selector ranking part of the budget by one scorer reads it: ``two_stage``); empty
             before scoring and outside a pipeline.
+        question: the question's queries and keys during a progressive prefill with
+            ``question: true`` (:class:`QuestionView`); None otherwise.
     """
 
     layer_idx: int
@@ -115,6 +137,7 @@ class LayerContext:
     prompt_valid: torch.Tensor | None = None
     facts: LayerFacts = field(default_factory=LayerFacts)
     role_scores: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    question: QuestionView | None = None
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -339,6 +362,48 @@ class LayerContext:
             )
             total += probs.sum(-2)
         return total
+
+    def question_attention(self, normalize: bool = False) -> torch.Tensor:
+        """Attention the question's queries pay to each entry, summed over the question, ``[B, H, T]`` fp32.
+
+        Question row ``i`` attends to every valid entry and, causally, to the question's own valid
+        keys ``j <= i``; the softmax runs over both (fp32 logits), and only the entries' columns are
+        returned (Finch, Sec. 3: the question is appended to the chunk, its own K/V dropped after).
+        ``normalize``: each row's probabilities are multiplied by the number of keys it sees
+        (the valid entries and the question's own keys up to it), so a row's uniform attention
+        weighs 1 per key whatever its length
+        (the normalisation of the authors' implementation, kvpress' ``FinchPress``). Padding rows
+        give 0. Memoised per ``normalize``.
+
+        Raises:
+            ConfigError: no question is held (the prefill is not progressive with ``question: true``).
+        """
+        key = ("question_attention", normalize)
+        if key in self._memo:
+            return self._memo[key]
+        view = self.question
+        if view is None:
+            raise ConfigError(
+                "question_attention needs the question's queries, which only a progressive prefill with "
+                "`model.compression.prefill: {name: progressive, question: true}` provides (under "
+                "model.protocol: query_aware)."
+            )
+        B, H, Q, D = view.queries.shape
+        Hkv, G = self.num_kv_heads, self.group_size
+        queries = view.queries.float().reshape(B, Hkv, G * Q, D)
+        entry_logits = (queries @ self.keys_fp32().transpose(-1, -2) * self.scaling).view(B, H, Q, -1)
+        own_logits = (queries @ view.keys.float().transpose(-1, -2) * self.scaling).view(B, H, Q, Q)
+        entry_logits = entry_logits.masked_fill(~self.valid[:, None, None, :], float("-inf"))
+        rows = torch.arange(Q, device=self.keys.device)
+        seen = (rows[None, :] <= rows[:, None])[None] & view.valid[:, None, :]  # [B, Q, Q]
+        own_logits = own_logits.masked_fill(~seen[:, None], float("-inf"))
+        probs = torch.softmax(torch.cat([entry_logits, own_logits], dim=-1), dim=-1)[..., : self.seq_len]
+        probs = torch.nan_to_num(probs) * view.valid[:, None, :, None]  # padding rows: 0
+        if normalize:
+            seen_keys = self.lengths[:, None] + view.valid.long().cumsum(-1)  # [B, Q]
+            probs = probs * seen_keys[:, None, :, None]
+        self._memo[key] = probs.sum(2)
+        return self._memo[key]
 
     def cumulative_attention(self, chunk: int | None = None) -> torch.Tensor:
         """Column sums of the full causal prompt attention (H2O's accumulated attention), ``[B, H, T]`` fp32.

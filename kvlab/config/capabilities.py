@@ -53,6 +53,10 @@ class Capabilities:
             pipeline runs on every layer under ``schedule: global`` before any is compressed.
         decode_attention: a decode policy that reads each decode step's attention probabilities
             (the engine then has the attention function record them, ``run.take_decode_attention()``).
+        reads_question: reads the attention the prompt's question pays to the entries
+            (``LayerContext.question_attention``), which only a progressive prefill with
+            ``question: true`` provides (``model.compression.prefill``, Finch's kind); a pipeline
+            with such a component and no question, or a question and no such component, is refused.
         model_facts: the model facts the component reads (names of :data:`MODEL_FACTS`), sorted:
             the engine provides them in ``LayerContext.facts`` only when a component declares them,
             and refuses a model that cannot provide one before it runs. ``hidden_states`` covers
@@ -63,6 +67,7 @@ class Capabilities:
     needs_all_layers: bool = False
     observes_layers: bool = False
     decode_attention: bool = False
+    reads_question: bool = False
     model_facts: tuple[ModelFact, ...] = ()
 
     def __post_init__(self) -> None:

@@ -97,3 +97,7 @@ QUEST = (
     'Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference" '
     "(ICML 2024, arXiv 2406.10774)"
 )
+FINCH = (
+    'Corallo and Papotti 2024, "FINCH: Prompt-guided Key-Value Cache Compression for Large Language '
+    'Models" (TACL 2024, arXiv 2408.00167)'
+)

@@ -12,7 +12,8 @@ registered in transformers' ``AttentionInterface`` by :mod:`kvlab.engine.registr
   last layer (``global``). With ``model.prefill_chunk`` the prompt comes in several forwards: a
   chunk before the last only attends (its queries over the dense K/V so far) and the layer is
   compressed in the last one, with the recent window's queries held over from the earlier chunks
-  (:mod:`kvlab.engine.prefill_plan`).
+  (:mod:`kvlab.engine.prefill_plan`). A progressive prefill (``model.compression.prefill:
+  progressive``) compresses every layer after every chunk instead (:mod:`kvlab.engine.progressive`).
 - Decode: attention over the layer's ragged kept tokens plus the decoded tokens
   (:meth:`~kvlab.cache.layer.CompressedLayer.decode_attention`). While the decode policy (or the
   decode-time protocol) asks for them, the step's attention probabilities over the layer's
@@ -40,6 +41,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvlab.config.errors import ConfigError
 from kvlab.engine.keywords import attention_options
 from kvlab.engine.prefill_attention import prefill_attention
+from kvlab.engine.progressive import progressive_attention
 from kvlab.engine.schedule import compress_context, layer_context, observe_layer
 from kvlab.engine.session import active_session
 
@@ -83,6 +85,9 @@ def kvlab_attention(
         out = layer.decode_attention(query, scaling, options)
         if session.run.records_decode_attention:  # a decode policy (or decode_time) reads it
             session.run.record_decode_attention(layer_idx, layer.attention_probs(query, scaling, options))
+        return out.transpose(1, 2).contiguous(), None
+    if session.progressive is not None:  # compressed after every chunk (model.compression.prefill)
+        out = progressive_attention(session, layer_idx, query, key, value, scaling, options)
         return out.transpose(1, 2).contiguous(), None
     T, q, k = session.valid.shape[1], query.shape[2], key.shape[2]
     whole = q == k == T

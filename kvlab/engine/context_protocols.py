@@ -1,10 +1,15 @@
-"""The protocols that compress the context alone: ``query_agnostic`` and ``multi_question``.
+"""The protocols that compress the context alone (``query_agnostic``, ``multi_question``), and
+``query_aware``, which does too when the pipeline scores with the question.
 
 The context of each sample (or of each ``context_id``) is prefilled and compressed without its
 question (:mod:`kvlab.engine.prompt_split`); the question part is then prefilled on top of the
 compressed cache, uncompressed (:func:`~kvlab.engine.generation.extend`), and decoding follows.
 ``multi_question`` answers the questions of one context in turn from one compressed context,
-restored between them (:meth:`~kvlab.cache.state.RunState.checkpoint`). docs/protocols.md.
+restored between them (:meth:`~kvlab.cache.state.RunState.checkpoint`). ``query_aware`` prefills
+the whole prompt with compression inside; under a progressive prefill with ``question: true``
+(Finch, ``model.compression.prefill``) it runs the same context run, the question appended to
+every chunk of the context for scoring (:mod:`kvlab.engine.progressive`), then prefilled on top.
+docs/protocols.md.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from kvlab.config.errors import ConfigError
+from kvlab.engine.decode_positions import EvictionLog
 from kvlab.engine.generation import (
     DEFAULT_OPTIONS,
     GenerationResult,
@@ -22,6 +28,7 @@ from kvlab.engine.generation import (
     RunOptions,
     decode,
     extend,
+    generation_result,
     prefill,
     stop_tokens,
     trim_at_stop,
@@ -38,15 +45,22 @@ def _context_run(
     batch: Batch,
     options: RunOptions,
     group: bool,
+    question_scoring: bool = False,
 ) -> ProtocolResult:
     """``query_agnostic`` (``group`` False: one context per sample) and ``multi_question``: prefill and
     compress the contexts once, then answer round r's question of every context from the
-    checkpointed cache (restored between rounds), each question prefilled uncompressed."""
+    checkpointed cache (restored between rounds), each question prefilled uncompressed.
+    ``question_scoring`` (``query_aware`` under a progressive prefill with ``question: true``, one
+    context per sample): the prefill scores every chunk of the context with its sample's question."""
     split = split_prompts(loaded.processor, batch, group)
     B = len(split.questions)
     limits = sample_limits(batch, options.max_new_tokens)
     longest = max([len(q) for q in split.questions] + [0])
-    state = prefill(loaded, pipeline, split.context, longest + int(limits.max()), options)
+    pad_id = loaded.processor.pad_token_id if isinstance(loaded.processor, PromptProcessor) else 0
+    questions = question_block(split.questions, pad_id) if question_scoring else None
+    state = prefill(
+        loaded, pipeline, split.context, longest + int(limits.max()), options, questions=questions
+    )
     teacher_tokens = options.teacher_tokens
     session = state.session
     kept = state.cache.kept_tokens()  # [L, C, Hkv] before any question
@@ -55,7 +69,6 @@ def _context_run(
     tokens: list[list[int]] = [[] for _ in range(B)]
     logits: list[torch.Tensor | None] = [None] * B
     seconds = {"extend": 0.0, "decode": 0.0}
-    pad_id = loaded.processor.pad_token_id if isinstance(loaded.processor, PromptProcessor) else 0
     for r in range(rounds):
         members = [g[r] if r < len(g) else None for g in split.groups]  # one sample (or none) per context
         if r > 0:
@@ -130,6 +143,34 @@ def _sample_result(
     )
 
 
+@PROTOCOLS.register("query_aware")
+@dataclass
+class QueryAware(Protocol):
+    """The whole prompt, question included, in one prefill with compression inside (kvlab's default)."""
+
+    def run(self, loaded, pipeline, batch, options=DEFAULT_OPTIONS) -> ProtocolResult:
+        if pipeline.prefill_mode.question:  # Finch: the context compressed with the question's scores
+            return _context_run(loaded, pipeline, batch, options, group=False, question_scoring=True)
+        limits = sample_limits(batch, options.max_new_tokens)
+        steps = int(limits.max())
+        state = prefill(loaded, pipeline, batch, steps, options)
+        uniform = bool((limits == steps).all())
+        policy = pipeline.decode_policy
+        if options.record_positions:  # before decoding starts: the policy records what it evicts
+            policy.record_evictions(state.session.run)
+        teacher = options.teacher_tokens
+        decoded = decode(state, steps, options.return_logits, teacher, limits=None if uniform else limits)
+        result = generation_result(state, decoded)
+        result.tokens = cut_at_limits(result.tokens, limits, teacher)
+        record = policy.evicted_positions(state.session.run) if options.record_positions else None
+        positions = None
+        if record is not None:  # the sample's tokens, its stop token included (as decode_time counts)
+            produced = [min(len(row) + 1, int(limits[b])) for b, row in enumerate(result.tokens)]
+            log = EvictionLog(state.session.reports, state.session.valid, merged=True)
+            positions = log.policy_samples(record, produced)
+        return ProtocolResult(result, [{} for _ in result.tokens], decode_positions=positions)
+
+
 @PROTOCOLS.register("query_agnostic")
 @dataclass
 class QueryAgnostic(Protocol):
@@ -137,6 +178,7 @@ class QueryAgnostic(Protocol):
 
     def check(self, pipeline: Pipeline) -> None:
         _refuse_decode_policy(pipeline, self.registry_name)
+        refuse_question_scoring(pipeline, self.registry_name)
 
     def run(self, loaded, pipeline, batch, options=DEFAULT_OPTIONS) -> ProtocolResult:
         return _context_run(loaded, pipeline, batch, options, group=False)
@@ -151,6 +193,7 @@ class MultiQuestion(Protocol):
 
     def check(self, pipeline: Pipeline) -> None:
         _refuse_decode_policy(pipeline, self.registry_name)
+        refuse_question_scoring(pipeline, self.registry_name)
 
     def run(self, loaded, pipeline, batch, options=DEFAULT_OPTIONS) -> ProtocolResult:
         return _context_run(loaded, pipeline, batch, options, group=True)
@@ -168,4 +211,18 @@ def _refuse_decode_policy(pipeline: Pipeline, protocol: str) -> None:
             f"policy model.compression.decode = {name} scores only the prompt's and the decoded tokens (the "
             "question's entries would enter it unscored). Use `model.compression.decode: {name: none}` "
             f"with {protocol}, or `model.protocol: query_aware` with {name}."
+        )
+
+
+def refuse_question_scoring(pipeline: Pipeline, protocol: str) -> None:
+    """A pipeline scoring with the question (a progressive prefill with ``question: true``, Finch)
+    compresses each context for its own question, which ``query_agnostic`` (no question at
+    compression) and ``multi_question`` (one compression for several questions) do not have, nor
+    ``decode_time`` (the question is part of the prompt it recompresses)."""
+    if pipeline.prefill_mode.question:
+        raise ConfigError(
+            f"{WHERE} = {protocol}: model.compression.prefill.question = true scores the context with its "
+            "question, which this protocol does not compress with (query_agnostic compresses the context "
+            "before any question, multi_question once for several, decode_time the prompt and its output). "
+            "Use `model.protocol: query_aware` (Finch's), or set model.compression.prefill.question to false."
         )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.compression.budget import Budget
+from kvlab.compression.budget import TargetBudget
 from kvlab.compression.context import LayerContext
 from kvlab.config.errors import ConfigError
 from kvlab.engine.decode_positions import EvictionLog
@@ -30,17 +30,6 @@ from kvlab.engine.protocols import PROTOCOLS, WHERE, Protocol, ProtocolResult, c
 from kvlab.engine.session import CompressionSession
 from kvlab.models.base import PAD, TEXT
 from kvlab.pipeline import Pipeline
-
-
-@dataclass(frozen=True)
-class TargetBudget(Budget):
-    """A per-sample token target ``targets [B]`` in place of ``tokens`` / ``ratio`` (decode-time
-    compression); the window, sinks and window share are the configured budget's."""
-
-    targets: torch.Tensor | None = None
-
-    def asked(self, lengths: torch.Tensor) -> torch.Tensor:
-        return self.targets.to(lengths.device)
 
 
 @dataclass
@@ -115,6 +104,12 @@ class DecodeTime(Protocol):
         merging selectors, evicting decode policies and components reading model facts are refused.
         """
         where = f"{WHERE} = decode_time"
+        if pipeline.prefill_mode.progressive:
+            raise ConfigError(
+                f"{where} compresses one layer's whole cache at a time, and model.compression.prefill = "
+                "progressive holds its entries between chunks its own way; use `model.compression.prefill: "
+                "{name: once}` with decode_time, or `model.protocol: query_aware`."
+            )
         if not pipeline.compresses or pipeline.budget is None:
             raise ConfigError(
                 f"{where} compresses with the configured pipeline, but model.compression has no scorer (the "

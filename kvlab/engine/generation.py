@@ -35,6 +35,7 @@ from kvlab.engine.prefill_plan import (
     global_query_window,
     observed_window,
 )
+from kvlab.engine.progressive import progressive_forward, progressive_state
 from kvlab.engine.schedule import check_prefill_done
 from kvlab.engine.session import CompressionSession, compression_session
 from kvlab.models.base import Batch, LoadedModel
@@ -208,8 +209,14 @@ def prefill(
     decode_capacity: int = 32,
     options: RunOptions = DEFAULT_OPTIONS,
     block_elements: int | None = None,
+    questions: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PrefillState:
     """One forward over the padded prompt of ``batch`` (or chunks); every layer is compressed inside it.
+
+    A progressive prefill (``model.compression.prefill: progressive``) feeds the prompt chunk by
+    chunk instead, every layer compressed after each (:mod:`kvlab.engine.progressive`), with the
+    ``questions`` (``ids [B, Q]``, ``valid [B, Q]``, left padded) appended to every chunk for
+    scoring when the mode asks for them (``question: true``).
 
     Args:
         loaded: the model, its attention routed through kvlab (``enable_kvlab_attention``).
@@ -223,6 +230,8 @@ def prefill(
         block_elements: the most attention elements (``B x H x rows x keys``) prefill attention and
             the scorers' attention helpers hold at once (None: 2**24, 64 MiB of fp32): the working
             set of a long prompt's prefill, whatever its length.
+        questions: the question parts a progressive prefill with ``question: true`` scores with
+            (the context protocols' split, :mod:`kvlab.engine.context_protocols`); None otherwise.
 
     Returns:
         the :class:`PrefillState` to hand to :func:`decode`.
@@ -242,6 +251,9 @@ def prefill(
         check_prefill_chunk(pipeline, prefill_chunk)
         if info.vision_language:
             raise ConfigError(chunked_vlm_message(info.name, prefill_chunk))
+    mode = pipeline.prefill_mode
+    if mode.progressive:
+        _check_progressive(info.name, info.vision_language, prefill_chunk, mode.question, questions)
     device = input_device(model)  # embeddings' device: with a device_map, not the first parameter's
     input_ids = batch.input_ids.to(device)
     attention_mask = batch.attention_mask.to(device)
@@ -267,12 +279,17 @@ def prefill(
         else None,
         block_elements=block_elements,
         facts=facts,
+        progressive=progressive_state(pipeline, valid.sum(-1)) if mode.progressive else None,
     )
     positions = sample_positions(valid).clamp(min=0)  # [B, T]; padding gets 0, as in transformers
     capturing = facts.capturing() if facts is not None else contextlib.nullcontext()
     with compression_session(session), capturing:
         start = time.perf_counter()
-        if chunk is None:
+        if mode.progressive:
+            first_logits = progressive_forward(
+                model, session, input_ids, questions if mode.question else None
+            )
+        elif chunk is None:
             out = model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -294,17 +311,50 @@ def prefill(
                     logits_to_keep=1,
                     position_ids=position_ids[..., first:last],
                 )
+        if not mode.progressive:
+            first_logits = out.logits[:, -1].float()
         seconds = time.perf_counter() - start
     check_prefill_done(session)
     return PrefillState(
         loaded=loaded,
         pipeline=pipeline,
         session=session,
-        logits=out.logits[:, -1].float(),
+        logits=first_logits,
         next_positions=positions[:, -1:] + 1,
         seconds=seconds,
         rope_deltas=model.model.rope_deltas if _uses_mrope(model) else None,
     )
+
+
+def _check_progressive(
+    model: str,
+    vision_language: bool,
+    prefill_chunk: int | None,
+    question: bool,
+    questions: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Refuse a progressive prefill (``model.compression.prefill``) the run cannot give: with
+    ``model.prefill_chunk`` (two chunkings), on a vision-language model, or asking for the question
+    where the protocol has none to give."""
+    where = "model.compression.prefill"
+    if prefill_chunk is not None:
+        raise ConfigError(
+            f"{where} = progressive feeds the prompt in chunks of its own (its `chunk`), so "
+            "model.prefill_chunk "
+            f"= {prefill_chunk} has nothing left to do: set model.prefill_chunk to null."
+        )
+    if vision_language:
+        raise ConfigError(
+            f"{where} = progressive: model {model!r} is a vision-language model, whose forward places the "
+            "image features and positions over the whole prompt, which chunks of input ids cannot carry. Use "
+            f"`{where}: {{name: once}}` with this model."
+        )
+    if question and questions is None:
+        raise ConfigError(
+            f"{where}.question = true scores every chunk with the prompt's question, which this run does not "
+            "separate from its context: use model.protocol: query_aware with prompts kvlab can split "
+            "(samples with a context and a question, or string prompts), or set question to false."
+        )
 
 
 @torch.no_grad()

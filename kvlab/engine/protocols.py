@@ -23,8 +23,10 @@ They differ in what the compression sees and when it runs (docs/protocols.md):
   policy is the per-step alternative.
 
 With a budget that keeps everything, every protocol gives the full cache's tokens (tested).
-This module holds the protocols' base, their registry (importing :mod:`kvlab.engine` registers
-every built-in protocol) and ``query_aware``.
+This module holds the protocols' base and their registry (importing :mod:`kvlab.engine` registers
+every built-in protocol); ``query_aware`` is in :mod:`kvlab.engine.context_protocols`, whose
+context run it shares when the pipeline scores with the question (a progressive prefill with
+``question: true``, Finch).
 
 Shapes: B samples of the batch, C contexts (B, or fewer under ``multi_question``), T the padded
 prompt, Tc the padded context, Q the padded question part, L layers, Hkv KV heads.
@@ -39,15 +41,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvlab.config.registry import Registry, to_plain
-from kvlab.engine.decode_positions import DecodePositions, EvictionLog
-from kvlab.engine.generation import (
-    DEFAULT_OPTIONS,
-    GenerationResult,
-    RunOptions,
-    decode,
-    generation_result,
-    prefill,
-)
+from kvlab.engine.decode_positions import DecodePositions
+from kvlab.engine.generation import DEFAULT_OPTIONS, GenerationResult, RunOptions
 from kvlab.models.base import Batch, LoadedModel
 from kvlab.pipeline import Pipeline
 
@@ -147,30 +142,3 @@ def cut_at_limits(
 ) -> list[list[int]]:
     """Each sample's tokens cut at its own limit (greedy runs; a teacher-forced run keeps its rows)."""
     return tokens if teacher is not None else [row[: int(n)] for row, n in zip(tokens, limits, strict=True)]
-
-
-# ---- query_aware -----------------------------------------------------------------------------
-@PROTOCOLS.register("query_aware")
-@dataclass
-class QueryAware(Protocol):
-    """The whole prompt, question included, in one prefill with compression inside (kvlab's default)."""
-
-    def run(self, loaded, pipeline, batch, options=DEFAULT_OPTIONS) -> ProtocolResult:
-        limits = sample_limits(batch, options.max_new_tokens)
-        steps = int(limits.max())
-        state = prefill(loaded, pipeline, batch, steps, options)
-        uniform = bool((limits == steps).all())
-        policy = pipeline.decode_policy
-        if options.record_positions:  # before decoding starts: the policy records what it evicts
-            policy.record_evictions(state.session.run)
-        teacher = options.teacher_tokens
-        decoded = decode(state, steps, options.return_logits, teacher, limits=None if uniform else limits)
-        result = generation_result(state, decoded)
-        result.tokens = cut_at_limits(result.tokens, limits, teacher)
-        record = policy.evicted_positions(state.session.run) if options.record_positions else None
-        positions = None
-        if record is not None:  # the sample's tokens, its stop token included (as decode_time counts)
-            produced = [min(len(row) + 1, int(limits[b])) for b, row in enumerate(result.tokens)]
-            log = EvictionLog(state.session.reports, state.session.valid, merged=True)
-            positions = log.policy_samples(record, produced)
-        return ProtocolResult(result, [{} for _ in result.tokens], decode_positions=positions)

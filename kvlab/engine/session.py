@@ -8,7 +8,8 @@ attention function reads it with :func:`active_session`. Nothing else is module 
 
 The session holds the batch's :class:`~kvlab.cache.state.RunState` (the cache, the prompt masks,
 the components' own state: the part components see, as ``ctx.run``), the pipeline, the layer
-reports, and the engine's own bookkeeping of a chunked prefill and of ``schedule: global``.
+reports, and the engine's own bookkeeping of a chunked prefill, of a progressive one and of
+``schedule: global``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,48 @@ from kvlab.pipeline import LayerReport, Pipeline
 _SESSION: contextvars.ContextVar[CompressionSession | None] = contextvars.ContextVar(
     "kvlab_session", default=None
 )
+
+
+@dataclass
+class ProgressiveState:
+    """A progressive prefill's bookkeeping (``model.compression.prefill: progressive``), kept by the
+    session and advanced by :mod:`kvlab.engine.progressive` one step (chunk) at a time.
+
+    Shapes: B samples, c the step's chunk columns, Q the question's, S a layer's held entries,
+    H query heads, Hkv KV heads, w the held window queries, D head dim.
+
+    Attributes:
+        pipeline: the run's pipeline with its budget asked per sample from the whole prompt
+            (:class:`~kvlab.compression.budget.TargetBudget`), what every step compresses with.
+        window: the window queries a layer holds from one step to the next (the budget's window
+            when a scorer observes it, else 0).
+        block_valid: ``[B, c + Q]`` bool, the step's block: its chunk (left padded), then its
+            question (left padded; all False for a sample whose prompt has ended).
+        chunk_width: ``c``.
+        chunk_columns: ``[B, c]`` long, each chunk token's column in the padded prompt, -1 on padding.
+        last: this step is the last: every layer is compressed into the cache after it.
+        logical_length: prompt columns fed so far (what the cache's layers report as their length).
+        kept_valid: by layer, ``[B, S]`` bool, the entries it holds (each sample's right aligned).
+        kept_columns: by layer, ``[B, Hkv, S]`` long, each held entry's column in the padded prompt.
+        held_queries: by layer, the queries of each sample's last ``window`` entries, right aligned,
+            ``([B, H, w, D], valid [B, w])``.
+        seconds: by layer, seconds spent compressing it so far (its report's, at the last step).
+        peak_entries: the most entries any layer held during a step (kept, chunk and question), for
+            the bound ``budget + chunk`` (+ the question's while it scores).
+    """
+
+    pipeline: Pipeline
+    window: int = 0
+    block_valid: torch.Tensor | None = None
+    chunk_width: int = 0
+    chunk_columns: torch.Tensor | None = None
+    last: bool = False
+    logical_length: int = 0
+    kept_valid: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    kept_columns: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    held_queries: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    seconds: dict[int, float] = field(default_factory=dict)
+    peak_entries: int = 0
 
 
 @dataclass
@@ -57,6 +100,7 @@ class CompressionSession:
             :data:`~kvlab.kernels.window_scores.REFERENCE_BLOCK_ELEMENTS`, 64 MiB of fp32 each).
         facts: the model facts the pipeline's components declared (:class:`~kvlab.models.facts.ModelFacts`),
             None when none declares one.
+        progressive: a progressive prefill's bookkeeping (:class:`ProgressiveState`), None otherwise.
     """
 
     run: RunState
@@ -69,6 +113,7 @@ class CompressionSession:
     pending: dict[int, tuple[LayerContext, float]] = field(default_factory=dict, repr=False)
     block_elements: int | None = None
     facts: ModelFacts | None = None
+    progressive: ProgressiveState | None = None
     _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property

@@ -20,6 +20,7 @@ Schema of ``model.compression`` (every field optional; no scorer at all means th
     decode: {name: none}                             # decode-time policy
     sliding_layers: window                           # or compress (sliding-window layers, below)
     quantize: {name: kivi, bits: 2, group: 32, residual: 128}   # optional: kept entries as codes
+    prefill: {name: once}                            # or {name: progressive, chunk: 512, question: true}
     route:                                           # optional: per-layer branches (see routing.py)
       rule: {name: latch, metric: {name: ncar}, before: decoupled, after: unified}
       branches: {decoupled: {allocate: {modality: {name: decoupled}}}, unified: {}}
@@ -94,6 +95,7 @@ from kvlab.compression.decode import DecodePolicy
 from kvlab.compression.diversity import DIVERSITY, DiversityScorer
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.compression.mixers import MIXERS, Mixer
+from kvlab.compression.prefill_modes import PREFILL_MODES, PrefillMode
 from kvlab.compression.quantizers import Quantizer
 from kvlab.compression.routing import ROUTE_RULES, RouteRule
 from kvlab.compression.selectors import SELECTORS, Selector
@@ -149,6 +151,7 @@ class Pipeline(LayerExecution, RoutedExecution):
     route_rule: RouteRule | None = None
     branches: dict[str, Pipeline] = field(default_factory=dict)
     quantizer: Quantizer | None = None
+    prefill_mode: PrefillMode = field(default_factory=lambda: PREFILL_MODES.build("once"))
     #: the model :meth:`bind_model` last bound (None: none yet)
     bound_model: str | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -207,6 +210,7 @@ class Pipeline(LayerExecution, RoutedExecution):
             schedule=schedule,
             sliding_layers=sliding_layers,
             quantizer=build_quantizer(node.get("quantize")),
+            prefill_mode=PREFILL_MODES.build(node.get("prefill") or "once", f"{WHERE}.prefill"),
         )
         for role, scorer in [*importance.items(), *diversity.items()]:
             kind = "importance" if role in importance else "diversity"
@@ -215,6 +219,7 @@ class Pipeline(LayerExecution, RoutedExecution):
             )
         pipeline._check_roles()
         pipeline._check_schedule()
+        pipeline._check_prefill()
         if pipeline.quantizer is not None:
             check_quantizer(pipeline.quantizer, pipeline.walk())
         pipeline.seal()
@@ -254,7 +259,7 @@ class Pipeline(LayerExecution, RoutedExecution):
         slots = {"mixer": self.mixer, "allocate.layer": self.layer_allocator,
                  "allocate.head": self.head_allocator, "allocate.modality": self.modality_allocator,
                  "select": self.selector, "decode": self.decode_policy,
-                 "quantize": self.quantizer}  # fmt: skip
+                 "quantize": self.quantizer, "prefill": self.prefill_mode}  # fmt: skip
         for name, component in slots.items():
             if component is not None:
                 parts.append(Part(f"{where}.{name}", component, "slot"))
@@ -329,6 +334,64 @@ class Pipeline(LayerExecution, RoutedExecution):
         restate the budget or the layer allocator), so nothing can change a method afterwards."""
         for part in self.walk():
             part.component.seal()
+
+    def _check_prefill(self) -> None:
+        """A progressive prefill (``prefill: {name: progressive}``) compresses every layer after each
+        chunk, holding between chunks each sample's kept entries as one dense row per layer; refuse
+        what that cannot run, naming the field. A component reading the question needs
+        ``question: true``, and ``question: true`` needs a component reading it."""
+        mode, where = self.prefill_mode, f"{WHERE}.prefill"
+        readers = [p for p in self.walk() if p.component.capabilities.reads_question]
+        if readers and not mode.question:
+            raise ConfigError(
+                f"{readers[0].field} ({readers[0].name}) scores with the question's attention, which only "
+                f"a progressive prefill with the question appended provides: set `{where}: {{name: "
+                "progressive, chunk: 512, question: true}` (Finch's preset: --config finch)."
+            )
+        if not mode.progressive:
+            return
+        if mode.question and not readers:
+            raise ConfigError(
+                f"{where}.question = true appends the question to every chunk for scoring, but no scorer "
+                "reads it: add `importance: {attention: {name: question_attention}}` (Finch), or set "
+                f"{where}.question to false (the scorers then observe each chunk's own queries)."
+            )
+        refusals = [
+            (self.budget is None or not self.compresses, f"{WHERE} has no scorer (the full cache); a "
+             "progressive prefill needs a method to compress with"),
+            (self.schedule == "global", f"{WHERE}.schedule = global compares layers after the whole "
+             "prompt, while a progressive prefill compresses each layer after every chunk"),
+            (self.route_rule is not None, f"{WHERE}.route picks branches per layer from the whole prompt"),
+            (self.head_allocator.registry_name != "uniform", f"{WHERE}.allocate.head = "
+             f"{self.head_allocator.registry_name} gives the heads of a sample different counts, and the "
+             "entries kept between chunks are held as one row per sample"),
+            (self.modality_allocator.registry_name != "none", f"{WHERE}.allocate.modality splits by "
+             "modality, and a progressive prefill runs text models only"),
+            (self.decode_policy.registry_name != "none", f"{WHERE}.decode = "
+             f"{self.decode_policy.registry_name} is seeded by one compression of the prompt, not one per "
+             "chunk"),
+            (bool(self.capabilities.model_facts), f"{next(iter(self.capabilities.model_facts.values()), '')} "
+             "reads a model fact at the prompt's positions, which a progressive prefill's kept entries do "
+             "not hold in order"),
+            (bool(self.capabilities.unchunked), f"{self.capabilities.unchunked[0].field} "
+             f"({self.capabilities.unchunked[0].name}) needs the attention of queries a progressive prefill "
+             "does not keep" if self.capabilities.unchunked else ""),
+        ]  # fmt: skip
+        for refused, why in refusals:
+            if refused:
+                raise ConfigError(
+                    f"{where} = progressive cannot run here: {why}. Use `{where}: {{name: once}}` (the "
+                    'default), or change that field (docs/architecture.md, "Prefill modes").'
+                )
+        observers = [
+            p for p in self.walk() if p.kind == "scorer" and "window" in p.component.budget_settings.values()
+        ]
+        if observers and (self.budget.window_is_ratio or int(self.budget.window) < 1):
+            raise ConfigError(
+                f"{where} = progressive: {observers[0].field} observes {WHERE}.budget.window, which must be "
+                f"a number of tokens >= 1 here (got {self.budget.window!r}): each chunk's window queries "
+                "are held over to the next chunk, and only a fixed, protected window is sure to stay kept."
+            )
 
     def bind_model(self, model: str) -> None:
         """Tell components that load per-model artefacts which model runs; fails fast on a mismatch.

@@ -18,14 +18,14 @@ from kvlab.config.errors import ConfigError, did_you_mean
 WHERE = "model.compression"
 FIELDS = (
     "budget", "importance", "diversity", "mixer", "allocate", "select", "decode", "schedule", "route",
-    "sliding_layers", "quantize",
+    "sliding_layers", "quantize", "prefill",
 )  # fmt: skip
 SLIDING_LAYERS = ("window", "compress")
 SCHEDULES = ("layerwise", "global")
 ROUTE_FIELDS = ("rule", "branches")
 ALLOCATE_FIELDS = ("layer", "head", "modality")
 #: fields of the parent only (a route's branches may not set them)
-PARENT_ONLY = ("decode", "schedule", "sliding_layers", "quantize")
+PARENT_ONLY = ("decode", "schedule", "sliding_layers", "quantize", "prefill")
 ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

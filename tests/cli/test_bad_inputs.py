@@ -28,7 +28,7 @@ from kvlab.cli.main import main
 from kvlab.config.artefacts import Artefact
 from kvlab.config.errors import ConfigError
 from kvlab.data import Sample
-from kvlab.engine.protocols import QueryAware
+from kvlab.engine.context_protocols import QueryAware
 from kvlab.runner.datamodule import KVLabDataModule
 
 BASE = [

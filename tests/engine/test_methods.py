@@ -51,6 +51,9 @@ class Traits:
     routed_budget: bool = (
         False  # a route branch sets its own budget (SimLayerKV's full layers): no fixed budget
     )
+    question: bool = (
+        False  # scores with the question (Finch): the context is compressed, the question kept whole
+    )
 
 
 def traits(name: str) -> Traits:
@@ -76,6 +79,7 @@ def traits(name: str) -> Traits:
         bounded=issubclass(DECODE_POLICIES.get(decode), ScoredEviction),
         periodic=getattr(DECODE_POLICIES.build(node.get("decode") or {"name": "none"}), "every", 1) > 1,
         routed_budget=any("budget" in (branch or {}) for branch in branches),
+        question=bool((node.get("prefill") or {}).get("question")),
     )
 
 
@@ -113,6 +117,10 @@ def test_budget_at_least_the_prompt_is_identical_to_full(preset, model):
     room = longest + (NEW_TOKENS if traits(preset).bounded else 0)  # a fixed-size cache holds them too
     big = run(loaded, budgeted_pipeline(preset, model, tokens=room), samples_for(model))
     assert big.tokens == full.tokens
+    if traits(preset).question:  # the context prefilled, then the question on top: the same cache, other sums
+        torch.testing.assert_close(big.step_logits, full.step_logits, atol=1e-4, rtol=1e-4)
+        assert torch.equal(big.kv_bytes_kept, full.kv_bytes_kept)  # every context entry, then the question
+        return
     assert torch.equal(big.step_logits, full.step_logits)
     assert torch.equal(big.kept, full.kept)
 
@@ -198,6 +206,10 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
         result = run(loaded, budgeted_pipeline(preset, model, tokens=budget), samples_for(model))
         kept[budget] = result.kv_bytes_kept
         assert torch.equal(result.kv_bytes_full, result.prompt_lengths * per_token)
+        if trait.question:  # the context's kept entries; the question part is prefilled whole after
+            kept[budget] = result.kept.sum((0, 2)) * (per_token // (info.num_layers * info.num_kv_heads))
+            assert torch.equal(kept[budget], torch.full_like(kept[budget], budget * per_token))
+            continue
         if trait.sparsemm:  # caps above a short head's candidates are clamped
             assert bool((result.kv_bytes_kept <= budget * per_token).all())
         elif trait.keeps_all_text:  # every text token is kept: the text-only sample is not compressed

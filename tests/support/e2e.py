@@ -5,6 +5,7 @@ import functools
 import torch
 
 from kvlab.engine.generation import GenerationResult, RunOptions, generate
+from kvlab.engine.protocols import build_protocol
 from kvlab.engine.registration import enable_kvlab_attention
 from kvlab.models import load_model
 from kvlab.pipeline import Pipeline
@@ -19,9 +20,13 @@ def kvlab_model(name):
 
 
 def run(loaded, pipeline: Pipeline, items, steps: int) -> GenerationResult:
-    """Greedy-generate ``steps`` tokens for ``items`` in one padded batch, keeping the logits."""
+    """Greedy-generate ``steps`` tokens for ``items`` in one padded batch, keeping the logits; a
+    pipeline scoring with the question (Finch) runs through ``query_aware``, which splits the prompts."""
     batch = loaded.processor.collate(list(items))
-    return generate(loaded, pipeline, batch, RunOptions(max_new_tokens=steps, return_logits=True))
+    options = RunOptions(max_new_tokens=steps, return_logits=True)
+    if pipeline.prefill_mode.question:
+        return build_protocol("query_aware").run(loaded, pipeline, batch, options).result
+    return generate(loaded, pipeline, batch, options)
 
 
 def assert_batch_equals_alone(loaded, pipeline: Pipeline, items, steps: int) -> None:
