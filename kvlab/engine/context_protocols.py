@@ -76,10 +76,10 @@ def _context_run(
         ids, valid = question_block([split.questions[m] if m is not None else None for m in members], pad_id)
         asked = extend(state, ids, valid)
         seconds["extend"] += asked.seconds - state.seconds
-        round_limits = torch.tensor([int(limits[m]) if m is not None else 1 for m in members])
+        round_limits = torch.tensor([int(limits[m]) if m is not None else 1 for m in members], device="cpu")
         teacher = None
         if teacher_tokens is not None:
-            index = torch.tensor([m if m is not None else 0 for m in members])
+            index = torch.tensor([m if m is not None else 0 for m in members], device="cpu")
             teacher = teacher_tokens[index]
         decoded = decode(asked, int(round_limits.max()), options.return_logits, teacher, limits=round_limits)
         seconds["decode"] += decoded.seconds
@@ -96,7 +96,7 @@ def _context_run(
         {"question_tokens": len(split.questions[b]), "context_questions": sizes[int(split.rows[b])]}
         for b in range(B)
     ]
-    questions = torch.tensor([len(q) for q in split.questions], dtype=torch.long)
+    questions = torch.tensor([len(q) for q in split.questions], dtype=torch.long, device="cpu")
     context = split.lengths.cpu() - questions
     groups = split.groups if group else None
     return ProtocolResult(result, extras, context_tokens=context, context_groups=groups)
@@ -119,12 +119,12 @@ def _sample_result(
     rows = split.rows
     per_token = info.head_dim * 2 * cache.layers[0].dtype.itemsize  # one head, one layer
     whole = info.num_kv_heads * info.num_layers * per_token
-    questions = torch.tensor([len(q) for q in split.questions], dtype=torch.long)
+    questions = torch.tensor([len(q) for q in split.questions], dtype=torch.long, device="cpu")
     sample_kept = kept[:, rows.to(kept.device)].cpu()  # [L, B, Hkv]
     step_logits = None
     if logits and logits[0] is not None:
         steps = max(t.shape[0] for t in logits if t is not None)
-        step_logits = torch.zeros(len(logits), steps, logits[0].shape[-1])
+        step_logits = torch.zeros(len(logits), steps, logits[0].shape[-1], device="cpu")
         for b, t in enumerate(logits):
             step_logits[b, : t.shape[0]] = t
     reports = [report_rows(report, rows, split.shift, split.width) for report in session.reports]

@@ -86,12 +86,12 @@ def split_prompts(processor: Any, batch: Batch, group: bool) -> PromptSplit:
                     "message, images), so multi_question cannot answer both from one compressed context. "
                     "Give them different context ids, or make their prompts start with the same context."
                 )
-    rows = torch.empty(len(samples), dtype=torch.long)
+    rows = torch.empty(len(samples), dtype=torch.long, device="cpu")
     for c, members in enumerate(groups):
         rows[members] = c
     reps = [members[0] for members in groups]
     source = batch if len(reps) == len(samples) else processor.collate([samples[r] for r in reps])
-    context_counts = torch.tensor([counts[r] for r in reps], dtype=torch.long)
+    context_counts = torch.tensor([counts[r] for r in reps], dtype=torch.long, device="cpu")
     context = context_batch(source, context_counts)
     Tc = context.input_ids.shape[1]
     shift = (T - lengths) - (Tc - context_counts[rows])
@@ -105,7 +105,7 @@ def context_batch(source: Batch, counts: torch.Tensor) -> Batch:
     C, Ts = ids.shape
     Tc = int(counts.max()) if counts.numel() else 0
     lengths = valid.sum(1)
-    j = torch.arange(Tc)[None, :]
+    j = torch.arange(Tc, device="cpu")[None, :]
     pad = Tc - counts[:, None]  # [C, 1]
     keep = j >= pad
     index = ((Ts - lengths)[:, None] + j - pad).clamp(0, max(Ts - 1, 0))
@@ -126,11 +126,11 @@ def question_block(questions: list[list[int] | None], pad_id: int) -> tuple[torc
     """Left-padded ``(ids [R, Q], valid [R, Q])`` of question parts (None: a row with no question)."""
     rows = [q or [] for q in questions]
     width = max([len(q) for q in rows] + [0])
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device="cpu")
+    valid = torch.zeros(len(rows), width, dtype=torch.bool, device="cpu")
     for r, q in enumerate(rows):
         if q:
-            ids[r, width - len(q) :] = torch.tensor(q, dtype=torch.long)
+            ids[r, width - len(q) :] = torch.tensor(q, dtype=torch.long, device="cpu")
             valid[r, width - len(q) :] = True
     return ids, valid
 

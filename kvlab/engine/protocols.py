@@ -133,8 +133,8 @@ def sample_limits(batch: Batch, default: int) -> torch.Tensor:
     """``[B]`` long: each sample's ``max_new_tokens`` (``default`` where it has none)."""
     samples = batch.samples
     if not samples:
-        return torch.full((batch.input_ids.shape[0],), default, dtype=torch.long)
-    return torch.tensor([s.max_new_tokens or default for s in samples], dtype=torch.long)
+        return torch.full((batch.input_ids.shape[0],), default, dtype=torch.long, device="cpu")
+    return torch.tensor([s.max_new_tokens or default for s in samples], dtype=torch.long, device="cpu")
 
 
 def cut_at_limits(

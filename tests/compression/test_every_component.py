@@ -77,6 +77,12 @@ NEEDS: dict[tuple[str, str], Any] = {
     },
     ("head allocator", "duo_attention"): {"model": TEXT_MODEL},  # head scores shipped for the text models
     ("head allocator", "headkv"): {"model": TEXT_MODEL},  # head scores shipped for the text models
+    # Finch's scorer reads the question, which a progressive prefill with the question appends
+    ("importance scorer", "question_attention"): {
+        "prefill": {"name": "progressive", "chunk": 16, "question": True},
+        "model": TEXT_MODEL,
+    },
+    ("prefill mode", "progressive"): {"prefill": {"chunk": 16}, "model": TEXT_MODEL},  # text models only
     ("head allocator", "hybridkv"): {
         "route": {"rule": {"name": "text_sparsity"}, "branches": {"static": {}, "dynamic": {}}}
     },
@@ -145,5 +151,5 @@ def test_every_component_registry_is_covered():
     assert kinds == {
         "importance scorer", "diversity scorer", "mixer", "layer allocator", "head allocator",
         "modality allocator", "selector", "route rule", "layer metric", "decode policy", "quantizer",
-        "retrieval index",
+        "retrieval index", "prefill mode",
     }  # fmt: skip

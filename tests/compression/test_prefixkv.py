@@ -371,13 +371,17 @@ def test_offline_sizes_equal_the_calibration_prompt_solution_and_online(tmp_path
             assert torch.equal(mine.selection.indices, theirs.selection.indices)
 
 
-LAYER_LOCAL = [
-    (name, model)
-    for name in preset_names()
-    if preset_config(name)["model"].get("compression")
-    and not Pipeline.from_config(preset_config(name)["model"]["compression"]).needs_all_layers
-    for model in preset_models(name)
-]
+def layer_local(name: str) -> bool:
+    """A preset whose components need only their own layer, and which can run ``schedule: global``
+    (a progressive prefill, Finch's, compresses after every chunk: it refuses the global schedule)."""
+    node = preset_config(name)["model"].get("compression")
+    if not node:
+        return False
+    pipeline = Pipeline.from_config(node)
+    return not pipeline.needs_all_layers and not pipeline.prefill_mode.progressive
+
+
+LAYER_LOCAL = [(name, model) for name in preset_names() if layer_local(name) for model in preset_models(name)]
 
 
 def selection_record(node: dict, preset: str, model: str) -> dict:

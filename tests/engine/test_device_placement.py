@@ -26,7 +26,7 @@ from support.preset_runs import (
 )
 
 from kvlab.config.loader import preset_names
-from kvlab.engine.generation import RunOptions, generate
+from kvlab.engine.generation import RunOptions
 from kvlab.pipeline import Pipeline
 
 RECORDED = json.loads(RECORD.read_text())
@@ -48,7 +48,7 @@ def test_a_run_creates_no_tensor_on_the_default_device(preset, model, visual_hea
     pipeline = Pipeline.from_config(node)
     batch = loaded.processor.collate(preset_samples(is_vlm_preset(name)))
     with torch.device("meta"):
-        result = generate(loaded, pipeline, batch, RunOptions(max_new_tokens=NEW_TOKENS))
+        result = e2e.generate_batch(loaded, pipeline, batch, RunOptions(max_new_tokens=NEW_TOKENS))
     assert result.kept.device.type == "cpu"
     if preset != H2O_DECODE:  # the recorded run: the same tokens and kept counts
         assert result.tokens == RECORDED[f"{name}/{model}"]["tokens"]

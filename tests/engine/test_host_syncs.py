@@ -26,7 +26,7 @@ from support.host_syncs import POLICY_READS, counting_steps, describe
 from support.preset_runs import is_vlm_preset, preset_compression, preset_models, preset_samples
 
 from kvlab.config.loader import preset_names
-from kvlab.engine.generation import decode, prefill
+from kvlab.engine.generation import decode
 from kvlab.pipeline import Pipeline
 
 STEPS = 6  # tokens generated: 5 forwards, 4 whole steps between on_step calls
@@ -57,7 +57,7 @@ def step_reads(name: str, model: str, visual_heads) -> tuple[int, str, int]:
     loaded = e2e.kvlab_model(model)
     pipeline = Pipeline.from_config(compression(name, model, visual_heads))
     batch = loaded.processor.collate(preset_samples(is_vlm_preset(name.split("+")[0])))
-    state = prefill(loaded, pipeline, batch, decode_capacity=STEPS)
+    state = e2e.prefill_batch(loaded, pipeline, batch, STEPS)
     with counting_steps() as (syncs, on_step):
         decode(state, STEPS, on_step=on_step)
     assert len(syncs.steps) == STEPS - 2, "the decode stopped early (an end-of-sequence token)"

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvlab
 from kvlab.cache.options import AttentionOptions
-from kvlab.compression.context import LayerContext
+from kvlab.compression.context import LayerContext, QuestionView
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.importance import IMPORTANCE
 from kvlab.compression.selectors import topk_indices
@@ -242,13 +242,18 @@ def test_padded_batch_of_four_long_prompts_prefills_under_a_linear_ceiling():
 def bf16_ctx(window: int = 6) -> tuple[LayerContext, LayerContext]:
     """A left-padded bf16 context and the same inputs upcast to fp32 (bf16 -> fp32 is exact)."""
     ctx = make_ctx(LENGTHS, seed=5)
+    # a 3-token question (Finch's scorer reads it): the last queries and keys, in bf16
+    asked = QuestionView(
+        ctx.queries[:, :, -3:].bfloat16(), ctx.keys[:, :, -3:].bfloat16(), torch.ones(2, 3, dtype=torch.bool)
+    )
     low = LayerContext(
         0, 4, ctx.queries.bfloat16(), ctx.keys.bfloat16(), ctx.values.bfloat16(), ctx.valid,
-        ctx.modality, ctx.scaling, window=torch.full((2,), window),
+        ctx.modality, ctx.scaling, window=torch.full((2,), window), question=asked,
     )  # fmt: skip
     up = LayerContext(
         0, 4, low.queries.float(), low.keys.float(), low.values.float(), ctx.valid, ctx.modality,
         ctx.scaling, window=low.window,
+        question=QuestionView(asked.queries.float(), asked.keys.float(), asked.valid),
     )  # fmt: skip
     return low, up
 

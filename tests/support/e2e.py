@@ -4,7 +4,8 @@ import functools
 
 import torch
 
-from kvlab.engine.generation import GenerationResult, RunOptions, generate
+from kvlab.engine.generation import GenerationResult, PrefillState, RunOptions, generate, prefill
+from kvlab.engine.prompt_split import question_block, split_prompts
 from kvlab.engine.protocols import build_protocol
 from kvlab.engine.registration import enable_kvlab_attention
 from kvlab.models import load_model
@@ -20,13 +21,29 @@ def kvlab_model(name):
 
 
 def run(loaded, pipeline: Pipeline, items, steps: int) -> GenerationResult:
-    """Greedy-generate ``steps`` tokens for ``items`` in one padded batch, keeping the logits; a
-    pipeline scoring with the question (Finch) runs through ``query_aware``, which splits the prompts."""
+    """Greedy-generate ``steps`` tokens for ``items`` in one padded batch, keeping the logits
+    (:func:`generate_batch`)."""
     batch = loaded.processor.collate(list(items))
-    options = RunOptions(max_new_tokens=steps, return_logits=True)
+    return generate_batch(loaded, pipeline, batch, RunOptions(max_new_tokens=steps, return_logits=True))
+
+
+def generate_batch(loaded, pipeline: Pipeline, batch, options: RunOptions) -> GenerationResult:
+    """``generate``; a pipeline scoring with the question (Finch) runs through ``query_aware``,
+    which splits the prompts into context and question."""
     if pipeline.prefill_mode.question:
         return build_protocol("query_aware").run(loaded, pipeline, batch, options).result
     return generate(loaded, pipeline, batch, options)
+
+
+def prefill_batch(loaded, pipeline: Pipeline, batch, decode_capacity: int) -> PrefillState:
+    """``prefill``; a pipeline scoring with the question (Finch) prefills each sample's context with
+    its question appended to every chunk for scoring, as ``query_aware`` does before it prefills
+    the question itself (the decode steps that follow run the same code either way)."""
+    if not pipeline.prefill_mode.question:
+        return prefill(loaded, pipeline, batch, decode_capacity=decode_capacity)
+    split = split_prompts(loaded.processor, batch, False)
+    questions = question_block(split.questions, loaded.processor.pad_token_id)
+    return prefill(loaded, pipeline, split.context, decode_capacity, questions=questions)
 
 
 def assert_batch_equals_alone(loaded, pipeline: Pipeline, items, steps: int) -> None:
