@@ -15,8 +15,10 @@ Two methods scored on the same samples (pairs aligned) differ resolvably at 95%
 
 - **McNemar's exact test** (:func:`mcnemar_p`) where both are proportions: the two-sided binomial
   test of the discordant pairs (one right, the other wrong), resolved when p < 0.05;
-- else a **paired bootstrap** of the weighted mean difference (:func:`paired_bootstrap_interval`),
-  resolved when its 95% interval excludes 0.
+- else the **paired sign-flip test** (:func:`sign_flip_p`, a permutation test of the weighted mean
+  difference; McNemar's test is its 0/1 case), resolved when p < 0.05. A paired bootstrap was not
+  chosen: with few samples whose differences agree (two samples, both 0.5 lower) its interval
+  shrinks to a point and would "resolve" anything.
 
 :func:`mcnemar_bounds` gives the range of McNemar's p over every pairing two proportions of the
 same n allow, for tables whose per-sample records are gone (only the counts are known).
@@ -37,6 +39,8 @@ RESAMPLES = 2000
 SEED = 0
 #: the level a difference is resolved at (two-sided)
 ALPHA = 0.05
+#: the sign-flip test enumerates every assignment up to this many non-zero differences
+EXACT_FLIPS = 16
 
 
 @dataclass(frozen=True)
@@ -149,26 +153,31 @@ def mcnemar_bounds(k_a: int, k_b: int, n: int) -> tuple[float, float]:
     return min(ps), max(ps)
 
 
-def paired_bootstrap_interval(
-    groups_a: Sequence[Sequence[float]],
-    groups_b: Sequence[Sequence[float]],
+def sign_flip_p(
+    diffs: Sequence[Sequence[float]],
     weights: Sequence[float] | None = None,
-    resamples: int = RESAMPLES,
+    flips: int = 10_000,
     seed: int = SEED,
-) -> tuple[float, float]:
-    """The percentile bootstrap 95% interval of the weighted mean difference ``a - b`` on paired
-    samples (``groups_a[s][i]`` and ``groups_b[s][i]`` are one sample): the pairs' differences
-    resampled within each stratum."""
-    diffs = []
-    for a, b in zip(groups_a, groups_b, strict=True):
-        if len(a) != len(b):
-            raise ValueError(
-                "paired_bootstrap_interval: the two methods' strata must pair up sample by sample."
-            )
-        diffs.append(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))
-    means = _resampled_means(diffs, _weights(diffs, weights), resamples, seed)
-    low, high = np.quantile(means, [ALPHA / 2, 1 - ALPHA / 2])
-    return float(low), float(high)
+) -> float:
+    """The paired sign-flip (permutation) test of a weighted mean difference: under "no
+    difference" each sample's difference ``a - b`` is as likely negated, so the p-value is the
+    share of sign assignments whose ``|Σ w_s mean(±d_s)|`` reaches the observed one. Exact over
+    every assignment of the non-zero differences up to :data:`EXACT_FLIPS` of them, else
+    ``(1 + hits) / (1 + flips)`` over ``flips`` random assignments from ``seed``. On 0/1 scores with
+    equal weights it is McNemar's exact test (the non-zero differences are the discordant pairs)."""
+    w = _weights(diffs, weights)
+    per_sample = np.concatenate(
+        [wi / len(d) * np.asarray(d, dtype=np.float64) for wi, d in zip(w, diffs, strict=True)]
+    )
+    terms = per_sample[per_sample != 0]
+    if terms.size == 0:
+        return 1.0
+    observed = abs(terms.sum()) * (1 - 1e-9)  # ties count as extreme despite rounding
+    if terms.size <= EXACT_FLIPS:
+        signs = 1 - 2 * ((np.arange(2**terms.size)[:, None] >> np.arange(terms.size)) & 1)
+        return float(np.mean(np.abs(signs @ terms) >= observed))
+    signs = np.random.default_rng(seed).choice((-1.0, 1.0), size=(flips, terms.size))
+    return float((1 + np.sum(np.abs(signs @ terms) >= observed)) / (1 + flips))
 
 
 def resolved(
@@ -177,15 +186,17 @@ def resolved(
     weights: Sequence[float] | None = None,
 ) -> bool:
     """Whether two methods' weighted means on the same, paired samples differ at 95%: McNemar's
-    exact test (p < 0.05) where both are proportions, else the paired bootstrap's interval of the
-    difference excluding 0."""
+    exact test where both are proportions, else the paired sign-flip test (:func:`sign_flip_p`),
+    each at p < 0.05."""
+    if any(len(a) != len(b) for a, b in zip(groups_a, groups_b, strict=True)):
+        raise ValueError("resolved: the two methods' strata must pair up sample by sample.")
     if is_proportion(groups_a, weights) and is_proportion(groups_b, weights):
         pairs = [(x, y) for a, b in zip(groups_a, groups_b, strict=True) for x, y in zip(a, b, strict=True)]
         only_a = sum(1 for x, y in pairs if x > y)
         only_b = sum(1 for x, y in pairs if y > x)
         return mcnemar_p(only_a, only_b) < ALPHA
-    low, high = paired_bootstrap_interval(groups_a, groups_b, weights)
-    return low > 0 or high < 0
+    diffs = [np.subtract(a, b, dtype=np.float64) for a, b in zip(groups_a, groups_b, strict=True)]
+    return sign_flip_p(diffs, weights) < ALPHA
 
 
 def samples_for_half_width(half_width: float, p: float = 0.5, z: float = Z95) -> int:

@@ -132,16 +132,39 @@ def test_resolved_on_constructed_pairs() -> None:
     assert not iv.resolved(a, b5)
     # the same marginals, paired differently: 6 right only in a and 3 only in b (p = 0.51)
     assert not iv.resolved([[1.0] * 6 + [0.0] * 3 + [1.0] * 3], [[0.0] * 6 + [1.0] * 3 + [1.0] * 3])
-    # fractional scores: the paired bootstrap. A constant shift of 0.05 on noisy scores is resolved
+    # fractional scores: the sign-flip test. A constant shift of 0.05 on 40 noisy scores is resolved
     rng = np.random.default_rng(0)
     base = rng.uniform(0, 0.9, 40)
     assert iv.resolved([base + 0.05], [base])
-    low, high = iv.paired_bootstrap_interval([base + 0.05], [base])
-    assert low == pytest.approx(0.05) and high == pytest.approx(0.05)
+    # ... two samples both 0.5 lower are not (p = 2/4), whatever a bootstrap would say
+    assert not iv.resolved([[0.5, 0.0]], [[1.0, 0.5]])
     # differences of +0.1 and -0.1 in equal numbers: mean 0, not resolved
     noisy = base.copy()
     noisy[::2] += 0.1
     noisy[1::2] -= 0.1
     assert not iv.resolved([noisy], [base])
     with pytest.raises(ValueError, match="pair up"):
-        iv.paired_bootstrap_interval([[0.5, 0.2]], [[0.5]])
+        iv.resolved([[0.5, 0.2]], [[0.5]])
+
+
+def test_sign_flip_against_enumeration_and_mcnemar() -> None:
+    import itertools
+
+    # brute force over the 2^7 sign assignments of 7 weighted differences in two strata
+    diffs, weights = [[0.3, -0.1, 0.25, 0.4], [0.5, 0.2, -0.05]], [0.5, 0.5]
+    per_sample = [0.5 / 4 * d for d in diffs[0]] + [0.5 / 3 * d for d in diffs[1]]
+    observed = abs(sum(per_sample))
+    hits = sum(
+        abs(sum(s * d for s, d in zip(signs, per_sample, strict=True))) >= observed - 1e-12
+        for signs in itertools.product((1, -1), repeat=7)
+    )
+    assert iv.sign_flip_p(diffs, weights) == pytest.approx(hits / 128)
+    # on 0/1 scores with equal weights: McNemar's exact test (zero differences drop out)
+    for b, c in ((6, 0), (5, 1), (3, 3), (9, 2)):
+        d = [[1.0] * b + [-1.0] * c + [0.0] * 7]
+        assert iv.sign_flip_p(d) == pytest.approx(iv.mcnemar_p(b, c))
+    # past EXACT_FLIPS non-zero differences: seeded Monte Carlo, close to the exact binomial answer
+    d = [[1.0] * 14 + [-1.0] * 6]
+    p = iv.sign_flip_p(d)
+    assert p == iv.sign_flip_p(d) and p == pytest.approx(iv.mcnemar_p(14, 6), abs=0.01)
+    assert iv.sign_flip_p([[0.0, 0.0]]) == 1.0
