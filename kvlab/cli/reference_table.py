@@ -43,6 +43,7 @@ from kvlab.data.benchmarks.ruler_tasks import RULER_TASKS
 from kvlab.engine.protocols import PROTOCOLS
 from kvlab.models import validate_model_name
 from kvlab.runner import reference_vlm
+from kvlab.runner.marked_cells import half_width_text
 from kvlab.runner.reference_table import (
     BUDGETS,
     DEFAULT_TASKS,
@@ -121,8 +122,9 @@ def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[f
     boards = suite_boards(root, protocols, plots=not ns.no_plots, suite=ns.suite)
     caption = (
         f"`{ns.model}`, {about}: **{per_cell} samples per cell** (one sample moves a cell by "
-        f"{100 / per_cell:.1f} points); greedy, each task's {'' if vlm else 'RULER '}output length; {count} "
-        f"runs in {wall:.0f} s wall, {cpu:.0f} s CPU of this process.\n\n"
+        f"{100 / per_cell:.1f} points; {half_width_text(per_cell)}); greedy, each task's "
+        f"{'' if vlm else 'RULER '}output length; {count} runs in {wall:.0f} s wall, {cpu:.0f} s CPU of "
+        "this process.\n\n"
     )
     text = caption + suite_table(
         root, protocols, methods, budgets, ns.metric or metric, boards, ns.suite, groups

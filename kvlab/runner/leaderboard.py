@@ -14,12 +14,13 @@ import hashlib
 import io
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvlab.data import DATASETS
 from kvlab.metrics.tasks import TASK_METRICS
+from kvlab.runner.marked_cells import CellScores, interval_kinds, legend, marked_rows
 from kvlab.runner.runs import Run
 
 FULL = "full"  # the budget label of a run that compresses nothing
@@ -118,12 +119,27 @@ def primary_metric(run: Run) -> str | None:
 @dataclass
 class Leaderboard:
     """``scores[family][method][budget label]`` in %, the budgets in column order, the task metrics
-    used per family, and the methods that compress nothing (their score fills every column)."""
+    used per family, the methods that compress nothing (their score fills every column), and
+    ``samples[method][budget label]``: each cell's per-sample scores (every family's; the full
+    cache's under :data:`FULL`), for the intervals and resolved marks (:func:`cell_samples`)."""
 
     scores: dict[str, dict[str, dict[str, float]]]
     budgets: list[BudgetPoint]
     metrics: dict[str, list[str]]
     full: set[str]
+    samples: dict[str, dict[str, CellScores]] = field(default_factory=dict)
+
+
+def cell_samples(board: Leaderboard, family: str, method: str, label: str) -> CellScores | None:
+    """The per-sample scores behind ``board.scores[family][method][label]`` (every family's for
+    ``overall``); None where the cell is empty."""
+    if label not in board.scores.get(family, {}).get(method, {}):
+        return None
+    by_label = board.samples.get(method, {})
+    scores = by_label.get(FULL if method in board.full else label) or by_label.get(label)
+    if not scores:
+        return None
+    return scores if family == OVERALL else {k: v for k, v in scores.items() if k[0] == family}
 
 
 def _labels(runs: list[Run]) -> dict[str, str]:
@@ -151,6 +167,7 @@ def leaderboard(runs: list[Run]) -> Leaderboard | None:
     :func:`primary_metric`). Runs of one method (:func:`method_key`) and budget are pooled. The full
     cache (no budget) fills every budget column. None when no run has task scores."""
     pooled: dict[tuple[str, BudgetPoint], dict[str, dict[str, list[float]]]] = {}
+    samples: dict[str, dict[str, CellScores]] = {}
     metrics: dict[str, list[str]] = {}
     labels = _labels(runs)
     for run in runs:
@@ -164,8 +181,15 @@ def leaderboard(runs: list[Run]) -> Leaderboard | None:
                 continue
             task = str(meta.get("task") or default_task)
             family = str(meta.get("task_family") or task)
-            cell = pooled.setdefault((labels[method_key(run)], budget_point(run.fields)), {})
+            method, budget = labels[method_key(run)], budget_point(run.fields)
+            cell = pooled.setdefault((method, budget), {})
             cell.setdefault(family, {}).setdefault(task, []).append(100.0 * float(record[metric]))
+            by_label = samples.setdefault(method, {}).setdefault(budget.label, {})
+            stratum = by_label.setdefault((family, task), {})
+            key = str(record.get("id"))
+            while key in stratum:  # pooled runs that hold the same id: each record counts, as above
+                key += "+"
+            stratum[key] = float(record[metric])
             if metric not in metrics.setdefault(family, []):
                 metrics[family].append(metric)
     if not pooled:
@@ -186,7 +210,7 @@ def leaderboard(runs: list[Run]) -> Leaderboard | None:
             row = scores.setdefault(family, {}).setdefault(method, {})
             for label in [b.label for b in budgets] if budget.kind == FULL else [budget.label]:
                 row[label] = value
-    return Leaderboard(scores, budgets, metrics, full)
+    return Leaderboard(scores, budgets, metrics, full, samples)
 
 
 def family_order(board: Leaderboard) -> list[str]:
@@ -199,23 +223,38 @@ def family_methods(board: Leaderboard, family: str) -> list[str]:
     return sorted(rows, key=lambda m: (m not in board.full, m))
 
 
+def family_columns(board: Leaderboard, family: str, methods: list[str]) -> list[dict[str, CellScores]]:
+    """Per budget of the board, ``{method: its cell's per-sample scores}`` in ``family``."""
+    columns = []
+    for budget in board.budgets:
+        cells = {m: cell_samples(board, family, m, budget.label) for m in methods}
+        columns.append({m: c for m, c in cells.items() if c})
+    return columns
+
+
 def leaderboard_text(board: Leaderboard) -> tuple[str, str]:
-    """The leaderboard as Markdown sections and as CSV (``family, method, <budget>...``, in %)."""
+    """The leaderboard as Markdown sections, each cell with its 95% interval and resolved marks
+    (:mod:`kvlab.runner.marked_cells`, the legend under the tables), and as CSV (``family, method,
+    <budget>...``, in %, the scores alone)."""
     labels = [b.label for b in board.budgets]
     parts = ["\n## Leaderboard: task score (%) by method and budget\n"]
     rows_csv = []
+    kinds: set[str] = set()
     for family in family_order(board):
         used = ", ".join(sorted({m for f, ms in board.metrics.items() for m in ms if family in (f, OVERALL)}))
         title = "overall (mean of the task families)" if family == OVERALL else family
         parts.append(f"\n### {title} ({used})\n\n")
-        rows = []
-        for method in family_methods(board, family):
+        methods = family_methods(board, family)
+        columns = family_columns(board, family, methods)
+        kinds |= interval_kinds(c for column in columns for c in column.values())
+        rows = [[c if c != "-" else "" for c in row] for row in marked_rows(methods, columns, board.full)]
+        for method in methods:
             values = board.scores[family][method]
-            rows.append([method, *(f"{values[label]:.1f}" if label in values else "" for label in labels)])
             rows_csv.append(
                 [family, method, *(f"{values[label]:.3f}" if label in values else "" for label in labels)]
             )
         parts.append(markdown(["method", *labels], rows))
+    parts.append("\n" + legend(kinds or {"wilson"}))
     return "".join(parts), csv_text(["family", "method", *labels], rows_csv)
 
 

@@ -9,11 +9,12 @@ tables read back from the runs (:func:`table`: one row per method, one column pe
 budget``; :func:`suite_table`: the score by protocol and budget, by task and by length, from the
 leaderboard of ``kvlab compare``) and the suite's score-vs-budget figure (:func:`plot_suite`).
 :func:`replace_section` writes a table between its markers in ``docs/evaluation.md``.
+Every cell carries its 95% interval and each column marks the resolved differences
+(:mod:`kvlab.runner.marked_cells`, from the runs' per-sample records).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,13 @@ from kvlab.runner.leaderboard import (
     OVERALL,
     BudgetPoint,
     Leaderboard,
+    cell_samples,
     leaderboard,
     markdown,
     plot_leaderboard,
     pyplot,
 )
+from kvlab.runner.marked_cells import CellScores, interval_kinds, legend, marked_rows
 from kvlab.runner.runs import load_runs
 from kvlab.runner.writer import PREDICTIONS, read_predictions
 
@@ -106,31 +109,31 @@ def cells(methods: tuple[str, ...], budgets: tuple[float, ...]) -> list[tuple[st
     ]
 
 
-def read_metric(run_dir: Path, metric: str) -> float | None:
-    """A run's aggregate ``metric`` from its ``metrics.json`` (None when missing)."""
-    path = run_dir / "metrics.json"
-    if not path.is_file():
-        return None
-    value = json.loads(path.read_text()).get(metric)
-    return float(value) if isinstance(value, int | float) else None
+def run_scores(run_dir: Path, metric: str, stratum: tuple[str, str]) -> CellScores:
+    """A run's per-sample ``metric`` from its ``predictions.jsonl``, keyed by sample id, as one
+    stratum's cell (empty when the run or the metric is missing)."""
+    scores = {
+        str(r["id"]): float(r[metric])
+        for r in _records(run_dir)
+        if isinstance(r.get(metric), int | float) and not isinstance(r.get(metric), bool)
+    }
+    return {stratum: scores} if scores else {}
 
 
 def table(
     root: Path, tasks: list[str], methods: tuple[str, ...], budgets: tuple[float, ...], metric: str
 ) -> str:
-    """Markdown table of ``metric``: one row per method, one column per task and budget."""
+    """Markdown table of ``metric`` (%): one row per method, one column per task and budget, each
+    cell with its 95% interval and the column's resolved marks (:mod:`kvlab.runner.marked_cells`),
+    from the runs' per-sample records; the legend below."""
     header = ["method"] + [f"{task} @ {r:.0%}" for task in tasks for r in budgets]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method in methods:
-        row = [method]
-        for task in tasks:
-            for ratio in budgets:
-                value = read_metric(
-                    root / task / run_name(method, None if method == "full" else ratio), metric
-                )
-                row.append("-" if value is None else f"{value:.2f}")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
+    columns = [
+        {m: run_scores(root / task / run_name(m, None if m == "full" else r), metric, (task, task))
+         for m in methods}
+        for task in tasks for r in budgets
+    ]  # fmt: skip
+    kinds = interval_kinds(c for column in columns for c in column.values())
+    return markdown(header, marked_rows(methods, columns, ["full"])) + "\n" + legend(kinds or {"wilson"})
 
 
 def replace_section(doc: Path, text: str, start: str = MARK_START, end: str = MARK_END) -> None:
@@ -168,31 +171,39 @@ def suite_experiment(protocol: str, suite: str = "ruler") -> str:
     return f"{suite}-{protocol}"
 
 
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _family(board: Leaderboard) -> str | None:
+    """The board's family a suite cell reads: ``overall`` (the mean over the task families), or its
+    only family."""
+    return OVERALL if OVERALL in board.scores else next(iter(board.scores), None)
 
 
 def _overall(board: Leaderboard | None, method: str, label: str) -> float | None:
-    """The board's score (%) of ``method`` at budget ``label``: its ``overall`` (mean over the task
-    families), or its only family's score."""
-    if board is None:
-        return None
-    family = OVERALL if OVERALL in board.scores else next(iter(board.scores), None)
-    return board.scores.get(family, {}).get(method, {}).get(label) if family else None
+    """The board's score (%) of ``method`` at budget ``label`` (:func:`_family`)."""
+    family = _family(board) if board is not None else None
+    return board.scores.get(family, {}).get(method, {}).get(label) if board and family else None
+
+
+def _overall_samples(board: Leaderboard | None, method: str, label: str) -> CellScores | None:
+    """The per-sample scores behind :func:`_overall`'s cell."""
+    family = _family(board) if board is not None else None
+    return cell_samples(board, family, method, label) if board and family else None
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
     return read_predictions(run_dir) if (run_dir / PREDICTIONS).is_file() else []
 
 
-def grouped_mean(records: list[dict[str, Any]], metric: str, key: str) -> dict[str, float]:
-    """Mean ``metric`` (%) of the records per value of ``meta[key]`` (records without it skipped)."""
-    groups: dict[str, list[float]] = {}
+def grouped_scores(records: list[dict[str, Any]], metric: str, key: str) -> CellScores:
+    """Per value ``g`` of ``meta[key]``, the stratum ``(g, g)`` of each sample's mean ``metric`` over
+    its records (by id: the budgets' runs of one prompt), the unit the grouped tables' intervals
+    and paired tests resample."""
+    sums: dict[tuple[str, str], dict[str, list[float]]] = {}
     for record in records:
         value, group = record.get(metric), (record.get("meta") or {}).get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and group is not None:
-            groups.setdefault(str(group), []).append(100.0 * float(value))
-    return {group: sum(v) / len(v) for group, v in groups.items()}
+            stratum = sums.setdefault((str(group), str(group)), {})
+            stratum.setdefault(str(record.get("id")), []).append(float(value))
+    return {k: {i: sum(v) / len(v) for i, v in ids.items()} for k, ids in sums.items()}
 
 
 def suite_boards(
@@ -226,19 +237,22 @@ def suite_table(
     """The suite's Markdown: the score (%) of each method (rows) by protocol and budget (the mean
     over the tasks, from the leaderboard of ``kvlab compare``), then one table per ``(meta key,
     title)`` of ``groups`` (RULER: by task and by length), each averaged over the budgets (every
-    budget's run scores the same samples)."""
+    budget's run scores the same samples: each prompt's mean over them, then over the prompts).
+    Every cell with its 95% interval and each column's resolved marks
+    (:mod:`kvlab.runner.marked_cells`; in the grouped tables a prompt is the unit resampled and
+    paired), the legend under the last table."""
     boards = suite_boards(root, protocols, plots=False, suite=suite) if boards is None else boards
+    full = [m for m in methods if m == "full"]
     header = ["method"] + [f"{p} @ {r:.0%}" for p in protocols for r in budgets]
-    rows = [
-        [method]
-        + [_percent(_overall(boards[p], method, f"ratio={r:g}"))
-           for p in protocols for r in budgets]
-        for method in methods
+    columns = [
+        {m: c for m in methods if (c := _overall_samples(boards[p], m, f"ratio={r:g}"))}
+        for p in protocols for r in budgets
     ]  # fmt: skip
+    kinds = interval_kinds(c for column in columns for c in column.values())
     parts = [f"**Score (%) by protocol and budget** (`{metric}` x 100, mean over the tasks)\n\n"]
-    parts.append(markdown(header, rows))
+    parts.append(markdown(header, marked_rows(methods, columns, full)))
     for key, title in groups:
-        means: dict[tuple[str, str], dict[str, float]] = {}
+        cells: dict[tuple[str, str], CellScores] = {}
         names: list[str] = []
         for protocol in protocols:
             for method in methods:
@@ -248,16 +262,18 @@ def suite_table(
                     for ratio in runs
                     for r in _records(root / suite_experiment(protocol, suite) / run_name(method, ratio))
                 ]
-                means[protocol, method] = grouped_mean(records, metric, key)
-                names += [g for g in means[protocol, method] if g not in names]
+                cells[protocol, method] = grouped_scores(records, metric, key)
+                names += [g for g, _ in cells[protocol, method] if g not in names]
         names.sort(key=lambda g: (0, int(g), "") if g.isdigit() else (1, 0, g))
         header = ["method"] + [f"{p}: {g}" for p in protocols for g in names]
-        rows = [
-            [method] + [_percent(means[p, method].get(g)) for p in protocols for g in names]
-            for method in methods
-        ]
-        parts.append(f"\n**By {title}** (mean over the budgets)\n\n")
-        parts.append(markdown(header, rows))
+        columns = [
+            {m: {(g, g): cells[p, m][g, g]} for m in methods if (g, g) in cells[p, m]}
+            for p in protocols for g in names
+        ]  # fmt: skip
+        kinds |= interval_kinds(c for column in columns for c in column.values())
+        parts.append(f"\n**By {title}** (mean over the budgets: each prompt's, then over the prompts)\n\n")
+        parts.append(markdown(header, marked_rows(methods, columns, full)))
+    parts.append("\n" + legend(kinds or {"wilson"}))
     return "".join(parts)
 
 

@@ -12,7 +12,8 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kvlab.cli.main import main
-from kvlab.runner.leaderboard import budget_point, leaderboard
+from kvlab.runner import marked_cells
+from kvlab.runner.leaderboard import budget_point, cell_samples, leaderboard
 from kvlab.runner.runs import load_runs
 from kvlab.runner.views import run_label
 from kvlab.runner.views.figures import heatmap_figure, layer_curves_figure, render
@@ -113,13 +114,26 @@ def test_leaderboard_table_by_hand(bench):
             assert board.scores["chart"][method][budget] == pytest.approx(chart)
             assert board.scores["overall"][method][budget] == pytest.approx((document + chart) / 2)
     assert board.full == {"full"}
+    # every cell's per-sample scores give back its score (the macro mean), the full cache's in every column
+    for family, rows in board.scores.items():
+        for method, by_label in rows.items():
+            for label, score in by_label.items():
+                samples = cell_samples(board, family, method, label)
+                assert 100 * marked_cells.value(samples) == pytest.approx(score)
+    assert cell_samples(board, "chart", "snapkv", "ratio=0.1") == {
+        ("chart", "chartqa"): {"bench-2": 1.0},
+        ("chart", "plotqa"): {"bench-3": 0.0},
+    }
 
 
 def test_compare_writes_leaderboard_csv_markdown_plot_and_tensorboard(bench):
     text = (bench / "compare.md").read_text()
     assert text.startswith("| method |")  # today's table first
     assert "### overall (mean of the task families) (anls, relaxed_accuracy)" in text
-    assert "| snapkv | 25.0 | 75.0 |" in text.split("### document")[1]
+    # each cell with its 95% interval (Wilson for docvqa's 0/1 anls; bold: the column's top method)
+    assert "| snapkv | **25.0** [0, 50] | 75.0 [50, 100] |" in text.split("### document")[1]
+    assert "| full | 100.0 [34, 100] | 100.0 [34, 100] |" in text.split("### chart")[1]
+    assert "95% interval [low, high]" in text and "McNemar's exact test" in text
     rows = list(csv.DictReader((bench / "leaderboard.csv").open()))
     overall = {r["method"]: r for r in rows if r["family"] == "overall"}
     assert list(overall) == ["full", "random", "snapkv"]  # the full cache first

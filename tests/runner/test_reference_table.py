@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from kvlab.cli import reference_table as reference_command
 from kvlab.cli.main import main
 from kvlab.config.errors import ConfigError
+from kvlab.metrics import intervals
 from kvlab.runner import reference_table as reference
 
 TASK = {"name": "synthetic_retrieval", "context_tokens": 512, "num_samples": 2}
@@ -38,23 +40,33 @@ def test_cells_run_full_once() -> None:
     )
 
 
-def _metrics(path: Path, value: float) -> None:
+def _predictions(path: Path, scores: list[float], metric: str = "contains_answer") -> None:
+    """A fabricated run: one record per sample, ids s0, s1, ... (the same samples in every run)."""
     path.mkdir(parents=True)
-    (path / "metrics.json").write_text(json.dumps({"samples": 2, "contains_answer": value}))
+    lines = [json.dumps({"id": f"s{i}", metric: score}) for i, score in enumerate(scores)]
+    (path / "predictions.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def test_table_and_docs_section(tmp_path: Path) -> None:
-    _metrics(tmp_path / "t" / "full", 1.0)
-    _metrics(tmp_path / "t" / "random@budget=0.1", 0.0)
-    _metrics(tmp_path / "t" / "random@budget=0.5", 0.5)
-    text = reference.table(tmp_path, ["t"], ("full", "random", "snapkv"), (0.1, 0.5), "contains_answer")
-    assert text.splitlines() == [
+def test_table_with_intervals_marks_and_docs_section(tmp_path: Path) -> None:
+    _predictions(tmp_path / "t" / "full", [1.0] * 8)
+    _predictions(tmp_path / "t" / "random@budget=0.1", [0.0] * 8)
+    _predictions(tmp_path / "t" / "random@budget=0.5", [1.0] * 4 + [0.0] * 4)
+    _predictions(tmp_path / "t" / "knorm@budget=0.1", [1.0] * 7 + [0.0])
+    text = reference.table(
+        tmp_path, ["t"], ("full", "random", "knorm", "snapkv"), (0.1, 0.5), "contains_answer"
+    )
+    # Wilson 95% intervals of k/8 (closed form: 8/8 [67.6, 100], 0/8 [0, 32.4], 4/8 [21.5, 78.5],
+    # 7/8 [52.9, 97.8]); McNemar against full (8/8): 0/8 has 8 discordant pairs, p = 2/2^8 (*),
+    # 4/8 has 4, p = 1/8, 7/8 has 1; against the bold 7/8, 0/8 has 7 all one way, p = 2/2^7 (†)
+    assert text.splitlines()[:6] == [
         "| method | t @ 10% | t @ 50% |",
         "|---|---|---|",
-        "| full | 1.00 | 1.00 |",  # the full cache has no budget: the same run in every column
-        "| random | 0.00 | 0.50 |",
+        "| full | 100.0 [68, 100] | 100.0 [68, 100] |",  # the full cache has no budget: every column
+        "| random | 0.0 [0, 32]*† | 50.0 [22, 78] |",  # alone at 50%: no bold
+        "| knorm | **87.5** [53, 98] | - |",
         "| snapkv | - | - |",  # not run
     ]
+    assert "Wilson score interval" in text and "bootstrap" not in text  # only 0/1 scores here
     doc = tmp_path / "doc.md"
     doc.write_text(f"# T\n\nbefore\n{reference.MARK_START}\nold\n{reference.MARK_END}\nafter\n")
     reference.replace_section(doc, text)
@@ -62,6 +74,23 @@ def test_table_and_docs_section(tmp_path: Path) -> None:
     doc.write_text("no markers")
     with pytest.raises(ConfigError, match="markers"):
         reference.replace_section(doc, text)
+
+
+def test_table_bootstraps_fractional_scores(tmp_path: Path) -> None:
+    """token_f1-like scores: the seeded percentile bootstrap, and the paired sign-flip test."""
+    full = [0.9, 0.8, 1.0, 0.7, 0.95, 0.85, 0.9, 1.0, 0.75, 0.8]
+    _predictions(tmp_path / "t" / "full", full, "token_f1")
+    _predictions(tmp_path / "t" / "snapkv@budget=0.5", [v - 0.3 for v in full], "token_f1")
+    _predictions(
+        tmp_path / "t" / "knorm@budget=0.5", [v - 0.02 * (-1) ** i for i, v in enumerate(full)], "token_f1"
+    )
+    text = reference.table(tmp_path, ["t"], ("full", "snapkv", "knorm"), (0.5,), "token_f1")
+    rows = text.splitlines()[2:5]
+    low, high = intervals.bootstrap_interval([full])
+    assert rows[0] == f"| full | 86.5 [{100 * low:.0f}, {100 * high:.0f}] |"
+    assert rows[1].startswith("| snapkv | 56.5 [") and rows[1].endswith("]*† |")  # 10 of 10 lower: p = 2/2^10
+    assert rows[2].startswith("| knorm | **86.5** [") and rows[2].endswith("] |")  # +-0.02 alternating: p = 1
+    assert "percentile bootstrap (2000 resamples, seed 0" in text
 
 
 def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,7 +113,8 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         tmp_path / "runs", ["retrieval-512"], ("full", "random"), (0.5,), "contains_answer"
     )
     assert expected in doc.read_text() and expected in capsys.readouterr().out
-    assert "| random | " in expected and "-" not in expected.splitlines()[-1]
+    assert "| random | " in expected and "| random | - |" not in expected  # scored, with its interval
+    assert re.search(r"\| random \| \d+\.\d \[\d+, \d+\]", expected)
 
 
 def test_bad_reference_table_options_exit_2_before_any_run(tmp_path: Path) -> None:
@@ -143,7 +173,11 @@ def test_suite_table_against_hand_computed_means(tmp_path: Path) -> None:
     text = reference.suite_table(
         tmp_path, ("query_aware", "query_agnostic"), ("full", "snapkv", "keydiff"), (0.1, 0.5)
     )
-    lines = text.splitlines()
+    # every cell with its 95% interval: full's 3 of 4 by Wilson, snapkv's fractional scores by the
+    # bootstrap; one compressed method per column: no bold, and 4 samples resolve nothing
+    assert "| full | 75.0 [30, 95] | 75.0 [30, 95] | 75.0 [30, 95] | 75.0 [30, 95] |" in text
+    assert "| snapkv | 37.5 [0, 75] | 81.2 [62, 100] |" in text and not re.search(r"\] ?[*†]", text)
+    lines = [re.sub(r" \[\d+, \d+\]", "", line) for line in text.splitlines()]  # the scores alone
     # overall = mean over tasks of the task means: full (1 + 0.5) / 2; snapkv@0.1 aware (0.5 + 0.25) / 2;
     # snapkv@0.5 (1 + 0.625) / 2
     start = lines.index(
