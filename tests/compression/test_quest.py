@@ -8,8 +8,9 @@ tests/kernels/test_kernel_compile.py; the preset runs through the preset matrice
 
 import pytest
 import torch
-from naive.attention import dot, naive_attention
+from naive.attention import dot
 from naive.quest import naive_page_bounds, naive_page_choice
+from naive.retrieval import assert_attends_to
 
 import kvlab
 from kvlab.cache.layer import CompressedLayer
@@ -109,16 +110,7 @@ def test_decode_attends_to_the_pages_the_papers_bound_picks():
                 chosen = naive_page_choice(q_group, region_keys, page, (counts[b][h] - 3) // page)
                 pages = [range(c * page, min(c * page + page, n - 3)) for c in chosen]
                 chosen_tokens = held + [j for tokens in pages for j in tokens]
-            keys = [ctx.keys[b, h, off + j].tolist() for j in chosen_tokens] + [
-                k[b, h, 0].tolist() for k, _ in decoded
-            ]
-            values = [ctx.values[b, h, off + j].tolist() for j in chosen_tokens] + [
-                v[b, h, 0].tolist() for _, v in decoded
-            ]
-            for g in range(G):
-                want = naive_attention(query[b, h * G + g, 0].tolist(), keys, values, ctx.scaling)
-                torch.testing.assert_close(got[b, h * G + g, 0], torch.tensor(want, dtype=torch.float32),
-                                           atol=1e-5, rtol=1e-5)  # fmt: skip
+            assert_attends_to(got, query, ctx, decoded, (b, h, G), [off + j for j in chosen_tokens])
 
 
 def test_pages_of_one_token_pick_what_the_mean_key_picks():

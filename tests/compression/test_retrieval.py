@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from naive.attention import dot, naive_attention
-from naive.retrieval import naive_chunk_choice
+from naive.retrieval import assert_attends_to, naive_chunk_choice
 from support import e2e
 from support.e2e import kvlab_model
 
@@ -102,16 +102,7 @@ def test_decode_attends_to_the_chunks_a_brute_force_search_picks(local):
                 )
                 chosen_tokens = held + [region[j] for c in chosen for j in range(c * chunk, c * chunk + chunk)
                                         if j < len(region)]  # fmt: skip
-            keys = [ctx.keys[b, h, off + j].tolist() for j in chosen_tokens] + [
-                k[b, h, 0].tolist() for k, _ in decoded
-            ]
-            values = [ctx.values[b, h, off + j].tolist() for j in chosen_tokens] + [
-                v[b, h, 0].tolist() for _, v in decoded
-            ]
-            for g in range(G):
-                want = naive_attention(query[b, h * G + g, 0].tolist(), keys, values, ctx.scaling)
-                torch.testing.assert_close(got[b, h * G + g, 0], torch.tensor(want, dtype=torch.float32),
-                                           atol=1e-5, rtol=1e-5)  # fmt: skip
+            assert_attends_to(got, query, ctx, decoded, (b, h, G), [off + j for j in chosen_tokens])
     assert store.steps == 1
 
 
