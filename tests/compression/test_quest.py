@@ -11,12 +11,11 @@ import torch
 from naive.attention import dot
 from naive.quest import naive_page_bounds, naive_page_choice
 from naive.retrieval import assert_attends_to
+from support.retrieval_layers import retrieval_layer
 
 import kvlab
-from kvlab.cache.layer import CompressedLayer
-from kvlab.compression.context import LayerContext
 from kvlab.compression.quest import KeyBoundsIndex
-from kvlab.compression.retrieval import ChunkStore, RetrieveSelector
+from kvlab.compression.retrieval import ChunkStore
 from kvlab.compression.retrieval_index import MeanKeyIndex
 from kvlab.config.errors import ConfigError
 from kvlab.config.loader import resolve
@@ -66,35 +65,13 @@ def test_bound_holds_every_logit_of_its_page_and_is_tight_for_one_token_pages():
                 assert bound == pytest.approx(float(logits[0]), abs=1e-5)
 
 
-def retrieving_layer(index: dict, lengths=(23, 17), counts=((9, 30), (13, 8)), page=4, G=2, seed=0):
-    """A padded two-sample layer compressed by ``retrieve`` with ``index`` (3 protected tokens held
-    locally), after two decode tokens, and the next query."""
-    gen = torch.Generator().manual_seed(seed)
-    B, T, Hkv, D = len(lengths), max(lengths), 2, 8
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    for b, n in enumerate(lengths):
-        valid[b, T - n :] = True
-    keys, values = torch.randn(B, Hkv, T, D, generator=gen), torch.randn(B, Hkv, T, D, generator=gen)
-    ctx = LayerContext(0, 1, torch.randn(B, Hkv * G, T, D, generator=gen), keys, values, valid,
-                       torch.where(valid, 0, -1), D**-0.5)  # fmt: skip
-    scores = torch.where(valid, 0.0, float("-inf"))[:, None].expand(B, Hkv, T).clone()
-    scores[..., -3:] = float("inf")
-    selector = RetrieveSelector(chunk=page, local="protected", index=index)
-    layer = CompressedLayer(decode_capacity=4)
-    layer.update(keys, values)
-    layer.compress(selector.select(scores, torch.tensor(counts), ctx))
-    decoded = [(torch.randn(B, Hkv, 1, D, generator=gen), torch.randn(B, Hkv, 1, D, generator=gen))
-               for _ in range(2)]  # fmt: skip
-    for k, v in decoded:
-        layer.update(k, v)
-    return layer, torch.randn(B, Hkv * G, 1, D, generator=gen), ctx, decoded
-
-
 def test_decode_attends_to_the_pages_the_papers_bound_picks():
     """Each retrieving head attends, in one softmax, to its resident tokens, its decoded tokens and
     the tokens of the top ``(budget - resident) // page`` pages by the naive bound."""
     lengths, counts, page, G = (23, 17), ((9, 30), (13, 8)), 4, 2
-    layer, query, ctx, decoded = retrieving_layer({"name": "key_bounds"}, lengths, counts, page, G)
+    layer, query, ctx, _, decoded = retrieval_layer(
+        lengths, counts, "protected", page, G=G, index={"name": "key_bounds"}
+    )
     got = layer.decode_attention(query, ctx.scaling)
     T = ctx.seq_len
     for b, n in enumerate(lengths):
@@ -118,7 +95,7 @@ def test_pages_of_one_token_pick_what_the_mean_key_picks():
     the same tokens, so decode attention is the same."""
     outputs = []
     for index in ({"name": "mean_key"}, {"name": "key_bounds"}):
-        layer, query, ctx, _ = retrieving_layer(index, page=1)
+        layer, query, ctx, _, _ = retrieval_layer((23, 17), ((9, 30), (13, 8)), "protected", 1, index=index)
         outputs.append(layer.decode_attention(query, ctx.scaling))
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
 

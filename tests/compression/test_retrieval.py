@@ -12,12 +12,11 @@ from naive.attention import dot, naive_attention
 from naive.retrieval import assert_attends_to, naive_chunk_choice
 from support import e2e
 from support.e2e import kvlab_model
+from support.retrieval_layers import retrieval_layer
 
 import kvlab
-from kvlab.cache.layer import CompressedLayer
 from kvlab.cli.main import main
 from kvlab.compression import retrieval as retrieval_module
-from kvlab.compression.context import LayerContext
 from kvlab.compression.retrieval import ChunkStore, RetrieveSelector
 from kvlab.compression.retrieval_index import MeanKeyIndex
 from kvlab.config.loader import resolve
@@ -52,34 +51,10 @@ def test_chunk_score_is_the_mean_logit_of_its_tokens():
         assert float(scores[c]) == pytest.approx(want, abs=1e-5)
 
 
-def compressed_layer(lengths, counts, local="none", chunk=4, steps=2, seed=0, G=2):
-    """A layer compressed by the retrieve selector (random padded prompt), after ``steps`` decode tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    B, T, Hkv, D = len(lengths), max(lengths), 2, 8
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    for b, n in enumerate(lengths):
-        valid[b, T - n :] = True
-    keys, values = torch.randn(B, Hkv, T, D, generator=gen), torch.randn(B, Hkv, T, D, generator=gen)
-    ctx = LayerContext(0, 1, torch.randn(B, Hkv * G, T, D, generator=gen), keys, values, valid,
-                       torch.where(valid, 0, -1), D**-0.5)  # fmt: skip
-    scores = torch.where(valid, 0.0, float("-inf"))[:, None].expand(B, Hkv, T).clone()
-    scores[..., -3:] = float("inf")  # 3 protected tokens
-    selection = RetrieveSelector(chunk=chunk, local=local).select(scores, torch.tensor(counts), ctx)
-    layer = CompressedLayer(decode_capacity=4)
-    layer.update(keys, values)
-    layer.compress(selection)
-    decoded = [(torch.randn(B, Hkv, 1, D, generator=gen), torch.randn(B, Hkv, 1, D, generator=gen))
-               for _ in range(steps)]  # fmt: skip
-    for k, v in decoded:
-        layer.update(k, v)
-    query = torch.randn(B, Hkv * G, 1, D, generator=gen)
-    return layer, query, ctx, scores, decoded
-
-
 @pytest.mark.parametrize("local", ["none", "protected"])
 def test_decode_attends_to_the_chunks_a_brute_force_search_picks(local):
     lengths, counts = [23, 17], [[9, 30], [13, 8]]  # (0, 1) keeps its whole prompt
-    layer, query, ctx, scores, decoded = compressed_layer(lengths, counts, local=local)
+    layer, query, ctx, scores, decoded = retrieval_layer(lengths, counts, local=local)
     store = layer.offloaded
     assert sorted(map(tuple, store.rows.tolist())) == [(0, 0), (1, 0), (1, 1)]
     got = layer.decode_attention(query, ctx.scaling)
@@ -114,9 +89,9 @@ def test_fetch_covering_every_chunk_attends_over_everything(monkeypatch):
         return build(keys, values, rows, region, torch.full_like(n_sel, 10**6), chunk, ranker)
 
     monkeypatch.setattr(ChunkStore, "build", staticmethod(every_chunk))
-    full_layer, _, _, _, _ = compressed_layer([23, 17], [[99, 99], [99, 99]])
+    full_layer, _, _, _, _ = retrieval_layer([23, 17], [[99, 99], [99, 99]])
     assert full_layer.offloaded is None
-    layer, query, ctx, _, _ = compressed_layer([23, 17], [[9, 5], [13, 8]], local="protected")
+    layer, query, ctx, _, _ = retrieval_layer([23, 17], [[9, 5], [13, 8]], local="protected")
     want = full_layer.decode_attention(query, ctx.scaling)
     torch.testing.assert_close(layer.decode_attention(query, ctx.scaling), want, atol=1e-5, rtol=1e-5)
     loaded = kvlab_model("tiny-qwen2")
@@ -133,7 +108,7 @@ def test_fetch_covering_every_chunk_attends_over_everything(monkeypatch):
 def test_padded_question_block_and_several_queries_per_step():
     """q = 2 new tokens in one call, the first a padding entry in sample 1 (a padded block of
     questions): each real query sees its causal decode entries and the chunks it picks itself."""
-    layer, _, ctx, _, decoded = compressed_layer([23, 17], [[9, 9], [13, 8]], steps=1)
+    layer, _, ctx, _, decoded = retrieval_layer([23, 17], [[9, 9], [13, 8]], steps=1)
     gen = torch.Generator().manual_seed(9)
     block = torch.randn(2, 2, 2, 8, generator=gen), torch.randn(2, 2, 2, 8, generator=gen)
     block_valid = torch.tensor([[True, True], [False, True]])
@@ -166,7 +141,7 @@ def test_padded_question_block_and_several_queries_per_step():
 
 
 def test_store_accounting_and_host_memory():
-    layer, query, ctx, _, _ = compressed_layer([24, 16], [[9, 30], [13, 8]], chunk=4)  # whole chunks only
+    layer, query, ctx, _, _ = retrieval_layer([24, 16], [[9, 30], [13, 8]], chunk=4)  # whole chunks only
     store = layer.offloaded
     assert store.host_keys.device.type == "cpu" and not store.host_keys.is_pinned()  # no CUDA here
     R, M, D = 3, 24, 8
@@ -188,7 +163,7 @@ def test_store_accounting_and_host_memory():
 
 
 def test_a_route_keeps_the_store_for_its_own_heads():
-    layer, _, ctx, scores, _ = compressed_layer([23, 17], [[9, 9], [9, 9]])
+    layer, _, ctx, scores, _ = retrieval_layer([23, 17], [[9, 9], [9, 9]])
     retrieve = RetrieveSelector(chunk=4).select(scores, torch.full((2, 2), 9), ctx)
     keep_all = RetrieveSelector(chunk=4).select(scores, torch.full((2, 2), 99), ctx)
     choice = torch.tensor([[0, 1], [1, 1]])  # (0, 0) from the retrieving branch only
@@ -241,7 +216,7 @@ def test_bench_retrieval_prints_a_table(capsys):
 
 def test_retrieve_selector_is_in_the_registry_and_dispatch_counts_its_kernels():
     dispatch.CALLS.clear()
-    layer, query, ctx, _, _ = compressed_layer([23, 17], [[9, 9], [9, 9]])
+    layer, query, ctx, _, _ = retrieval_layer([23, 17], [[9, 9], [9, 9]])
     layer.decode_attention(query, ctx.scaling)
     assert dispatch.CALLS[("chunk_topk", "reference")] == 1
     assert dispatch.CALLS[("gather_chunks", "reference")] == 1
