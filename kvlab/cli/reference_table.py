@@ -76,8 +76,8 @@ def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[f
     """``kvlab reference-table --suite ruler|vlm``: the runs, the tables, the figure, the docs block.
 
     ``--suite vlm`` (:mod:`kvlab.runner.reference_vlm`) runs the reader tasks instead of RULER's,
-    tabulates them by task only, and leaves empty a cell whose preset refuses the model or the
-    protocol (a ``ConfigError`` before it runs), naming it under the table."""
+    tabulates them by task only. A cell whose preset refuses the model, the protocol or the budget
+    (a ``ConfigError`` before it runs) is left empty and named under the table (:func:`run_cell`)."""
     vlm = ns.suite == "vlm"
     protocols = tuple(p for p in ns.protocols.split(",") if p)
     bad_protocols = [p for p in protocols if p not in PROTOCOLS]
@@ -108,14 +108,7 @@ def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[f
             cfg["data"]["batch_size"] = ns.batch_size
             if vlm:  # the detailed TensorBoard views (8 images x 2 layers of patches) of the first batch only
                 cfg["model"]["inspect_samples"] = 1
-            try:
-                run_predict(cfg, ["--trainer.enable_progress_bar", "false"])
-            except ConfigError as exc:
-                if not vlm or method == "full":  # the full cache runs everywhere: a refusal is a real error
-                    raise
-                refused.setdefault((method, protocol, str(exc).splitlines()[0]), []).append(ratio)
-                continue
-            count += 1
+            count += run_cell(cfg, method, ratio, f"under {protocol}", refused)
     if count == 0:
         raise ConfigError(f"kvlab reference-table: every cell was refused ({refused_text(refused)}).")
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -146,12 +139,34 @@ def run_suite(ns: argparse.Namespace, methods: tuple[str, ...], budgets: tuple[f
         print(f"kvlab: updated the reference suite in {ns.docs}")
 
 
-def refused_text(refused: dict[tuple[str, str, str], list[float]]) -> str:
-    """The cells a preset refused, one entry per (method, protocol, reason) with its budgets:
+Refusals = dict[tuple[str, str, str], list[float]]
+
+
+def run_cell(cfg: dict, method: str, ratio: float | None, where: str, refused: Refusals) -> bool:
+    """Run one cell's ``kvlab predict``; True when it ran.
+
+    A preset that refuses the cell (a ``ConfigError`` before the model loads: a VLM preset on a
+    text model, a protocol it cannot run, SimLayerKV's token budget against a ratio) is recorded
+    in ``refused`` under ``(method, where, reason)`` and the table goes on: its cell stays empty and
+    :func:`refused_text` names it under the table. The full cache runs everywhere, so its refusal
+    is a real error and is raised.
+    """
+    try:
+        run_predict(cfg, ["--trainer.enable_progress_bar", "false"])
+    except ConfigError as exc:
+        if method == "full" or ratio is None:
+            raise
+        refused.setdefault((method, where, str(exc).splitlines()[0]), []).append(ratio)
+        return False
+    return True
+
+
+def refused_text(refused: Refusals) -> str:
+    """The cells a preset refused, one entry per (method, where, reason) with its budgets:
     ``prefixkv at 10%, 25%, 50% under query_agnostic: <the ConfigError's first line>``."""
     return "; ".join(
-        f"`{method}` at {', '.join(f'{r:.0%}' for r in ratios)} under {protocol}: {reason}"
-        for (method, protocol, reason), ratios in refused.items()
+        f"`{method}` at {', '.join(f'{r:.0%}' for r in ratios)} {where}: {reason}"
+        for (method, where, reason), ratios in refused.items()
     )
 
 
@@ -295,6 +310,7 @@ def main(args: list[str]) -> None:
     samples = 8 if ns.samples is None else ns.samples
     metric = ns.metric or "contains_answer"
     root = Path(ns.dir)
+    count, refused = 0, {}
     for task in tasks:
         node = {**TASKS[task], "num_samples": samples}
         for method, ratio in cells(methods, budgets):
@@ -302,10 +318,13 @@ def main(args: list[str]) -> None:
             if not ns.resume:
                 shutil.rmtree(root / task / name, ignore_errors=True)
             run = {"dir": str(root), "experiment": task, "method": name}
-            run_predict(
-                run_config(method, ratio, node, run, ns.model), ["--trainer.enable_progress_bar", "false"]
-            )
+            cfg = run_config(method, ratio, node, run, ns.model)
+            count += run_cell(cfg, method, ratio, f"on {task}", refused)
+    if count == 0:
+        raise ConfigError(f"kvlab reference-table: every cell was refused ({refused_text(refused)}).")
     text = table(root, tasks, methods, budgets, metric)
+    if refused:
+        text += "\nRefused, no run: " + refused_text(refused) + "\n"
     (root / "reference_table.md").write_text(text)
     print(text, end="")
     if ns.docs is not None:

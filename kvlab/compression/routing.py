@@ -129,6 +129,8 @@ class SinkRecentMassMetric(LayerMetric):
     tokens: int | None = None
 
     budget_settings: ClassVar[dict[str, str]] = {"window": "window", "sinks": "sinks", "tokens": "tokens"}
+    # a ratio budget does not say how many tokens a lazy layer keeps: refused when the pipeline is built
+    required_budget_settings: ClassVar[frozenset[str]] = frozenset({"tokens"})
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:

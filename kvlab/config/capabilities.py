@@ -146,7 +146,9 @@ class Component:
 
     ``budget_settings`` maps a parameter that restates a budget setting to that setting (e.g.
     ``{"window": "window"}``): the pipeline fills it from the budget when it is unset and refuses
-    a config where the two differ. ``layer_allocator_settings`` does the same for a parameter that
+    a config where the two differ; a parameter also named in ``required_budget_settings`` must get a
+    token count there, or the pipeline refuses the config when it is built (SimLayerKV's lazy-layer
+    tokens cannot come from a ratio budget). ``layer_allocator_settings`` does the same for a parameter that
     restates one of the layer allocator's (e.g. ``{"layer": "layer"}``: FastV's scorer ranks at the
     layer before the first one its layer allocator compresses). ``capabilities``: see
     :class:`Capabilities`; a component whose capabilities depend on its parameters sets them on
@@ -161,6 +163,7 @@ class Component:
     sealed: ClassVar[bool] = False
     paper: ClassVar[str | None] = None
     budget_settings: ClassVar[dict[str, str]] = {}
+    required_budget_settings: ClassVar[frozenset[str]] = frozenset()
     layer_allocator_settings: ClassVar[dict[str, str]] = {}
     capabilities: ClassVar[Capabilities] = Capabilities()
     record_fields: ClassVar[dict[str, RecordField]] = {}

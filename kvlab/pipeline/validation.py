@@ -96,6 +96,9 @@ def take_budget_settings(component: Any, where: str, budget: Budget | None) -> N
 
     ``component.budget_settings`` maps a parameter to a budget field (e.g. ``window``). Unset
     (None) parameters take the budget's value when it is a token count; a set one must equal it.
+    An unset parameter of ``component.required_budget_settings`` that the budget cannot fill (the
+    budget has no token count for it, e.g. a ratio budget's ``tokens``) is refused here, when the
+    pipeline is built, not when the component first runs.
     """
     for param, setting in component.budget_settings.items():
         own = getattr(component, param)
@@ -106,6 +109,12 @@ def take_budget_settings(component: Any, where: str, budget: Budget | None) -> N
         if own is None:
             if is_count:
                 setattr(component, param, value)
+            elif param in component.required_budget_settings:
+                raise ConfigError(
+                    f"{where} needs {WHERE}.budget.{setting} as a token count (its `{param}`), but the "
+                    f"budget gives {setting} = {value!r}: set {WHERE}.budget.{setting} (e.g. "
+                    f"`--{WHERE}.budget.{setting} 512`), or `{param}` on {where}."
+                )
             continue
         if not is_count or own != value:
             raise ConfigError(

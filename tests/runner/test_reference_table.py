@@ -96,7 +96,7 @@ def test_table_bootstraps_fractional_scores(tmp_path: Path) -> None:
 def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     doc = tmp_path / "evaluation.md"
     doc.write_text(f"x\n{reference.MARK_START}\n{reference.MARK_END}\n")
-    args = ["reference-table", "--model", "tiny-llama", "--methods", "full,random", "--budgets", "0.5",
+    args = ["reference-table", "--model", "tiny-llama", "--methods", "full,random,simlayerkv", "--budgets", "0.5",
             "--tasks", "retrieval-512", "--samples", "2", "--dir", str(tmp_path / "runs"),
             "--docs", str(doc)]  # fmt: skip
     main(args)
@@ -110,11 +110,14 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     ]
     assert all(0.4 < r < 0.6 for r in ratios)
     expected = reference.table(
-        tmp_path / "runs", ["retrieval-512"], ("full", "random"), (0.5,), "contains_answer"
+        tmp_path / "runs", ["retrieval-512"], ("full", "random", "simlayerkv"), (0.5,), "contains_answer"
     )
     assert expected in doc.read_text() and expected in capsys.readouterr().out
     assert "| random | " in expected and "| random | - |" not in expected  # scored, with its interval
     assert re.search(r"\| random \| \d+\.\d \[\d+, \d+\]", expected)
+    # SimLayerKV asks for a token budget: its cell is refused before any run, left empty and named
+    assert "| simlayerkv | - |" in expected and not (root / "simlayerkv@budget=0.5").exists()
+    assert re.search(r"Refused, no run: `simlayerkv` at 50% on retrieval-512: .*budget", doc.read_text())
 
 
 def test_bad_reference_table_options_exit_2_before_any_run(tmp_path: Path) -> None:
