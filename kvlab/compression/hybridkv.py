@@ -306,6 +306,7 @@ class HybridKVHeadAllocator(HeadAllocator):
     """
 
     paper: ClassVar[str | None] = papers.HYBRIDKV
+    needs_route_rule: ClassVar[frozenset[str]] = frozenset({"text_sparsity"})
 
     r: float = 0.75
     alpha: float = 0.1

@@ -164,6 +164,9 @@ class Component:
     paper: ClassVar[str | None] = None
     budget_settings: ClassVar[dict[str, str]] = {}
     required_budget_settings: ClassVar[frozenset[str]] = frozenset()
+    #: route rules (registry names) whose decisions this component reads: the pipeline must be
+    #: routed by one of them (empty: none needed)
+    needs_route_rule: ClassVar[frozenset[str]] = frozenset()
     layer_allocator_settings: ClassVar[dict[str, str]] = {}
     capabilities: ClassVar[Capabilities] = Capabilities()
     record_fields: ClassVar[dict[str, RecordField]] = {}

@@ -158,6 +158,14 @@ class Pipeline(LayerExecution, RoutedExecution):
     @classmethod
     def from_config(cls, node: Any) -> Pipeline:
         """Build and validate a pipeline from a ``model.compression`` node (None means full cache)."""
+        pipeline = cls._from_node(node)
+        pipeline._check_route_rules()
+        return pipeline
+
+    @classmethod
+    def _from_node(cls, node: Any) -> Pipeline:
+        """A pipeline of ``node`` (the whole method, a routed pipeline's parent or one of its
+        branches), built and validated as far as the node alone allows."""
         node = to_plain(node) or {}
         if not isinstance(node, dict):
             raise ConfigError(f"{WHERE} must be a mapping (see docs/architecture.md), got {node!r}.")
@@ -234,13 +242,14 @@ class Pipeline(LayerExecution, RoutedExecution):
         """The roles the mixer, the head allocator and the selector name exist; every scorer has a
         part in the mix."""
         self.mixer.check_roles(list(self.importance), list(self.diversity), f"{WHERE}.mixer")
-        signal = self.head_allocator.signal
-        if signal != "mixed" and signal not in self.roles:
-            raise ConfigError(
-                f"{WHERE}.allocate.head.signal = '{signal}' is not a scorer's role "
-                f"({', '.join(self.roles) or 'no scorers'}).{did_you_mean(signal, self.roles)} Write "
-                "`signal: mixed` (the mixed score) or the key of the scorer to allocate from."
-            )
+        for slot, allocator in (("layer", self.layer_allocator), ("head", self.head_allocator)):
+            signal = getattr(allocator, "signal", "mixed")  # the allocators that compare a score say which
+            if signal != "mixed" and signal not in self.roles:
+                raise ConfigError(
+                    f"{WHERE}.allocate.{slot}.signal = '{signal}' is not a scorer's role "
+                    f"({', '.join(self.roles) or 'no scorers'}).{did_you_mean(signal, self.roles)} Write "
+                    "`signal: mixed` (the mixed score) or the key of the scorer to allocate from."
+                )
         for role in self.selector.scorer_roles():
             if role not in self.roles:
                 roles = ", ".join(self.roles) or "no scorers"
@@ -248,6 +257,22 @@ class Pipeline(LayerExecution, RoutedExecution):
                     f"{WHERE}.select ({self.selector.registry_name}) ranks by the role '{role}', which is "
                     f"not a scorer's role ({roles}).{did_you_mean(role, self.roles)} Name the key of a "
                     "scorer under model.compression.importance or .diversity."
+                )
+
+    def _check_route_rules(self) -> None:
+        """Every component that reads a route rule's decisions (``needs_route_rule``: HybridKV's head
+        allocator reads the heads' classes) is in a pipeline routed by one of those rules."""
+        rule = self.route_rule.registry_name if self.route_rule is not None else None
+        for part in self.walk():
+            needs = part.component.needs_route_rule
+            if needs and rule not in needs:
+                names = " or ".join(f"'{n}'" for n in sorted(needs))
+                routed = f"is routed by '{rule}'" if rule is not None else "has no route"
+                raise ConfigError(
+                    f"{part.field} '{part.component.registry_name}' reads the decisions of the route rule "
+                    f"{names}, but this pipeline {routed}: add `{WHERE}.route: {{rule: {{name: "
+                    f"{sorted(needs)[0]}}}, branches: ...}}` (the method's preset shows one), or choose "
+                    "another component."
                 )
 
     def walk(self, where: str = WHERE) -> list[Part]:
@@ -428,7 +453,7 @@ class Pipeline(LayerExecution, RoutedExecution):
         branches = {}
         for name, branch in route["branches"].items():
             branch = check_branch_node(branch, f"{where}.branches.{name}", rule.per_head)
-            branches[name] = cls.from_config(merge(parent, branch))
+            branches[name] = cls._from_node(merge(parent, branch))
             allocator = branches[name].layer_allocator
             if allocator.capabilities.needs_all_layers:
                 raise ConfigError(
@@ -443,7 +468,7 @@ class Pipeline(LayerExecution, RoutedExecution):
                     f"{where}.rule refers to branch '{name}', which {where}.branches does not define "
                     f"(it defines: {', '.join(branches) or 'none'}).{did_you_mean(name, list(branches))}"
                 )
-        pipeline = cls.from_config(parent)
+        pipeline = cls._from_node(parent)
         for name, part in rule.parts().items():  # e.g. the metric observing the budget's window
             take_budget_settings(part, f"{where}.rule.{name}", pipeline.budget)
         pipeline.route_rule = rule
