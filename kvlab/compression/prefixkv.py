@@ -277,6 +277,8 @@ class PrefixThresholdAllocator(LayerAllocator):
 
     # every layer's scores (seen through observe) before the first layer is compressed
     capabilities: ClassVar[Capabilities] = Capabilities(needs_all_layers=True, observes_layers=True)
+    # ranks each layer's whole prompt, which a sliding layer compressed in its window does not offer
+    compresses_sliding_layers: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.tol_tokens < 1 or self.max_iter < 1:
@@ -360,6 +362,8 @@ class PrefixCalibratedAllocator(LayerAllocator, UsesArtefact):
     """
 
     paper: ClassVar[str | None] = papers.PREFIXKV
+    # the calibrated ratios split the budget as if every layer were a full-attention layer
+    compresses_sliding_layers: ClassVar[bool] = False
 
     artefact: str = "auto"
     interpolate: Literal["none", "linear"] = "none"

@@ -73,6 +73,8 @@ class RetrieveSelector(Selector):
 
     paper: ClassVar[str | None] = papers.HYBRIDKV
     offloads: ClassVar[bool] = True
+    # a sliding-window layer's decode would need the window over retrieved positions
+    compresses_sliding_layers: ClassVar[bool] = False
     record_fields: ClassVar[dict[str, RecordField]] = {
         "retrieval_heads_per_layer": RecordField("[L] KV heads that retrieve at decode"),
         "retrieval_bytes_per_step_per_layer": RecordField("[L] K/V bytes fetched per decode step"),

@@ -167,6 +167,9 @@ class Component:
     #: route rules (registry names) whose decisions this component reads: the pipeline must be
     #: routed by one of them (empty: none needed)
     needs_route_rule: ClassVar[frozenset[str]] = frozenset()
+    #: False: cannot compress a sliding-window layer (refused before the model loads when
+    #: ``sliding_layers: compress`` meets a model that has such layers)
+    compresses_sliding_layers: ClassVar[bool] = True
     layer_allocator_settings: ClassVar[dict[str, str]] = {}
     capabilities: ClassVar[Capabilities] = Capabilities()
     record_fields: ClassVar[dict[str, RecordField]] = {}

@@ -24,8 +24,9 @@ def model_config(model: str) -> Any | None:
 
 
 def model_shape(model: str) -> dict[str, int]:
-    """``num_layers`` / ``num_heads`` / ``num_kv_heads`` of a built-in model or of a local directory's
-    config, read without weights; empty when unknown (a Hub id is not fetched here)."""
+    """``num_layers`` / ``num_heads`` / ``num_kv_heads`` / ``sliding_layers`` (how many layers attend
+    within a sliding window) of a built-in model or of a local directory's config, read without
+    weights; empty when unknown (a Hub id is not fetched here)."""
     config = model_config(model)
     if config is None:
         return {}
@@ -33,4 +34,13 @@ def model_shape(model: str) -> dict[str, int]:
         info = model_info(config, model)
     except Exception:  # the model itself is reported when it loads; the shape is checked there again
         return {}
-    return {"num_layers": info.num_layers, "num_heads": info.num_heads, "num_kv_heads": info.num_kv_heads}
+    text = getattr(config, "text_config", None) or config
+    layer_types = getattr(text, "layer_types", None) or []
+    windowed = getattr(text, "sliding_window", None) is not None
+    sliding = sum(t == "sliding_attention" for t in layer_types) if windowed else 0
+    return {
+        "num_layers": info.num_layers,
+        "num_heads": info.num_heads,
+        "num_kv_heads": info.num_kv_heads,
+        "sliding_layers": sliding,
+    }

@@ -421,7 +421,9 @@ class Pipeline(LayerExecution, RoutedExecution):
     def bind_model(self, model: str) -> None:
         """Tell components that load per-model artefacts which model runs; fails fast on a mismatch.
 
-        Also refuses a model whose config cannot provide a model fact a component reads
+        Also refuses a model with sliding-window layers when ``sliding_layers: compress`` would hand
+        them to a component that cannot compress one (``compresses_sliding_layers``), and a model whose
+        config cannot provide a model fact a component reads
         (:func:`~kvlab.models.facts.check_config_facts`; a model whose config is not readable
         here is checked when it loads, before the prefill). Called before the model loads
         (``KVLabModule``) and again by ``generate`` (idempotent).
@@ -433,6 +435,16 @@ class Pipeline(LayerExecution, RoutedExecution):
         if config is not None:
             check_config_facts(config, model, readers)
         shape = model_shape(model)  # read from the model's config, no weights; {} when unknown
+        if self.sliding_layers == "compress" and shape.get("sliding_layers"):
+            for part in self.walk():
+                if not part.component.compresses_sliding_layers:
+                    raise ConfigError(
+                        f"{part.field} ({part.component.registry_name}) cannot compress a sliding-window "
+                        f"layer, and {WHERE}.sliding_layers = compress hands it the "
+                        f"{shape['sliding_layers']} sliding-window layers of {model!r}: set "
+                        f"{WHERE}.sliding_layers: window (the default: those layers keep their window), or "
+                        "choose another component."
+                    )
         for part in self.walk():
             part.component.bind_model(model, shape)
         self.bound_model = model

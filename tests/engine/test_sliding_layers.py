@@ -73,3 +73,27 @@ def test_bad_sliding_layers_value_is_refused():
     node = {**SNAPKV, "route": {"rule": {"name": "latch"}, "branches": {"a": {"sliding_layers": "compress"}}}}
     with pytest.raises(ConfigError, match="branches.a.sliding_layers"):
         Pipeline.from_config(node)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        {"select": {"name": "retrieve", "chunk": 4}},
+        {"allocate": {"layer": {"name": "prefix_threshold"}}, "schedule": "global"},
+    ],
+    ids=["retrieve", "prefix_threshold"],
+)
+def test_a_component_that_cannot_compress_sliding_layers_is_refused_before_the_model_loads(method, tmp_path):
+    """Read from the model's config alone (a directory holding only config.json: no weights), the
+    sliding-window layers meet ``sliding_layers: compress`` when the pipeline binds the model; with
+    the default (``window``) or a model without such layers, the same pipeline binds."""
+    from support.attention_variants import CONFIGS
+
+    gemma, llama = tmp_path / "gemma3-text", tmp_path / "llama"
+    CONFIGS["gemma3-text"]().save_pretrained(gemma)
+    CONFIGS["llama"]().save_pretrained(llama)
+    node = {**SNAPKV, "budget": {"ratio": 0.5, "window": 1}, **method}
+    with pytest.raises(ConfigError, match=r"cannot compress a sliding-window layer.*2 sliding-window layers"):
+        Pipeline.from_config({**node, "sliding_layers": "compress"}).bind_model(str(gemma))
+    Pipeline.from_config(node).bind_model(str(gemma))
+    Pipeline.from_config({**node, "sliding_layers": "compress"}).bind_model(str(llama))
