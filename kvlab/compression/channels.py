@@ -111,9 +111,10 @@ class ThinK(ChannelPruner):
     scores ``||Q_w[:, i]|| * ||K[:, i]||`` over the last ``window`` queries of its query group and
     its kept keys; the ``ceil(keep * D)`` best are kept.
 
-    ``window`` restates ``budget.window`` (taken from it when unset; without a budget, or with a
-    ratio window, it must be written). A sample shorter than the window scores with its own real
-    queries only (its padding queries count zero), so a padded batch equals each sample alone.
+    ``window`` restates ``budget.window``: inside a pipeline each sample observes the budget's
+    window (a ratio window: each sample's own count), without a budget ``window`` must be written.
+    A sample shorter than the window scores with its own real queries only (its padding queries
+    count zero), so a padded batch equals each sample alone.
     """
 
     paper: ClassVar[str] = papers.THINK
@@ -128,9 +129,13 @@ class ThinK(ChannelPruner):
 
     def channel_scores(self, ctx: LayerContext, keys: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         B, Hkv, _, D = keys.shape
-        window = min(self.window, ctx.seq_len)
-        queries = ctx.last_queries(window, "think (model.compression.channels)")  # [B, H, W, D]
-        real = ctx.valid[:, ctx.seq_len - window :]  # [B, W]: padding queries of a short sample
+        T = ctx.seq_len
+        windows = ctx.observation_windows(self.window, "think (model.compression.channels)").clamp(max=T)
+        widest = int(windows.max())
+        queries = ctx.last_queries(widest, "think (model.compression.channels)")  # [B, H, W, D]
+        # each sample's own window, its padding queries (a sample shorter than it) left out
+        position = torch.arange(T - widest, T, device=windows.device)
+        real = ctx.valid[:, T - widest :] & (position[None, :] >= T - windows[:, None])  # [B, W]
         query_norms = squared_channel_norms(queries, real[:, None, :]).view(B, Hkv, -1, D).sum(2)
         return (query_norms * squared_channel_norms(keys, kept)).sqrt()
 

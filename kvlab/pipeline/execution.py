@@ -120,6 +120,8 @@ class LayerExecution:
         if self.quantizer is not None:
             selection = dataclasses.replace(selection, quantizer=self.quantizer)
         if self.channel_pruner is not None:
+            if ctx.window is None and self.budget is not None:  # a layer kept whole observes the budget's too
+                ctx.window = self.budget.window_counts(ctx.lengths)
             selection = dataclasses.replace(selection, channels=self.channel_pruner.channels(ctx, selection))
         return selection
 

@@ -196,19 +196,17 @@ def check_quantizer(quantizer: Quantizer, parts: list[Any]) -> None:
 
 def build_channel_pruner(node: Any, budget: Budget | None) -> ChannelPruner | None:
     """The channel pruner of ``model.compression.channels`` (None when absent or null), with the
-    budget settings it restates; a pruner observing a window it cannot take from the budget (no
-    budget, or a ratio window) must be given one."""
+    budget settings it restates; without a budget, a pruner restating one must be given it."""
     if node is None:
         return None
     where = f"{WHERE}.channels"
     pruner = build_component(CHANNEL_PRUNERS, node, where, budget)
     for param in pruner.budget_settings:
-        if getattr(pruner, param) is None:
-            found = "no budget" if budget is None else f"{WHERE}.budget.{param} = {budget.window!r}"
+        if budget is None and getattr(pruner, param) is None:
             raise ConfigError(
                 f"{where} ({pruner.registry_name}) observes the prompt's last `{param}` queries and takes "
-                f"their count from {WHERE}.budget.{param}, but there is {found} (a number of tokens is "
-                f"needed). Set `{where}.{param}` to a number of queries, e.g. 32."
+                f"their count from {WHERE}.budget.{param}, but there is no budget (the full cache). Set "
+                f"`{where}.{param}` to a number of queries, e.g. 32."
             )
     return pruner
 

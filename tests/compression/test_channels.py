@@ -35,17 +35,19 @@ def context_and_selection(seed: int = 0):
     return ctx, Selection(topk_indices(scores, counts), counts)
 
 
-def naive_channels(ctx, selection, keep: float, window: int | None) -> list[list[list[int]]]:
-    """Each (sample, KV head)'s kept channels from Python lists."""
+def naive_channels(ctx, selection, keep: float, window: int | list[int] | None) -> list[list[list[int]]]:
+    """Each (sample, KV head)'s kept channels from Python lists (``window``: one for every sample,
+    or each sample's own; None: no queries)."""
     G, T = HEADS // KV_HEADS, ctx.seq_len
     out = []
     for b in range(len(LENGTHS)):
-        first = max(T - window, T - LENGTHS[b]) if window is not None else None
+        own = window[b] if isinstance(window, list) else window
+        first = max(T - own, T - LENGTHS[b]) if own is not None else None
         row = []
         for h in range(KV_HEADS):
             keys = [ctx.keys[b, h, p].double().tolist() for p in selection.kept_positions(b, h)]
             queries = None
-            if window is not None:
+            if own is not None:
                 queries = [
                     ctx.queries[b, h * G + g, t].double().tolist() for g in range(G) for t in range(first, T)
                 ]
@@ -61,6 +63,14 @@ def test_think_keeps_the_channels_of_the_papers_criterion(keep):
     channels = think.channels(ctx, selection)
     assert channels.shape == (2, KV_HEADS, think.kept_channels(D)) and channels.dtype == torch.long
     assert channels.tolist() == naive_channels(ctx, selection, keep, WINDOW)
+
+
+def test_inside_a_pipeline_each_sample_observes_its_own_budget_window():
+    """A ratio window gives each sample its own count (``ctx.window``, set by the pipeline)."""
+    ctx, selection = context_and_selection(seed=2)
+    ctx.window = torch.tensor([3, 7])
+    think = CHANNEL_PRUNERS.build({"name": "think", "keep": 0.5})
+    assert think.channels(ctx, selection).tolist() == naive_channels(ctx, selection, 0.5, [3, 7])
 
 
 def test_key_magnitude_keeps_the_largest_key_channels():
@@ -121,7 +131,7 @@ def test_the_window_comes_from_the_budget():
     assert pipeline.channel_pruner.window == 4
     with pytest.raises(ConfigError, match="channels.window = 8 differs from model.compression.budget.window"):
         Pipeline.from_config({**SNAPKV, "channels": {"name": "think", "window": 8}})
-    with pytest.raises(ConfigError, match=r"channels \(think\) observes .* no budget"):
+    with pytest.raises(ConfigError, match=r"channels \(think\) observes .* there is no budget"):
         Pipeline.from_config({"channels": {"name": "think"}})
     full = Pipeline.from_config({"channels": {"name": "think", "window": 8}})  # ThinK alone: every entry kept
     assert full.channel_pruner.window == 8 and not full.compresses
