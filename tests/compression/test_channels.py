@@ -13,6 +13,7 @@ import pytest
 import torch
 from naive.context import LENGTHS, make_ctx, sample_ctx
 from naive.think import naive_channel_scores, naive_kept_channels
+from support.kvpress_cases import CASES, kvlab_prefill_channels, kvlab_prefill_kept, recorded
 
 from kvlab.cache.selection import Selection
 from kvlab.compression.channels import CHANNEL_PRUNERS
@@ -167,3 +168,12 @@ def test_a_route_branch_cannot_set_channels_and_decode_time_refuses_them():
     pipeline = Pipeline.from_config({**SNAPKV, "channels": {"name": "think"}})
     with pytest.raises(ConfigError, match="model.compression.channels"):
         build_protocol({"name": "decode_time", "target_size": 16}).check(pipeline)
+
+
+@pytest.mark.parametrize("name", ["think", "think_snapkv"])
+def test_kvlab_keeps_the_positions_and_channels_kvpress_keeps(name):
+    """kvpress's ThinKPress, alone and after SnapKVPress (``tests/fixtures/kvpress/kept.json``): the
+    same positions and, per layer and KV head, the same kept key channels on tiny-qwen2 (GQA)."""
+    case, record = CASES[name], recorded()["cases"][name]
+    assert kvlab_prefill_kept(case) == record["kept"]
+    assert kvlab_prefill_channels(case) == record["channels"]
