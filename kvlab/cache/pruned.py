@@ -17,10 +17,13 @@ head, ``q_sel [B, H, q, Dk]`` (:func:`query_channels`), attends the prompt rows 
 decode region with the whole query, at the layer's scaling (the model's ``1 / sqrt(D)``, not
 ``1 / sqrt(Dk)``), and the two parts are merged by their log-sum-exp. ``q_sel . k_sel`` is ``q . k``
 with the pruned channels of ``k`` set to zero, so the result is exactly attention over such keys.
-Plain calls on CPU read the buffers in place (one matmul attention per segment run, the decode
-region through torch's flash kernel); every other call (CUDA tensors, attention variants, padding
-entries) takes :func:`~kvlab.kernels.decode_attention.padded_decode_attention` with the selected
-queries for the prompt part, which is exact and gathers the entries in fp32.
+Where the kernel mode picks Triton (CUDA tensors under ``auto``), a plain call runs the kernel of
+:mod:`kvlab.kernels.tl.pruned_attention` (prompt splits over the ``Dk``-wide keys, the decode
+region through the ragged decode kernel's partials, one combine). Plain calls on CPU read the
+buffers in place (one matmul attention per segment run, the decode region through torch's flash
+kernel); every other call (attention variants, padding entries, ``kernels: reference`` on CUDA)
+takes :func:`~kvlab.kernels.decode_attention.padded_decode_attention` with the selected queries
+for the prompt part, which is exact and gathers the entries in fp32.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kvlab.config.errors import ConfigError
 from kvlab.kernels.decode_attention import (
     RunViews,
     _decode_mask,
@@ -39,7 +43,7 @@ from kvlab.kernels.decode_attention import (
     reads_in_place,
     variants,
 )
-from kvlab.kernels.dispatch import CALLS
+from kvlab.kernels.dispatch import CALLS, get_mode, launch_device, use_triton
 
 
 def prune_key_channels(keys: torch.Tensor, lengths: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
@@ -100,9 +104,25 @@ def pruned_decode_attention(
     CPU path; computed by the caller, which keeps them).
     """
     selected = query_channels(query, key_channels)
-    plain = not variants(*(options.get(k) for k in ("sliding_window", "softcap", "sinks", "decode_valid")))
-    if not plain or runs is None or not reads_in_place(query):
+    asked = variants(*(options.get(k) for k in ("sliding_window", "softcap", "sinks", "decode_valid")))
+    if asked:
+        if get_mode() == "triton":  # asked for the kernel, which implements none of them: refuse
+            raise ConfigError(
+                f"model.kernels is 'triton', but this layer's attention uses {', '.join(asked)}, which the "
+                "Triton decode kernel over pruned keys does not implement. Use `model.kernels: auto` (such "
+                "layers then run the torch reference) or `reference`."
+            )
         CALLS[("pruned_decode_attention", "reference")] += 1
+    elif use_triton("pruned_decode_attention", query, prompt_keys, decode_keys):
+        # triton is optional: the launcher (which imports it) loads on this path only
+        from kvlab.kernels.tl.pruned_attention import pruned_decode_attention_triton
+
+        with launch_device(query):
+            return pruned_decode_attention_triton(
+                query, selected, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values,
+                decode_length, scaling, max_prompt_length,
+            )  # fmt: skip
+    if asked or runs is None or not reads_in_place(query):
         return padded_decode_attention(
             query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values, decode_length,
             scaling, max_prompt_length, prompt_query=selected, **options,
