@@ -443,6 +443,22 @@ def test_bench_decode_formats_prints_the_16_bit_row_then_one_per_format(capsys):
     assert rows[0][7].strip() == "1.00" and all(float(row[7]) > 0 for row in rows)
 
 
+def test_bench_decode_channels_prints_the_full_cache_every_channel_and_each_share(capsys):
+    from kvlab.cli.main import main
+
+    main(["bench", "decode", *SMALL, "--channels", "0.5,0.25"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 ")]
+    assert [row[4].strip() for row in rows] == [
+        "full cache (sdpa)",
+        "all channels",
+        "keys at 50%",
+        "keys at 25%",
+    ]
+    sizes = [float(row[5]) for row in rows[1:]]
+    assert sizes[0] > sizes[1] > sizes[2]  # the kept entries' bytes fall with the key channels
+    assert rows[1][7].strip() == "1.00" and all(float(row[6]) > 0 for row in rows)
+
+
 def test_unknown_bench_exits_2_and_a_registered_bench_runs(capsys, monkeypatch):
     from kvlab import bench
     from kvlab.cli.main import main
