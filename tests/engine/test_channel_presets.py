@@ -149,3 +149,21 @@ def test_sliding_window_layers_attend_their_window_over_the_pruned_keys(family):
     torch.testing.assert_close(results[1.0].step_logits, plain.step_logits, atol=1e-5, rtol=1e-5)
     assert bool((results[0.5].kv_bytes_kept < plain.kv_bytes_kept).all())
     assert float((results[0.5].step_logits[:, 1:] - plain.step_logits[:, 1:]).abs().max()) > 0
+
+
+@pytest.mark.parametrize("prefill", ["chunked", "global"])
+def test_a_chunked_prefill_and_the_global_schedule_keep_the_same_channels(prefill):
+    """ThinK reads only the budget window's queries, which a chunked prefill and ``schedule:
+    global`` hold: the same kept entries and channels, the same outputs."""
+    loaded = kvlab_model("tiny-qwen2")
+    node = budgeted_compression("think", "tiny-qwen2", tokens=24, window=4)
+    batch = loaded.processor.collate(preset_samples(False))
+    options = RunOptions(max_new_tokens=NEW_TOKENS, return_logits=True)
+    plain = generate(loaded, Pipeline.from_config(node), batch, options)
+    if prefill == "chunked":
+        options = RunOptions(max_new_tokens=NEW_TOKENS, return_logits=True, prefill_chunk=16)
+    else:
+        node["schedule"] = "global"
+    other = generate(loaded, Pipeline.from_config(node), batch, options)
+    assert torch.equal(other.kept, plain.kept) and other.tokens == plain.tokens
+    torch.testing.assert_close(other.step_logits, plain.step_logits, atol=1e-4, rtol=1e-4)
