@@ -20,10 +20,11 @@ with the pruned channels of ``k`` set to zero, so the result is exactly attentio
 Where the kernel mode picks Triton (CUDA tensors under ``auto``), a plain call runs the kernel of
 :mod:`kvlab.kernels.tl.pruned_attention` (prompt splits over the ``Dk``-wide keys, the decode
 region through the ragged decode kernel's partials, one combine). Plain calls on CPU read the
-buffers in place (one matmul attention per segment run, the decode region through torch's flash
-kernel); every other call (attention variants, padding entries, ``kernels: reference`` on CUDA)
-takes :func:`~kvlab.kernels.decode_attention.padded_decode_attention` with the selected queries
-for the prompt part, which is exact and gathers the entries in fp32.
+buffers in place (torch's flash kernel over each segment run, the values in slices of ``Dk``
+channels, :func:`_attend`; the decode region one more call); every other call (attention variants,
+padding entries, ``kernels: reference`` on CUDA) takes
+:func:`~kvlab.kernels.decode_attention.padded_decode_attention` with the selected queries for the
+prompt part, which is exact and gathers the entries in fp32.
 """
 
 from __future__ import annotations
@@ -65,14 +66,33 @@ def query_channels(query: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
     return query.gather(3, index)
 
 
+#: most torch flash calls one run of narrow keys takes (one per slice of the values' channels);
+#: keys narrower than ``D / SLICES`` take one matmul attention instead
+SLICES = 4
+
+
 def _attend(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``softmax(query keys^T * scaling) values`` and its log-sum-exp, for keys narrower than the
-    values (torch's flash kernel needs one head size): ``query [n, 1, r, Dk]``, ``keys [n, 1, L,
-    Dk]``, ``values [n, 1, L, D]`` -> ``[n, 1, r, D]`` in the values' dtype and ``[n, 1, r]``.
-    Logits, softmax and the log-sum-exp are fp32 (fp64 for fp64); the probabilities are rounded to
-    the values' dtype for the product, as the flash kernel does."""
+    """``softmax(query keys^T * scaling) values`` and its log-sum-exp for keys narrower than the
+    values: ``query [n, 1, r, Dk]``, ``keys [n, 1, L, Dk]``, ``values [n, 1, L, D]`` -> ``[n, 1, r,
+    D]`` in the values' dtype and ``[n, 1, r]`` (fp32; fp64 for fp64).
+
+    Torch's CPU flash kernel needs one head size for keys and values, so the values are attended
+    in ``ceil(D / Dk)`` slices of ``Dk`` channels (views; the last slice ends at ``D``, overlapping
+    the one before), one flash call each: every call computes the same logits, so each returns
+    its columns of the output and the same log-sum-exp, in the cache's dtype with fp32 logits as
+    the unpruned path. Keys narrower than ``D / SLICES`` take one matmul attention (fp32 logits,
+    the probabilities rounded to the values' dtype for the product, as the flash kernel does).
+    """
+    Dk, D = keys.shape[-1], values.shape[-1]
+    if -(-D // Dk) <= SLICES:
+        parts, lse = [], None
+        for first in range(0, D, Dk):
+            start = min(first, D - Dk)
+            part, lse = _flash(query, keys, values[..., start : start + Dk], scaling)
+            parts.append(part[..., first - start :])
+        return torch.cat(parts, -1), lse
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     logits = torch.matmul(query.to(work), keys.to(work).transpose(-1, -2)).mul_(scaling)
     lse = torch.logsumexp(logits, -1)

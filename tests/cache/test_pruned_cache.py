@@ -98,12 +98,15 @@ def test_query_channels_take_each_heads_kv_heads_channels():
             assert torch.equal(selected[b, head], query[b, head][:, channels[b, head // G]])
 
 
+@pytest.mark.parametrize("keep", [8, 12, 3], ids=["two-slices", "overlapping-slices", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize(
     "counts", [[[9, 9, 9], [9, 9, 9]], [[5, 17, 0], [40, 3, 12]]], ids=["equal", "ragged"]
 )
-def test_decode_over_pruned_keys_equals_attention_over_zeroed_channels(counts, dtype):
-    layer, inputs, decoded = pruned_layer(counts, dtype=dtype)
+def test_decode_over_pruned_keys_equals_attention_over_zeroed_channels(counts, dtype, keep):
+    """The CPU path attends the values in slices of the kept channels' width (8 of 16: two; 12:
+    two overlapping) or, for keys narrower than a quarter of the values (3), by one matmul."""
+    layer, inputs, decoded = pruned_layer(counts, keep=keep, dtype=dtype)
     tolerance = {torch.bfloat16: 2e-2, torch.float32: 1e-5, torch.float64: 1e-10}[dtype]
     for q in (1, 2):
         query = torch.randn(B, HKV * G, q, D, generator=torch.Generator().manual_seed(q)).to(dtype)
