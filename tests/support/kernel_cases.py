@@ -158,6 +158,7 @@ REAL_PRUNED = [  # D, Dk, G, dtype, max_len: real head dims at ThinK's 50% (and 
     (128, 64, 4, torch.bfloat16, 700),
     (64, 32, 8, torch.float16, 700),
     (128, 77, 1, torch.float32, 500),
+    (256, 128, 4, torch.float16, 700),  # a 256-wide head: 32-row tiles (shared memory)
 ]
 
 
