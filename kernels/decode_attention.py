@@ -260,16 +260,20 @@ def padded_decode_attention(
     decode_positions: torch.Tensor | None = None,
     query_positions: torch.Tensor | None = None,
     decode_valid: torch.Tensor | None = None,
+    prompt_query: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The masked path: every head's segment gathered, padded to the longest, attended in fp32.
 
     Arguments and result as :func:`ragged_decode_attention_reference`. Implements the attention
-    variants; copies the kept entries (in fp32) at every call.
+    variants; copies the kept entries (in fp32) at every call. ``prompt_query``: ``[B, H, q, Dk]``
+    the queries the prompt entries are attended with when the prompt keys hold ``Dk`` channels
+    (a channel-pruned layer, :mod:`kvlab.cache.pruned`); None: ``query`` itself.
     """
     B, H, q, D = query.shape
     Hkv = starts.shape[1]
     G = H // Hkv
     qf = query.float().reshape(B, Hkv, G * q, D)
+    qp = qf if prompt_query is None else prompt_query.float().reshape(B, Hkv, G * q, -1)
 
     if max_prompt_length is None:
         max_prompt_length = int(lengths.max()) if lengths.numel() else 0
@@ -279,7 +283,7 @@ def padded_decode_attention(
     rows = (starts[..., None] + offsets).clamp(max=max(prompt_keys.shape[0] - 1, 0))
     pk = prompt_keys[rows].float()  # [B, Hkv, width, D]
     pv = prompt_values[rows].float()
-    prompt_logits = torch.einsum("bkqd,bktd->bkqt", qf, pk) * scaling
+    prompt_logits = torch.einsum("bkqd,bktd->bkqt", qp, pk) * scaling
     if softcap is not None:
         prompt_logits = torch.tanh(prompt_logits / softcap) * softcap
     present = present[:, :, None, :]  # [B, Hkv, 1 or G*q, width]

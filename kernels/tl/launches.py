@@ -39,6 +39,7 @@ from typing import Any
 MODULES = (
     "kvlab.kernels.tl.decode_attention",
     "kvlab.kernels.tl.packed_attention",
+    "kvlab.kernels.tl.pruned_attention",
     "kvlab.kernels.tl.window_scores",
     "kvlab.kernels.tl.compaction",
     "kvlab.kernels.tl.merge",

@@ -1,4 +1,5 @@
-"""Shared bench helpers: timing, device peak bandwidth, table printing."""
+"""Shared bench helpers: timing (interleaved rounds, kernel modes), device peak bandwidth, table
+printing, random ragged caches."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+
+from kvlab.kernels.dispatch import kernel_mode
+from kvlab.kernels.types import segment_starts
 
 # Peak HBM/GDDR bandwidth in GB/s from the vendors' data sheets, matched by substring of
 # torch.cuda.get_device_name(); the first match wins, so specific names come first.
@@ -138,3 +142,41 @@ def add_threads_option(parser: argparse.ArgumentParser, default: int = 1) -> Non
     steadier figures.
     """
     parser.add_argument("--threads", type=int, default=default, help=f"CPU threads (default {default})")
+
+
+def ragged_cache(B, Hkv, D, T, budget, decoded, dtype, device, gen):
+    """Flat kept K/V with per-head lengths in [0.5, 1.5] x budget x T, plus a decode region."""
+    mean = max(1, round(budget * T))
+    lengths = (mean * (0.5 + torch.rand(B, Hkv, generator=gen))).round().long().clamp(1, T)
+    N = int(lengths.sum())
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    lengths = lengths.to(device)
+    starts = segment_starts(lengths)
+    return randn(N, D), randn(N, D), starts, lengths, randn(B, Hkv, decoded, D), randn(B, Hkv, decoded, D)
+
+
+def interleaved(
+    calls: dict[tuple[str, str], Callable[[], object]], device: torch.device, repeat: int
+) -> dict[tuple[str, str], float]:
+    """Median seconds of each call, timed in ``repeat`` rounds that run every call once in turn
+    (after a warm-up round), so a load change on a shared machine hits them alike."""
+    times: dict[tuple[str, str], list[float]] = {name: [] for name in calls}
+    for round_ in range(repeat + 1):
+        for name, call in calls.items():
+            seconds = time_call(call, (), device, warmup=0, repeat=1)
+            if round_:
+                times[name].append(seconds)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def in_mode(mode: str, fn: Callable[..., torch.Tensor], *args: object) -> Callable[[], torch.Tensor]:
+    """``fn(*args)`` run under kernel mode ``mode``."""
+
+    def call() -> torch.Tensor:
+        with kernel_mode(mode):
+            return fn(*args)
+
+    return call

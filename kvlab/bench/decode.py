@@ -40,6 +40,10 @@ prompt per context, the same teacher-forced tokens everywhere), in one run:
   entries stored as codes (``model.compression.quantize``, ``docs/methods/quantization.md``):
   the same kept counts in fewer ``KV MiB``, decode dequantizing chunk by chunk.
 
+**Pruned-keys table** (``--channels 0.5``): the kept entries with every key channel and with each
+share of them (ThinK's layout, ``model.compression.channels``), against the full cache; its own
+module, :mod:`kvlab.bench.channels`.
+
 **Retrieval-index table** (``--indexes mean_key,key_bounds``). Per context and budget, one decoder
 layer's decode step (random keys, values and queries; Llama-3-8B attention shapes by default, fp32
 on CPU) over the whole prompt (``kvlab full``) and through the ``retrieve`` selector with each
@@ -78,16 +82,20 @@ import yaml
 from transformers import DynamicCache
 
 import kvlab
+from kvlab.bench.channels import run_channels
 from kvlab.bench.common import (
     add_threads_option,
     base_parser,
     context_label,
     device_name,
+    in_mode,
+    interleaved,
     ms,
     out_of_memory,
     parse_list,
     peak_bandwidth,
     print_table,
+    ragged_cache,
     resolve,
     time_call,
     triton_note,
@@ -100,28 +108,13 @@ from kvlab.compression.retrieval import RetrieveSelector
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import decode, prefill
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention_reference
-from kvlab.kernels.dispatch import kernel_mode, triton_available
-from kvlab.kernels.types import segment_starts
+from kvlab.kernels.dispatch import triton_available
 from kvlab.models.base import Batch
 
 HEADERS = [
     "context", "budget", "kept/head", "triton", "reference", "sdpa full", "sdpa padded",
     "triton GB/s", "% of peak", "speedup vs sdpa full",
 ]  # fmt: skip
-
-
-def ragged_cache(B, Hkv, D, T, budget, decoded, dtype, device, gen):
-    """Flat kept K/V with per-head lengths in [0.5, 1.5] x budget x T, plus a decode region."""
-    mean = max(1, round(budget * T))
-    lengths = (mean * (0.5 + torch.rand(B, Hkv, generator=gen))).round().long().clamp(1, T)
-    N = int(lengths.sum())
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype).to(device)
-
-    lengths = lengths.to(device)
-    starts = segment_starts(lengths)
-    return randn(N, D), randn(N, D), starts, lengths, randn(B, Hkv, decoded, D), randn(B, Hkv, decoded, D)
 
 
 def padded(flat, starts, lengths, decode, width):
@@ -213,30 +206,6 @@ PACKED_HEADERS = [
 ]  # fmt: skip
 
 
-def interleaved(
-    calls: dict[tuple[str, str], Callable[[], object]], device: torch.device, repeat: int
-) -> dict[tuple[str, str], float]:
-    """Median seconds of each call, timed in ``repeat`` rounds that run every call once in turn
-    (after a warm-up round), so a load change on a shared machine hits them alike."""
-    times: dict[tuple[str, str], list[float]] = {name: [] for name in calls}
-    for round_ in range(repeat + 1):
-        for name, call in calls.items():
-            seconds = time_call(call, (), device, warmup=0, repeat=1)
-            if round_:
-                times[name].append(seconds)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def _in_mode(mode: str, fn: Callable[..., torch.Tensor], *args: object) -> Callable[[], torch.Tensor]:
-    """``fn(*args)`` run under kernel mode ``mode``."""
-
-    def call() -> torch.Tensor:
-        with kernel_mode(mode):
-            return fn(*args)
-
-    return call
-
-
 def packed_rows(query, T, budget, formats, opts, device, dtype, gen) -> list[list[object]]:
     """One (context, budget) cell: the entries in ``dtype`` and each format's codes of the same
     entries, timed through the torch path and (CUDA) the Triton kernels in interleaved rounds,
@@ -259,9 +228,9 @@ def packed_rows(query, T, budget, formats, opts, device, dtype, gen) -> list[lis
         packed.runs()  # computed once per compression, as the cache keeps them
         sizes[name] = packed.nbytes()
         call = (query, packed, starts, lengths, dk, dv, C, D**-0.5)
-        calls[(name, "torch")] = _in_mode("reference", packed_decode_attention, *call)
+        calls[(name, "torch")] = in_mode("reference", packed_decode_attention, *call)
         if cuda:
-            calls[(name, "triton")] = _in_mode("triton", packed_decode_attention, *call)
+            calls[(name, "triton")] = in_mode("triton", packed_decode_attention, *call)
     seconds = interleaved(calls, device, opts.repeat)
 
     def ratio(name: str, path: str) -> str:
@@ -631,6 +600,13 @@ def run(args: list[str]) -> None:
         "with each of these retrieval indexes (e.g. mean_key,key_bounds) against the full cache",
     )
     p.add_argument("--page", type=int, default=16, help="--indexes: tokens per page (chunk)")
+    p.add_argument(
+        "--channels",
+        default=None,
+        help="the pruned-keys table instead (kvlab.bench.channels): decode attention over the kept "
+        "entries with these shares of the key channels (e.g. 0.5, ThinK's) against every channel and "
+        "the full cache",
+    )
     add_threads_option(p, default=2)
     opts = p.parse_args(args)
     torch.set_num_threads(opts.threads)
@@ -638,6 +614,10 @@ def run(args: list[str]) -> None:
         opts.contexts, opts.budgets = opts.contexts or "32k", opts.budgets or "0.10"
         opts.repeat = opts.repeat or 10
         run_indexes(opts)
+    elif opts.channels:
+        opts.contexts, opts.budgets = opts.contexts or "4k,32k", opts.budgets or "0.10"
+        opts.repeat = opts.repeat or 10
+        run_channels(opts)
     elif opts.formats:
         opts.contexts, opts.budgets = opts.contexts or "4k,32k", opts.budgets or "0.10"
         opts.repeat = opts.repeat or 10

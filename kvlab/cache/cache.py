@@ -82,13 +82,19 @@ class CompressedCache(Cache):
     def kept_bytes(self, kept: torch.Tensor, head_dim: int) -> torch.Tensor:
         """``[B]`` bytes of the kept prompt entries of each batch row, given ``kept [L, B, Hkv]`` (the
         compressed layers' counts, :meth:`kept_tokens`): a layer's entries at ``2 * head_dim`` numbers
-        of its dtype, or a quantized layer's codes, parameters and residual
-        (:meth:`~kvlab.cache.packed.PackedPrompt.sample_bytes`)."""
+        of its dtype, a quantized layer's codes, parameters and residual
+        (:meth:`~kvlab.cache.packed.PackedPrompt.sample_bytes`), or a channel-pruned layer's entries
+        at ``Dk + head_dim`` numbers and its ``[Hkv, Dk]`` channel index (:mod:`kvlab.cache.pruned`)."""
         layers = [layer for layer in self.layers if layer.compressed]
         total = torch.zeros(kept.shape[1], dtype=torch.long, device=kept.device)
         for layer, counts in zip(layers, kept, strict=True):
             if layer.packed is not None:
                 total += layer.packed.sample_bytes(layer.folded).to(kept.device)
+            elif layer.key_channels is not None:  # [n, Dk] keys, [n, D] values, each head's channel index
+                channels = layer.key_channels
+                entry = (channels.shape[-1] + head_dim) * layer.dtype.itemsize
+                index = channels[0].numel() * channels.element_size()
+                total += counts.sum(-1) * entry + index
             else:
                 total += counts.sum(-1) * (2 * head_dim * layer.dtype.itemsize)
         return total

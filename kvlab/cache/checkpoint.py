@@ -27,7 +27,7 @@ class Checkpoints:
     CHECKPOINTED = (
         "prompt_keys", "prompt_values", "starts", "lengths", "max_prompt_length", "prompt_positions",
         "decode_keys", "decode_values", "decode_positions", "decode_length", "decode_valid",
-        "next_positions", "cumulative_length", "packed", "folded",
+        "next_positions", "cumulative_length", "packed", "folded", "key_channels",
     )  # fmt: skip
 
     def checkpoint(self) -> dict[str, Any]:

@@ -36,6 +36,10 @@ block with :meth:`CompressedLayer.expect_block`) mark their padding in ``decode_
 never slots a policy may keep (:meth:`~kvlab.cache.slots.SlotLayout.slot_valid`), and
 :meth:`~kvlab.cache.slots.SlotLayout.keep_slots` drops them.
 
+Channel-pruned layers (``model.compression.channels``, :mod:`kvlab.cache.pruned`) hold their prompt
+keys as ``[N, Dk]`` rows, each segment's own ``Dk`` channels (``key_channels [B, Hkv, Dk]``); values
+and the decode region keep every channel.
+
 Devices: every buffer and offset of a layer is allocated on the device of the K/V that layer
 received (its attention's device), so a model spread over devices with a ``device_map`` keeps
 each layer's cache beside its weights; nothing is moved between devices by the cache.
@@ -51,6 +55,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvlab.cache.accounting import ByteAccounting
 from kvlab.cache.checkpoint import Checkpoints
 from kvlab.cache.packed import EntryQuantizer, PackedPrompt, fold, merged_order, packed_decode_attention
+from kvlab.cache.pruned import prune_key_channels, pruned_decode_attention
 from kvlab.cache.selection import OffloadedStore, Selection
 from kvlab.cache.slots import SlotLayout
 from kvlab.kernels.compaction import compact_kv
@@ -92,6 +97,7 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
         self.packed: PackedPrompt | None = None  # the prompt region as codes (a quantizer's), see packed.py
         self.quantizer: EntryQuantizer | None = None  # the quantizer of `packed` (folds decoded tokens)
         self.folded = 0  # decoded tokens folded into `packed` (every segment's newest), see _fold_decode
+        self.key_channels: torch.Tensor | None = None  # [B, Hkv, Dk] long: prompt keys' channels, pruned.py
 
     def segment_runs(self) -> SegmentRuns:
         """The strided views of the flat prompt buffers decode attention reads
@@ -190,6 +196,9 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
             source_keys, source_values, indices, selection.counts
         )
         self.max_prompt_length = int(self.lengths.max()) if self.lengths.numel() else 0
+        self.key_channels = selection.channels
+        if selection.channels is not None:  # the keys keep their head's channels only (kvlab.cache.pruned)
+            self.prompt_keys = prune_key_channels(self.prompt_keys, self.lengths, selection.channels)
         self.packed, self.quantizer, self.folded = None, selection.quantizer, 0
         if selection.quantizer is not None:  # the codes replace the flat buffers (kvlab.cache.packed)
             self.packed = selection.quantizer.pack(
@@ -338,6 +347,15 @@ class CompressedLayer(SlotLayout, Checkpoints, ByteAccounting, CacheLayerMixin):
                 self.decode_length, scaling, self.max_prompt_length, sliding_window=window, softcap=softcap,
                 sinks=sinks, prompt_positions=self.prompt_positions, decode_positions=self.decode_positions,
                 query_positions=query_positions, decode_valid=self.decode_valid,
+            )  # fmt: skip
+        if self.key_channels is not None:
+            return pruned_decode_attention(
+                query, self.prompt_keys, self.prompt_values, self.key_channels, self.starts, self.lengths,
+                self.decode_keys, self.decode_values, self.decode_length, scaling, self.max_prompt_length,
+                runs=self.run_views() if reads_in_place(query) else None, sliding_window=window,
+                softcap=softcap, sinks=sinks, prompt_positions=self.prompt_positions,
+                decode_positions=self.decode_positions, query_positions=query_positions,
+                decode_valid=self.decode_valid,
             )  # fmt: skip
         return ragged_decode_attention(
             query,

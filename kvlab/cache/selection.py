@@ -32,6 +32,9 @@ class Selection:
             layer hands its decode attention to it (:class:`OffloadedStore`).
         quantizer: optional step storing the kept entries as codes (``model.compression.quantize``,
             :class:`~kvlab.cache.packed.EntryQuantizer`); the layer packs them after compaction.
+        channels: optional ``[B, Hkv, Dk]`` long, the key channels each (sample, KV head) keeps,
+            ascending (``model.compression.channels``); the layer stores the kept keys with these
+            channels only (:mod:`kvlab.cache.pruned`).
     """
 
     indices: torch.Tensor
@@ -40,6 +43,7 @@ class Selection:
     values: torch.Tensor | None = None
     offloaded: OffloadedStore | None = None
     quantizer: EntryQuantizer | None = None
+    channels: torch.Tensor | None = None
 
     def mask(self) -> torch.Tensor:
         """``[B, Hkv, K]`` bool, True on real entries."""

@@ -71,6 +71,13 @@ class SlotLayout:
                 "slot layout: decode policies that rescore or move entries and decode-time compression are "
                 "refused with a quantizer when the config is validated"
             )
+        if self.key_channels is not None:
+            raise RuntimeError(
+                "this layer stores its prompt keys with fewer channels than its decoded tokens' "
+                "(model.compression.channels), so no decoded token can move into a prompt slot: decode "
+                "policies that rescore or move entries and decode-time compression are refused with a "
+                "channel pruner when the config is validated"
+            )
         K = self.prompt_slots
         slot = torch.arange(K, device=self.lengths.device)
         valid = slot < self.lengths[..., None]

@@ -42,6 +42,7 @@ ORDER = (
     "model.compression.route.rule.metric",
     "model.compression.decode",
     "model.compression.quantize",
+    "model.compression.channels",
     "model.protocol",
     "model.model",
     "data.dataset",

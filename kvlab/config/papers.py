@@ -101,3 +101,4 @@ FINCH = (
     'Corallo and Papotti 2024, "FINCH: Prompt-guided Key-Value Cache Compression for Large Language '
     'Models" (TACL 2024, arXiv 2408.00167)'
 )
+THINK = 'Xu et al. 2024, "ThinK: Thinner Key Cache by Query-Driven Pruning" (ICLR 2025, arXiv 2407.21018)'

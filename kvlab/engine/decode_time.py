@@ -152,6 +152,13 @@ class DecodeTime(Protocol):
                 "step. Use `model.protocol: query_aware` (or query_agnostic), or remove "
                 "model.compression.quantize."
             )
+        if pipeline.channel_pruner is not None:
+            raise ConfigError(
+                f"{where}: model.compression.channels ({pipeline.channel_pruner.registry_name}) stores the "
+                "kept prompt keys with fewer channels than the generated tokens', which decode-time "
+                "compression rescores and rewrites together at every step. Use `model.protocol: "
+                "query_aware` (or query_agnostic), or remove model.compression.channels."
+            )
         readers = pipeline.capabilities.model_facts
         if readers:
             fact, who = next(iter(readers.items()))

@@ -2,7 +2,8 @@
 
 :class:`LayerExecution` is a mixin of the pipeline: :meth:`LayerExecution.compress` chooses what a
 layer keeps (budget -> layer allocator -> scores -> mix -> head and modality allocators ->
-selector -> decode policy hook) and :meth:`LayerExecution.observe` is the first half of it under
+selector -> decode policy hook -> how the cache stores it: quantizer, channel pruner) and
+:meth:`LayerExecution.observe` is the first half of it under
 ``schedule: global`` (everything that reads the layer's queries, kept until every layer has been
 observed). Routed pipelines go through :class:`~kvlab.pipeline.routed.RoutedExecution`.
 """
@@ -107,16 +108,22 @@ class LayerExecution:
             if self.sliding_layers == "window":
                 selection, report = self._keep_all(ctx)
                 self.decode_policy.on_compress(ctx, selection, report.budget)
-                return self._quantized(selection), report
+                return self._stored(ctx, selection), report
         selection, report = self._select(ctx, record_scores)
         self.decode_policy.on_compress(ctx, selection, report.budget)
-        return self._quantized(selection), report
+        return self._stored(ctx, selection), report
 
-    def _quantized(self, selection: Selection) -> Selection:
-        """``selection`` carrying the pipeline's quantizer (step 8), which the cache applies."""
-        if self.quantizer is None:
-            return selection
-        return dataclasses.replace(selection, quantizer=self.quantizer)
+    def _stored(self, ctx: LayerContext, selection: Selection) -> Selection:
+        """``selection`` carrying how the cache stores it: the pipeline's quantizer (step 8), which the
+        cache applies, and each (sample, KV head)'s kept key channels (step 9), chosen here from the
+        kept keys (a merge selector's own) and the layer's window queries."""
+        if self.quantizer is not None:
+            selection = dataclasses.replace(selection, quantizer=self.quantizer)
+        if self.channel_pruner is not None:
+            if ctx.window is None and self.budget is not None:  # a layer kept whole observes the budget's too
+                ctx.window = self.budget.window_counts(ctx.lengths)
+            selection = dataclasses.replace(selection, channels=self.channel_pruner.channels(ctx, selection))
+        return selection
 
     def _keep_all(self, ctx: LayerContext) -> tuple[Selection, LayerReport]:
         """Keep every valid token of the layer (the full cache)."""

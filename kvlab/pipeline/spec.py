@@ -20,6 +20,7 @@ Schema of ``model.compression`` (every field optional; no scorer at all means th
     decode: {name: none}                             # decode-time policy
     sliding_layers: window                           # or compress (sliding-window layers, below)
     quantize: {name: kivi, bits: 2, group: 32, residual: 128}   # optional: kept entries as codes
+    channels: {name: think, keep: 0.5}               # optional: kept keys with fewer channels
     prefill: {name: once}                            # or {name: progressive, chunk: 512, question: true}
     route:                                           # optional: per-layer branches (see routing.py)
       rule: {name: latch, metric: {name: ncar}, before: decoupled, after: unified}
@@ -45,7 +46,10 @@ One layer's compression (:meth:`~kvlab.pipeline.execution.LayerExecution.compres
 6. the selector picks the tokens (protected ones always in);
 7. the decode policy sees the selection (e.g. to seed decode-time scores);
 8. the quantizer, when ``quantize`` is set, rides on the selection: the cache stores the kept
-   entries (merged ones included) as codes (:mod:`kvlab.compression.quantizers`).
+   entries (merged ones included) as codes (:mod:`kvlab.compression.quantizers`);
+9. the channel pruner, when ``channels`` is set, picks each (sample, KV head)'s key channels from
+   the kept keys (and the window's queries); the cache stores the kept keys with those channels
+   only (:mod:`kvlab.compression.channels`).
 
 With ``route``, each branch is the parent node with the branch's fields merged over it (the
 preset rules of ``kvlab.config.loader.merge``: lists and renamed components replaced whole); the rule
@@ -53,7 +57,8 @@ picks a branch per sample at every layer and the branches' selections are combin
 A per-head rule (``text_sparsity``, HybridKV's classifier) picks a branch per (sample, KV head):
 every branch some head took runs over the layer and each head's row comes from its own branch
 (the branches share the layer budget; a retrieving branch's store serves its own heads only).
-``decode``, ``schedule`` and ``sliding_layers`` belong to the parent only.
+``decode``, ``schedule``, ``sliding_layers``, ``quantize``, ``channels`` and ``prefill`` belong to
+the parent only (a channel pruner runs on the combined selection).
 
 ``schedule`` (a kvlab extension) says when layers are compressed. ``layerwise`` (the default):
 each layer right after its own prefill attention, with the steps above. ``global``: the prefill
@@ -91,6 +96,7 @@ from kvlab.compression.allocators import (
     ModalityAllocator,
 )
 from kvlab.compression.budget import Budget
+from kvlab.compression.channels import ChannelPruner
 from kvlab.compression.decode import DecodePolicy
 from kvlab.compression.diversity import DIVERSITY, DiversityScorer
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
@@ -113,10 +119,12 @@ from kvlab.pipeline.validation import (
     ALLOCATE_FIELDS,
     FIELDS,
     WHERE,
+    build_channel_pruner,
     build_component,
     build_decode_policy,
     build_quantizer,
     check_branch_node,
+    check_channel_pruner,
     check_fields,
     check_quantizer,
     check_route_node,
@@ -151,6 +159,7 @@ class Pipeline(LayerExecution, RoutedExecution):
     route_rule: RouteRule | None = None
     branches: dict[str, Pipeline] = field(default_factory=dict)
     quantizer: Quantizer | None = None
+    channel_pruner: ChannelPruner | None = None
     prefill_mode: PrefillMode = field(default_factory=lambda: PREFILL_MODES.build("once"))
     #: the model :meth:`bind_model` last bound (None: none yet)
     bound_model: str | None = field(default=None, init=False, repr=False, compare=False)
@@ -218,6 +227,7 @@ class Pipeline(LayerExecution, RoutedExecution):
             schedule=schedule,
             sliding_layers=sliding_layers,
             quantizer=build_quantizer(node.get("quantize")),
+            channel_pruner=build_channel_pruner(node.get("channels"), budget),
             prefill_mode=PREFILL_MODES.build(node.get("prefill") or "once", f"{WHERE}.prefill"),
         )
         for role, scorer in [*importance.items(), *diversity.items()]:
@@ -230,6 +240,11 @@ class Pipeline(LayerExecution, RoutedExecution):
         pipeline._check_prefill()
         if pipeline.quantizer is not None:
             check_quantizer(pipeline.quantizer, pipeline.walk())
+        if pipeline.channel_pruner is not None:
+            check_channel_pruner(
+                pipeline.channel_pruner, pipeline.walk(), pipeline.quantizer is not None,
+                pipeline.prefill_mode.progressive,
+            )  # fmt: skip
         pipeline.seal()
         return pipeline
 
@@ -284,7 +299,8 @@ class Pipeline(LayerExecution, RoutedExecution):
         slots = {"mixer": self.mixer, "allocate.layer": self.layer_allocator,
                  "allocate.head": self.head_allocator, "allocate.modality": self.modality_allocator,
                  "select": self.selector, "decode": self.decode_policy,
-                 "quantize": self.quantizer, "prefill": self.prefill_mode}  # fmt: skip
+                 "quantize": self.quantizer, "channels": self.channel_pruner,
+                 "prefill": self.prefill_mode}  # fmt: skip
         for name, component in slots.items():
             if component is not None:
                 parts.append(Part(f"{where}.{name}", component, "slot"))

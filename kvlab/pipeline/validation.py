@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from kvlab.compression.budget import Budget
+from kvlab.compression.channels import CHANNEL_PRUNERS, ChannelPruner
 from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
 from kvlab.compression.quantizers import QUANTIZERS, Quantizer
 from kvlab.config.errors import ConfigError, did_you_mean
@@ -18,14 +19,14 @@ from kvlab.config.errors import ConfigError, did_you_mean
 WHERE = "model.compression"
 FIELDS = (
     "budget", "importance", "diversity", "mixer", "allocate", "select", "decode", "schedule", "route",
-    "sliding_layers", "quantize", "prefill",
+    "sliding_layers", "quantize", "prefill", "channels",
 )  # fmt: skip
 SLIDING_LAYERS = ("window", "compress")
 SCHEDULES = ("layerwise", "global")
 ROUTE_FIELDS = ("rule", "branches")
 ALLOCATE_FIELDS = ("layer", "head", "modality")
 #: fields of the parent only (a route's branches may not set them)
-PARENT_ONLY = ("decode", "schedule", "sliding_layers", "quantize", "prefill")
+PARENT_ONLY = ("decode", "schedule", "sliding_layers", "quantize", "prefill", "channels")
 ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -199,6 +200,59 @@ def check_quantizer(quantizer: Quantizer, parts: list[Any]) -> None:
                 f"{component.registry_name} keeps K/V in a store outside the cache (fetched per decode "
                 "step), which the quantizer does not reach, so the memory figures would mix coded and "
                 f"full-precision entries. Use an evicting or merging selector, or remove {WHERE}.quantize."
+            )
+
+
+def build_channel_pruner(node: Any, budget: Budget | None) -> ChannelPruner | None:
+    """The channel pruner of ``model.compression.channels`` (None when absent or null), with the
+    budget settings it restates; without a budget, a pruner restating one must be given it."""
+    if node is None:
+        return None
+    where = f"{WHERE}.channels"
+    pruner = build_component(CHANNEL_PRUNERS, node, where, budget)
+    for param in pruner.budget_settings:
+        if budget is None and getattr(pruner, param) is None:
+            raise ConfigError(
+                f"{where} ({pruner.registry_name}) observes the prompt's last `{param}` queries and takes "
+                f"their count from {WHERE}.budget.{param}, but there is no budget (the full cache). Set "
+                f"`{where}.{param}` to a number of queries, e.g. 32."
+            )
+    return pruner
+
+
+def check_channel_pruner(pruner: ChannelPruner, parts: list[Any], quantized: bool, progressive: bool) -> None:
+    """Refuse what a channel-pruned prompt region cannot serve, naming the field: a quantizer (the
+    two would each rewrite the kept keys), a decode policy that rescores or moves entries (decoded
+    tokens keep every channel, prompt rows do not: a token cannot move into a prompt slot), a
+    selector keeping K/V outside the cache (the fetched keys would bypass the pruner) and a
+    progressive prefill (the kept entries are held dense between chunks)."""
+    name, where = pruner.registry_name, f"{WHERE}.channels"
+    if quantized:
+        raise ConfigError(
+            f"{where} ({name}) stores the kept prompt keys with fewer channels and {WHERE}.quantize stores "
+            "them as packed codes; the two do not compose yet (one stored form of the keys per layer). "
+            f"Remove one of {where} and {WHERE}.quantize."
+        )
+    if progressive:
+        raise ConfigError(
+            f"{where} ({name}) prunes the key channels of the compressed prompt, but {WHERE}.prefill = "
+            "progressive holds the kept entries as dense rows between chunks and compresses every chunk. "
+            f"Use `{WHERE}.prefill: {{name: once}}` (the default) or remove {where}."
+        )
+    for part in parts:
+        component = part.component
+        if part.field.endswith(".decode") and component.registry_name != "none":
+            raise ConfigError(
+                f"{where} ({name}) stores the prompt keys with fewer channels than the decoded tokens', so "
+                f"{part.field} = {component.registry_name}, which rescores entries and moves decoded tokens "
+                f"into prompt slots, cannot run with it. Use `decode: {{name: none}}` or remove {where}."
+            )
+        if getattr(component, "offloads", False):
+            raise ConfigError(
+                f"{where} ({name}) prunes the keys the cache keeps, but {part.field} = "
+                f"{component.registry_name} keeps K/V in a store outside the cache (fetched per decode "
+                f"step), which the pruner does not reach. Use an evicting or merging selector, or remove "
+                f"{where}."
             )
 
 

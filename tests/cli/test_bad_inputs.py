@@ -482,6 +482,17 @@ CASES = [
     Case("quantize-decode-time", args("--model.compression.quantize", "{name: kivi}", "--model.protocol",
                                       "{name: decode_time, target_size: 16}"),
          ("model.compression.quantize (kivi)", "decode-time compression")),
+    Case("channels-unknown", args("--model.compression.channels", "{name: thin}"),
+         ("model.compression.channels", "Did you mean 'think'")),
+    Case("channels-keep", args("--model.compression.channels", "{name: think, keep: 0}"),
+         ("keep is the share of key channels kept, in (0, 1]",)),
+    Case("channels-quantize", args("--config", "think", "--model.compression.quantize", "{name: kivi}"),
+         ("model.compression.channels (think)", "model.compression.quantize", "do not compose yet")),
+    Case("channels-decode-policy", args("--config", "tova", "--model.compression.channels", "{name: think}"),
+         ("model.compression.channels (think)", "model.compression.decode = tova")),
+    Case("channels-decode-time", args("--config", "think", "--model.protocol",
+                                      "{name: decode_time, target_size: 16}"),
+         ("model.compression.channels (think)", "decode-time compression")),
 ]  # fmt: skip
 
 

@@ -151,5 +151,5 @@ def test_every_component_registry_is_covered():
     assert kinds == {
         "importance scorer", "diversity scorer", "mixer", "layer allocator", "head allocator",
         "modality allocator", "selector", "route rule", "layer metric", "decode policy", "quantizer",
-        "retrieval index", "prefill mode",
+        "retrieval index", "prefill mode", "channel pruner",
     }  # fmt: skip

@@ -54,6 +54,7 @@ class Traits:
     question: bool = (
         False  # scores with the question (Finch): the context is compressed, the question kept whole
     )
+    pruned: bool = False  # a channel pruner: the kept keys are stored with fewer channels (ThinK)
 
 
 def traits(name: str) -> Traits:
@@ -80,6 +81,7 @@ def traits(name: str) -> Traits:
         periodic=getattr(DECODE_POLICIES.build(node.get("decode") or {"name": "none"}), "every", 1) > 1,
         routed_budget=any("budget" in (branch or {}) for branch in branches),
         question=bool((node.get("prefill") or {}).get("question")),
+        pruned=node.get("channels") is not None,
     )
 
 
@@ -115,6 +117,13 @@ def test_budget_at_least_the_prompt_is_identical_to_full(preset, model):
     full = full_run(model)
     longest = int(full.prompt_lengths.max())
     room = longest + (NEW_TOKENS if traits(preset).bounded else 0)  # a fixed-size cache holds them too
+    if traits(preset).pruned:  # pruned key channels change every decode step: every channel kept here
+        node = budgeted_compression(preset, model, tokens=room)
+        node["channels"]["keep"] = 1.0
+        big = run(loaded, Pipeline.from_config(node), samples_for(model))
+        assert big.tokens == full.tokens and torch.equal(big.kept, full.kept)
+        torch.testing.assert_close(big.step_logits, full.step_logits, atol=1e-5, rtol=1e-5)
+        return
     big = run(loaded, budgeted_pipeline(preset, model, tokens=room), samples_for(model))
     assert big.tokens == full.tokens
     if traits(preset).question:  # the context prefilled, then the question on top: the same cache, other sums
@@ -224,6 +233,12 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
             assert bool(
                 (result.kv_bytes_kept >= torch.clamp(result.prompt_lengths, max=budget) * per_token).all()
             )
+        elif trait.pruned:  # keys at Dk channels, values at head_dim; each (layer, head) its channel index
+            pruner = budgeted_pipeline(preset, model, tokens=budget).channel_pruner
+            dk = pruner.kept_channels(info.head_dim)
+            heads = info.num_layers * info.num_kv_heads
+            expected = budget * heads * (dk + info.head_dim) * 4 + heads * dk * 8
+            assert torch.equal(result.kv_bytes_kept, torch.full_like(result.kv_bytes_kept, expected))
         elif not trait.layerwise:
             assert torch.equal(
                 result.kv_bytes_kept, torch.full_like(result.kv_bytes_kept, budget * per_token)

@@ -5,7 +5,8 @@ the preset keeps without quantization (the quantizer only changes how they are s
 sample's ``kv_bytes_kept`` (packed codes + scales / zero points or norms + the full-precision
 residual) and the cache's allocated bytes fall (by how much on long prompts:
 tests/cache/test_quantized_cache.py). Presets whose decode policy rewrites entries or
-whose selector keeps K/V outside the cache are refused before anything runs, naming the field.
+whose selector keeps K/V outside the cache, and the channel-pruned ``think``, are refused before
+anything runs, naming the field.
 """
 
 import functools
@@ -56,6 +57,8 @@ def refused_reason(preset: str) -> str | None:
         return "decode"
     if any(getattr(part.component, "offloads", False) for part in pipeline.walk()):
         return "outside the cache"
+    if pipeline.channel_pruner is not None:
+        return "do not compose"
     return None
 
 

@@ -26,6 +26,7 @@ from support.kernel_cases import (  # noqa: E402
     merge_case,
     ragged_inputs,
     run_packed,
+    run_pruned,
     topk_inputs,
     window_inputs,
 )
@@ -96,6 +97,25 @@ PACKED = [
 @pytest.mark.parametrize("D, G, q, max_len, dtype, B, Hkv, quantizer", PACKED)
 def test_packed_decode_attention_at_real_model_shapes(D, G, q, max_len, dtype, B, Hkv, quantizer):
     got, want = run_packed(B, Hkv, G, q, D, max_len, None, dtype, quantizer, decode_length=5)
+    assert got.shape == (B, Hkv * G, q, D) and got.dtype == dtype
+    assert_close(got, want, dtype)
+
+
+# Decode over channel-pruned keys (ThinK's layout) against the torch path (on CUDA: the masked fp32
+# attention with the selected queries): batch, KV heads, group, queries, D, kept key channels,
+# longest kept prompt, dtype.
+PRUNED = [
+    (1, 8, 4, 1, 128, 64, 33000, BF16),  # Llama-3-8B attention at 32k, ThinK's 50%
+    (2, 3, 4, 2, 128, 77, 4100, FP16),
+    (2, 3, 8, 1, 64, 32, 2100, BF16),
+    (2, 3, 7, 1, 96, 40, 1500, FP32),
+    (2, 3, 1, 1, 256, 128, 1100, BF16),
+]
+
+
+@pytest.mark.parametrize("B, Hkv, G, q, D, Dk, max_len, dtype", PRUNED)
+def test_pruned_decode_attention_at_real_model_shapes(B, Hkv, G, q, D, Dk, max_len, dtype):
+    got, want = run_pruned(B, Hkv, G, q, D, Dk, max_len, None, dtype, decode_length=5)
     assert got.shape == (B, Hkv * G, q, D) and got.dtype == dtype
     assert_close(got, want, dtype)
 

@@ -25,8 +25,10 @@ from support.kernel_cases import (  # noqa: E402
     MERGE_CASES,
     PACKED_CASES,
     PAGE_CASES,
+    PRUNED_CASES,
     REAL_DECODE,
     REAL_PACKED,
+    REAL_PRUNED,
     REAL_WINDOW,
     TOPK_CASES,
     WINDOW_CASES,
@@ -41,8 +43,10 @@ from support.kernel_cases import (  # noqa: E402
     run_gather,
     run_packed,
     run_page_topk,
+    run_pruned,
     run_real_decode,
     run_real_packed,
+    run_real_pruned,
     run_real_window,
     run_topk,
     run_window,
@@ -109,6 +113,19 @@ def test_packed_decode_kernel_matches_the_torch_path(B, Hkv, G, q, D, max_len, s
 @pytest.mark.parametrize("D, G, dtype, max_len, quantizer", REAL_PACKED)
 def test_packed_decode_kernel_at_real_model_shapes(D, G, dtype, max_len, quantizer):
     got, want = run_real_packed(D, G, dtype, max_len, quantizer)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("B, Hkv, G, q, D, Dk, max_len, split, dtype", PRUNED_CASES)
+def test_pruned_decode_kernel_matches_the_torch_path(B, Hkv, G, q, D, Dk, max_len, split, dtype):
+    got, want = run_pruned(B, Hkv, G, q, D, Dk, max_len, split, dtype)
+    assert got.dtype == dtype and got.shape == (B, Hkv * G, q, D)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("D, Dk, G, dtype, max_len", REAL_PRUNED)
+def test_pruned_decode_kernel_at_real_model_shapes(D, Dk, G, dtype, max_len):
+    got, want = run_real_pruned(D, Dk, G, dtype, max_len)
     assert_close(got, want, dtype)
 
 
@@ -328,12 +345,14 @@ def _layer_inputs():
     return on(keys), on(values), selection, (on(step[0]), on(step[1])), on(query)
 
 
-def decoded_layer(quantizer=None, steps=1):
-    """A compressed layer (head (0, 0) keeps nothing) after ``steps`` decode steps, and its query."""
+def decoded_layer(quantizer=None, steps=1, channels=None):
+    """A compressed layer (head (0, 0) keeps nothing) after ``steps`` decode steps, and its query;
+    ``channels [B, Hkv, Dk]``: the key channels each head keeps (a channel-pruned layer)."""
     keys, values, selection, step, query = _layer_inputs()
     layer = CompressedLayer(decode_capacity=2)
     layer.update(keys, values)
-    layer.compress(dataclasses.replace(selection, quantizer=quantizer))
+    channels = channels.to(DEVICE) if channels is not None else None
+    layer.compress(dataclasses.replace(selection, quantizer=quantizer, channels=channels))
     for _ in range(steps):
         layer.update(*step)
     return layer, query
@@ -365,6 +384,21 @@ def test_quantized_cache_decode_runs_the_fused_kernel_under_triton_and_equals_th
     dispatch.CALLS.clear()
     torch.testing.assert_close(layer.decode_attention(query, 0.3), want, atol=1e-5, rtol=1e-5)
     assert dispatch.CALLS == {("packed_decode_attention", "triton"): 1}
+
+
+def test_pruned_cache_decode_runs_the_pruned_kernel_under_triton_and_equals_the_torch_path():
+    """Half the key channels of each head kept: under triton the layer's decode attention runs the
+    pruned kernel (and the ragged kernel's partials over the decode region), as the torch path."""
+    channels = torch.tensor([[[0, 2, 5, 7], [1, 2, 3, 4]], [[4, 5, 6, 7], [0, 1, 6, 7]]])
+    dispatch.set_mode("reference")
+    reference_layer, query = decoded_layer(steps=2, channels=channels)
+    want = reference_layer.decode_attention(query, 0.3)
+    dispatch.set_mode("triton")
+    layer, _ = decoded_layer(steps=2, channels=channels)
+    assert layer.prompt_keys.shape[1] == 4
+    dispatch.CALLS.clear()
+    torch.testing.assert_close(layer.decode_attention(query, 0.3), want, atol=1e-5, rtol=1e-5)
+    assert dispatch.CALLS == {("pruned_decode_attention", "triton"): 1}
 
 
 def test_module_kernels_argument_is_the_mode_of_its_steps_alone_and_rejects_unknown_values(monkeypatch):
@@ -407,6 +441,22 @@ def test_bench_decode_formats_prints_the_16_bit_row_then_one_per_format(capsys):
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 ")]
     assert [row[4].strip() for row in rows] == ["bf16", "int8", "int4", "kivi2"]
     assert rows[0][7].strip() == "1.00" and all(float(row[7]) > 0 for row in rows)
+
+
+def test_bench_decode_channels_prints_the_full_cache_every_channel_and_each_share(capsys):
+    from kvlab.cli.main import main
+
+    main(["bench", "decode", *SMALL, "--channels", "0.5,0.25"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 ")]
+    assert [row[4].strip() for row in rows] == [
+        "full cache (sdpa)",
+        "all channels",
+        "keys at 50%",
+        "keys at 25%",
+    ]
+    sizes = [float(row[5]) for row in rows[1:]]
+    assert sizes[0] > sizes[1] > sizes[2]  # the kept entries' bytes fall with the key channels
+    assert rows[1][7].strip() == "1.00" and all(float(row[6]) > 0 for row in rows)
 
 
 def test_unknown_bench_exits_2_and_a_registered_bench_runs(capsys, monkeypatch):

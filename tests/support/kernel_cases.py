@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from kvlab.cache.packed import packed_decode_attention  # noqa: E402
+from kvlab.cache.pruned import pruned_decode_attention, query_channels  # noqa: E402
 from kvlab.compression.quantizers import KIVI, PerToken  # noqa: E402
 from kvlab.compression.selectors import topk_indices  # noqa: E402
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402
@@ -23,6 +24,7 @@ from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
 from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton  # noqa: E402
 from kvlab.kernels.tl.merge import merge_scatter_triton  # noqa: E402
 from kvlab.kernels.tl.packed_attention import packed_decode_attention_triton  # noqa: E402
+from kvlab.kernels.tl.pruned_attention import pruned_decode_attention_triton  # noqa: E402
 from kvlab.kernels.tl.retrieval import chunk_topk_triton, gather_chunks_triton, page_topk_triton  # noqa: E402
 from kvlab.kernels.tl.window_scores import window_attention_scores_triton  # noqa: E402
 from kvlab.kernels.window_scores import window_attention_scores_reference  # noqa: E402
@@ -143,6 +145,52 @@ def run_packed(B, Hkv, G, q, D, max_len, split, dtype, quantizer, slots=None, de
 def run_real_packed(D, G, dtype, max_len, quantizer):
     """A real-shape packed case: head (0, 0) keeps nothing, splits sized for ``GPU_SLOTS``."""
     return run_packed(1, 2, G, 1, D, max_len, None, dtype, quantizer, slots=GPU_SLOTS, decode_length=5)
+
+
+# --- decode over channel-pruned keys (ThinK's layout) ----------------------------------------------
+PRUNED_CASES = [  # B, Hkv, G, q, D, Dk, max_len, split, dtype: small shapes for the interpreter
+    (2, 2, 3, 1, 16, 8, 150, None, torch.bfloat16),  # GQA 3, half the channels (a 16-wide key tile)
+    (2, 2, 2, 2, 12, 5, 150, 64, torch.float16),  # two-token chunk, odd dims, several prompt splits
+    (1, 3, 1, 1, 16, 16, 70, 64, torch.float32),  # every channel kept
+    (1, 2, 4, 1, 32, 20, 100, None, torch.float32),  # a 32-wide key tile
+]
+REAL_PRUNED = [  # D, Dk, G, dtype, max_len: real head dims at ThinK's 50% (and 40%), GPU split sizing
+    (128, 64, 4, torch.bfloat16, 700),
+    (64, 32, 8, torch.float16, 700),
+    (128, 77, 1, torch.float32, 500),
+    (256, 128, 4, torch.float16, 700),  # a 256-wide head: 32-row tiles (shared memory)
+]
+
+
+def run_pruned(B, Hkv, G, q, D, Dk, max_len, split, dtype, slots=None, decode_length=3):
+    """``(triton output, torch-path output)`` of decode attention over ragged inputs whose prompt keys
+    keep ``Dk`` random channels per (sample, KV head)."""
+    inputs = ragged_inputs(B, Hkv, G, q, D, max_len, dtype, decode_length=decode_length)
+    gen = torch.Generator().manual_seed(Dk)
+    channels = torch.rand(B, Hkv, D, generator=gen).argsort(-1)[..., :Dk].sort(-1).values.to(DEVICE)
+    lengths = inputs["lengths"]
+    segment = torch.repeat_interleave(torch.arange(B * Hkv, device=DEVICE), lengths.flatten())
+    keys = inputs["prompt_keys"].gather(1, channels.view(-1, Dk)[segment])
+    query = inputs["query"]
+    rest = (
+        inputs["prompt_values"],
+        inputs["starts"],
+        lengths,
+        inputs["decode_keys"],
+        inputs["decode_values"],
+    )
+    rest = (*rest, decode_length, inputs["scaling"])
+    got = pruned_decode_attention_triton(
+        query, query_channels(query, channels), keys, *rest, split_size=split, slots=slots
+    )
+    with kernel_mode("reference"):
+        want = pruned_decode_attention(query, keys, rest[0], channels, *rest[1:])
+    return got, want
+
+
+def run_real_pruned(D, Dk, G, dtype, max_len):
+    """A real-shape pruned case: head (0, 0) keeps nothing, splits sized for ``GPU_SLOTS``."""
+    return run_pruned(1, 2, G, 1, D, Dk, max_len, None, dtype, slots=GPU_SLOTS, decode_length=5)
 
 
 def window_inputs(B, Hkv, G, W, T, D, dtype, seed=0):
@@ -332,6 +380,8 @@ def kernel_test_launches() -> Iterator[tuple[Callable[..., object], tuple]]:
     yield from ((run_real_decode, case) for case in REAL_DECODE)
     yield from ((run_packed, case) for case in PACKED_CASES)
     yield from ((run_real_packed, case) for case in REAL_PACKED)
+    yield from ((run_pruned, case) for case in PRUNED_CASES)
+    yield from ((run_real_pruned, case) for case in REAL_PRUNED)
     yield from ((run_window, case) for case in WINDOW_CASES)
     yield from ((run_real_window, case) for case in REAL_WINDOW)
     yield from ((lambda *c: compact_kv_triton(*compaction_inputs(*c)), case) for case in COMPACTION_CASES)

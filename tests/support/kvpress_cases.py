@@ -10,9 +10,10 @@ kvpress (its versions are in the file), and the method tests compare kvlab's. Tw
   (post-RoPE, as both frameworks see them); kvpress scores them, and kvlab's pipeline compresses a
   :class:`LayerContext` of them (:func:`kvlab_kept`);
 - a press that reads the attention layer (``forward``: the layer's input hidden states, its
-  ``q_proj``, rotary embedding or ``o_proj``: Expected Attention, TOVA, CriticalKV): kvpress's own
-  hooks run during a forward of the plain model, and kvlab's side is its prefill of the same
-  prompt with the same weights (:func:`kvlab_prefill_kept`).
+  ``q_proj``, rotary embedding or ``o_proj``: Expected Attention, TOVA, CriticalKV, ThinK): kvpress's
+  own hooks run during a forward of the plain model, and kvlab's side is its prefill of the same
+  prompt with the same weights (:func:`kvlab_prefill_kept`; a channel pruning case also records
+  each head's kept key channels, :func:`kvlab_prefill_channels`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Case:
     wraps_args: dict[str, Any] = field(default_factory=dict)  # the wrapped press's arguments
     model: str = MODEL
     forward: bool = False  # the press reads the attention layer: recorded from the model's forward
+    channels: bool = False  # the press prunes key channels (ThinK): each head's kept channels recorded
 
 
 def ratio_for(kept: int) -> float:
@@ -210,6 +212,34 @@ CASES: dict[str, Case] = {
         wraps_args={"window_size": 8, "kernel_size": 5},
         forward=True,
     ),
+    # ThinKPress alone (every position kept): half of each head's key channels by the window's 8
+    # queries and every key; kvlab's ThinK over the full cache, with its own window
+    "think": Case(
+        "ThinKPress",
+        {"key_channel_compression_ratio": 0.5, "window_size": 8},
+        {"channels": {"name": "think", "keep": 0.5, "window": 8}},
+        LENGTH,
+        model="tiny-qwen2",
+        forward=True,
+        channels=True,
+    ),
+    # ThinKPress composed after SnapKVPress (window 8, kernel 5, the same window for both), as the
+    # kvpress docstring composes them: ThinK scores the keys SnapKV kept; kvlab's think preset (ThinK
+    # over the snapkv preset) with that window; 0.25 of the channels pruned
+    "think_snapkv": Case(
+        "ComposedPress",
+        {
+            "presses": [
+                ["SnapKVPress", {"compression_ratio": 0.5, "window_size": 8, "kernel_size": 5}],
+                ["ThinKPress", {"key_channel_compression_ratio": 0.25, "window_size": 8}],
+            ]
+        },
+        {"preset": "think", "budget": {"tokens": 27, "window": 8}, "channels": {"keep": 0.75}},
+        27,
+        model="tiny-qwen2",
+        forward=True,
+        channels=True,
+    ),
 }
 
 
@@ -272,6 +302,16 @@ def kvlab_prefill_kept(case: Case, node: dict[str, Any] | None = None) -> list[l
     reports = prefill(loaded, pipeline, batch, decode_capacity=1).session.reports
     heads = range(loaded.info.num_kv_heads)
     return [[report.selection.kept_positions(0, h) for h in heads] for report in reports]
+
+
+def kvlab_prefill_channels(case: Case) -> list[list[list[int]]]:
+    """kvlab's kept key channels ``[layer][head][channels]`` after its prefill of the prompt on
+    ``case.model`` with :func:`compression_node` of ``case`` (what each layer's cache stores)."""
+    loaded = kvlab_model(case.model)
+    ids = prompt_ids(loaded.model.config.vocab_size)
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), modality=torch.zeros_like(ids))
+    state = prefill(loaded, Pipeline.from_config(compression_node(case)), batch, decode_capacity=1)
+    return [layer.key_channels[0].tolist() for layer in state.cache.layers]
 
 
 def jaccard(a: list[int], b: list[int]) -> float:
