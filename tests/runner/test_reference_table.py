@@ -96,8 +96,8 @@ def test_table_bootstraps_fractional_scores(tmp_path: Path) -> None:
 def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     doc = tmp_path / "evaluation.md"
     doc.write_text(f"x\n{reference.MARK_START}\n{reference.MARK_END}\n")
-    args = ["reference-table", "--model", "tiny-llama", "--methods", "full,random,simlayerkv", "--budgets", "0.5",
-            "--tasks", "retrieval-512", "--samples", "2", "--dir", str(tmp_path / "runs"),
+    args = ["reference-table", "--model", "tiny-llama", "--methods", "full,random,simlayerkv",
+            "--budgets", "0.5", "--tasks", "retrieval-512", "--samples", "2", "--dir", str(tmp_path / "runs"),
             "--docs", str(doc)]  # fmt: skip
     main(args)
     root = tmp_path / "runs" / "retrieval-512"
