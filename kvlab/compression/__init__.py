@@ -24,6 +24,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     qfilters,
     quantizers,
     quest,
+    reconstruction,
     retrieval,
     retrieval_index,
     rkv,

@@ -101,3 +101,7 @@ FINCH = (
     'Corallo and Papotti 2024, "FINCH: Prompt-guided Key-Value Cache Compression for Large Language '
     'Models" (TACL 2024, arXiv 2408.00167)'
 )
+KVZIP = (
+    'Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction" '
+    "(arXiv 2505.23416)"
+)

@@ -1,0 +1,214 @@
+"""KVzip (Kim et al. 2025): the reconstruct prefill and the scorers reading the reconstruction.
+
+The naive check is the paper's score written out (``naive.kvzip``): for every chunk, the fp64
+softmax of the repeat block's queries over the chosen prompt entries and the block's own keys, the
+max over the block's rows and the KV head's query heads, on tiny-qwen2 from the model's own
+queries and keys (captured by wrapping the scorer), then the top entries per head. Invariants: a
+budget covering the prompt gives the full cache's output, kept counts equal budgets, a padded batch
+keeps what each sample keeps alone; the reconstruction forwards count as compression time; the
+blocks are the paper's requests; what the mode cannot run is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from naive.kvzip import reconstruction_scores
+from support import e2e
+
+from kvlab.compression.reconstruction import ReconstructionScorer
+from kvlab.config.errors import ConfigError
+from kvlab.data.synthetic import SyntheticRetrieval
+from kvlab.engine.generation import RunOptions
+from kvlab.engine.protocols import build_protocol
+from kvlab.engine.reconstruction import FIRST_REQUEST, NEXT_REQUEST, reconstruction_blocks
+from kvlab.pipeline import Pipeline
+
+CHUNK = 64
+
+
+def kvzip(budget=None, scorer: str = "reconstruction_attention", **prefill) -> Pipeline:
+    return Pipeline.from_config(
+        {
+            "budget": budget or {"tokens": 60, "window": 0, "sinks": 4},
+            "importance": {"attention": {"name": scorer}},
+            "prefill": {"name": "reconstruct", "chunk": CHUNK, **prefill},
+        }
+    )
+
+
+@functools.cache
+def items() -> list:
+    """Two retrieval samples of several chunks, of different lengths."""
+    return (
+        SyntheticRetrieval(num_samples=1, context_words=35, seed=5).samples()
+        + SyntheticRetrieval(num_samples=1, context_words=60, seed=1).samples()
+    )
+
+
+def run(pipeline, samples, protocol: str = "query_agnostic", steps: int = 3):
+    loaded = e2e.kvlab_model("tiny-qwen2")
+    batch = loaded.processor.collate(list(samples))
+    return build_protocol(protocol).run(
+        loaded, pipeline, batch, RunOptions(max_new_tokens=steps, return_logits=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("scope", "scorer"),
+    [("chunk", "reconstruction_attention"), ("cache", "reconstruction_attention"),
+     ("chunk", "reconstruction_attention_plus")],
+)  # fmt: skip
+def test_scores_and_kept_positions_follow_the_formula(monkeypatch, scope, scorer):
+    """One sample alone: every step's queries and keys at layer 1 replayed through the fp64 loop."""
+    layer, sinks = 1, 4
+    steps, prompt = [], {}
+    observe, score = ReconstructionScorer.observe, ReconstructionScorer.score
+
+    def spy_observe(self, step, run_state):
+        if step.layer_idx == layer:
+            q = int(step.block_valid.sum())
+            inputs = step.hidden_states[0, -q:].clone() if step.hidden_states is not None else None
+            steps.append(
+                (step.queries[0, :, -q:].clone(), step.block_keys[0, :, -q:].clone(), step.scaling, inputs)
+            )
+        return observe(self, step, run_state)
+
+    def spy_score(self, ctx):
+        out = score(self, ctx)
+        if ctx.layer_idx == layer:
+            prompt.update(keys=ctx.keys[0].clone(), values=ctx.values[0].clone(), scores=out[0].clone())
+        return out
+
+    monkeypatch.setattr(ReconstructionScorer, "observe", spy_observe)
+    monkeypatch.setattr(ReconstructionScorer, "score", spy_score)
+    result = run(kvzip(scope=scope, scorer=scorer), items()[:1]).result
+    loaded = e2e.kvlab_model("tiny-qwen2")
+    info = loaded.info
+    n = prompt["keys"].shape[1]
+    assert len(steps) == -(-n // CHUNK) > 2
+    replay = [
+        (
+            i * CHUNK,
+            min(n, (i + 1) * CHUNK),
+            prompt["keys"],
+            prompt["values"],
+            queries,
+            block_keys,
+            scaling,
+            inputs,
+        )
+        for i, (queries, block_keys, scaling, inputs) in enumerate(steps)
+    ]
+    plus = None
+    if scorer.endswith("plus"):
+        plus = loaded.model.model.layers[layer].self_attn.o_proj.weight.detach()
+    want = reconstruction_scores(replay, n, info.num_heads, info.num_kv_heads, scope, sinks, plus)
+    torch.testing.assert_close(prompt["scores"].double(), want, atol=1e-5, rtol=1e-4)
+    report = result.reports[layer]
+    for h in range(info.num_kv_heads):
+        top = torch.topk(want[h, sinks:], 60 - sinks).indices + sinks
+        expected = sorted(list(range(sinks)) + top.tolist())
+        assert report.selection.kept_positions(0, h) == expected
+
+
+def test_blocks_are_the_papers_requests():
+    loaded = e2e.kvlab_model("tiny-qwen2")
+    processor = loaded.processor
+    tokenizer = processor.tokenizer
+    batch = processor.collate(list(items()))
+    ids, valid = batch.input_ids, batch.attention_mask.bool()
+    blocks = reconstruction_blocks(processor, ids, valid, CHUNK, 8)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "X"}], add_generation_prompt=True, tokenize=False
+    )
+    opening = tokenizer(rendered.split("X", 1)[1], add_special_tokens=False)["input_ids"]
+    first = tokenizer(FIRST_REQUEST, add_special_tokens=False)["input_ids"]
+    later = tokenizer(NEXT_REQUEST, add_special_tokens=False)["input_ids"]
+    for b in range(ids.shape[0]):
+        row = ids[b, valid[b]].tolist()
+        for i, (block, block_valid, start, count) in enumerate(blocks):
+            chunk = row[i * CHUNK : (i + 1) * CHUNK]
+            got = block[b, block_valid[b]].tolist()
+            if not chunk:
+                assert got == [] and int(count[b]) == 0
+                continue
+            request = first if i == 0 else later + row[i * CHUNK - 8 : i * CHUNK]
+            assert got == request + opening + chunk
+            assert int(count[b]) == len(chunk)
+            assert ids[b, int(start[b]) : int(start[b]) + len(chunk)].tolist() == chunk
+
+
+def test_budget_covering_the_prompt_equals_the_full_cache():
+    full = run(Pipeline.from_config(None), items())
+    whole = run(kvzip(budget={"tokens": 10_000, "window": 0, "sinks": 4}), items())
+    assert whole.result.tokens == full.result.tokens
+    torch.testing.assert_close(whole.result.step_logits, full.result.step_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(whole.result.kv_bytes_kept, full.result.kv_bytes_kept)
+
+
+@pytest.mark.parametrize(
+    "budget", [{"tokens": 60, "window": 0, "sinks": 4}, {"ratio": 0.3, "window": 0, "sinks": 4}]
+)
+def test_kept_counts_equal_budgets(budget):
+    result = run(kvzip(budget=budget), items())
+    contexts = result.context_tokens
+    for b in range(len(items())):
+        want = 60 if "tokens" in budget else int(0.3 * int(contexts[b]))
+        assert (result.result.kept[:, b] == want).all()
+
+
+def test_padded_batch_keeps_what_each_sample_keeps_alone():
+    pipe = kvzip(budget={"ratio": 0.3, "window": 0, "sinks": 4})
+    batched = run(pipe, items())
+    for b, item in enumerate(items()):
+        alone = run(pipe, [item])
+        assert batched.result.tokens[b] == alone.result.tokens[0]
+        torch.testing.assert_close(
+            batched.result.step_logits[b], alone.result.step_logits[0], atol=1e-4, rtol=1e-4
+        )
+        pad = int(batched.result.prompt_lengths.max()) - int(batched.result.prompt_lengths[b])
+        for got, want in zip(batched.result.reports, alone.result.reports, strict=True):
+            for h in range(got.selection.counts.shape[1]):
+                assert [p - pad for p in got.selection.kept_positions(b, h)] == want.selection.kept_positions(
+                    0, h
+                )
+
+
+def test_the_reconstruction_counts_as_compression_time(monkeypatch):
+    """The reconstruction forwards' wall time is compression time, never prefill time."""
+    import kvlab.engine.reconstruction as reconstruction
+
+    spent = []
+    finish = reconstruction.finish_reconstruction
+
+    def spy(session):
+        spent.append(session.scoring_seconds)
+        return finish(session)
+
+    monkeypatch.setattr(reconstruction, "finish_reconstruction", spy)
+    result = run(kvzip(), items()).result
+    assert spent[0] > 0
+    assert result.compression_seconds >= spent[0]
+    once = run(
+        Pipeline.from_config(
+            {"budget": {"tokens": 60, "window": 0}, "importance": {"n": {"name": "key_norm"}}}
+        ),
+        items(),
+    )
+    assert result.compression_seconds > once.result.compression_seconds
+
+
+def test_refusals():
+    with pytest.raises(ConfigError, match="reconstruct"):  # a reader without the reconstruction
+        Pipeline.from_config({"budget": 32, "importance": {"a": {"name": "reconstruction_attention"}}})
+    with pytest.raises(ConfigError, match="no scorer reads"):
+        Pipeline.from_config(
+            {"budget": 32, "importance": {"a": {"name": "key_norm"}}, "prefill": {"name": "reconstruct"}}
+        )
+    with pytest.raises(ConfigError, match="reconstruct"):
+        build_protocol({"name": "decode_time", "interval": 8, "ratio": 0.5}).check(kvzip())
+    with pytest.raises(ConfigError, match="scope"):
+        kvzip(scope="everything")
