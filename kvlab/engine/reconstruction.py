@@ -101,13 +101,13 @@ def reconstruction_blocks(
             request = first if i == 0 else later + row[max(begin - chunk, begin - overlap) : begin]
             blocks.append(request + opening + part)
         width = max(len(block) for block in blocks)
-        ids = torch.full((B, width), pad_id, dtype=torch.long)
-        block_valid = torch.zeros(B, width, dtype=torch.bool)
+        ids = torch.full((B, width), pad_id, dtype=torch.long, device="cpu")
+        block_valid = torch.zeros(B, width, dtype=torch.bool, device="cpu")
         for b, block in enumerate(blocks):
             if block:
-                ids[b, width - len(block) :] = torch.tensor(block, dtype=torch.long)
+                ids[b, width - len(block) :] = torch.tensor(block, dtype=torch.long, device="cpu")
                 block_valid[b, width - len(block) :] = True
-        n = torch.tensor(lengths, dtype=torch.long)
+        n = torch.tensor(lengths, dtype=torch.long, device="cpu")
         count = (n - begin).clamp(0, chunk)
         start = (T - n) + begin
         out.append((ids, block_valid, start, count))

@@ -6,7 +6,9 @@ max over the block's rows and the KV head's query heads, on tiny-qwen2 from the 
 queries and keys (captured by wrapping the scorer), then the top entries per head. Invariants: a
 budget covering the prompt gives the full cache's output, kept counts equal budgets, a padded batch
 keeps what each sample keeps alone; the reconstruction forwards count as compression time; the
-blocks are the paper's requests; what the mode cannot run is refused.
+blocks are the paper's requests; what the mode cannot run is refused. Against kvpress 0.5.5's
+``KVzipPress`` (``layerwise=True``) on the seeded random prompt (``tests/fixtures/kvpress/``), the
+``kvzip`` preset keeps the same positions in every layer and head, in one chunk and in several.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 import pytest
 import torch
 from naive.kvzip import reconstruction_scores
-from support import e2e
+from support import e2e, kvpress_cases
 
 from kvlab.compression.reconstruction import ReconstructionScorer
 from kvlab.config.errors import ConfigError
@@ -212,3 +214,10 @@ def test_refusals():
         build_protocol({"name": "decode_time", "interval": 8, "ratio": 0.5}).check(kvzip())
     with pytest.raises(ConfigError, match="scope"):
         kvzip(scope="everything")
+
+
+@pytest.mark.parametrize("case", ["kvzip", "kvzip_chunked", "kvzip_llama_chunked"])
+def test_the_preset_keeps_kvpress_positions(case):
+    """The ``kvzip`` preset at kvpress's budget: the positions ``KVzipPress`` keeps (``layerwise=True``)."""
+    want = kvpress_cases.recorded()["cases"][case]["kept"]
+    assert kvpress_cases.kvlab_prefill_kept(kvpress_cases.CASES[case]) == want
