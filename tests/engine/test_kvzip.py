@@ -179,6 +179,24 @@ def test_padded_batch_keeps_what_each_sample_keeps_alone():
                 )
 
 
+def test_schedule_global_keeps_what_layerwise_keeps():
+    """Every layer observed after the reconstruction, then compressed: a layer-local method keeps the same."""
+    budget = {"ratio": 0.3, "window": 0, "sinks": 4}
+    layerwise = run(kvzip(budget=budget), items()).result
+    node = {
+        "budget": budget,
+        "importance": {"attention": {"name": "reconstruction_attention"}},
+        "prefill": {"name": "reconstruct", "chunk": CHUNK},
+        "schedule": "global",
+    }
+    observed = run(Pipeline.from_config(node), items()).result
+    assert observed.tokens == layerwise.tokens
+    for got, want in zip(observed.reports, layerwise.reports, strict=True):
+        assert torch.equal(got.selection.counts, want.selection.counts)
+        assert torch.equal(torch.where(got.selection.mask(), got.selection.indices, -1),
+                           torch.where(want.selection.mask(), want.selection.indices, -1))  # fmt: skip
+
+
 def test_the_reconstruction_counts_as_compression_time(monkeypatch):
     """The reconstruction forwards' wall time is compression time, never prefill time."""
     import kvlab.engine.reconstruction as reconstruction
