@@ -127,6 +127,7 @@ def reconstruct(
     device = input_ids.device
     start_time = time.perf_counter()
     lengths = valid.sum(1)
+    prompt_start = valid.shape[1] - lengths.cpu()  # each sample's first prompt column
     for ids, block_valid, start, count in reconstruction_blocks(
         processor, input_ids, valid, mode.chunk, mode.overlap
     ):
@@ -134,9 +135,10 @@ def reconstruct(
         before = block_valid.long().cumsum(1) - 1
         positions = (lengths[:, None] + before).clamp(min=0).masked_fill(~block_valid, 0)
         state.block_valid = block_valid
+        sinks = (start - prompt_start).clamp(max=int(session.pipeline.budget.sinks))
+        entries = step_entries(prompt_start, start, count, sinks, mode.scope, valid.shape[1])
+        state.entries = tuple(x.to(device) for x in entries) if entries is not None else None
         state.chunk_start, state.chunk_count = start.to(device), count.to(device)
-        state.prompt_start = (valid.shape[1] - lengths).to(device)
-        state.sinks = (start.to(device) - state.prompt_start).clamp(max=int(session.pipeline.budget.sinks))
         state.active = True
         try:
             model(
@@ -163,27 +165,26 @@ def finish_reconstruction(session: CompressionSession) -> None:
             compress_context(session, ctx)
 
 
-def _entries(
-    state: ReconstructionState, scope: str, T: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prompt columns the step's softmax runs over, ``(columns [B, S], entry_valid [B, S],
-    scored [B, S])``: every column (``scope: cache``), or each sample's first ``sinks`` and its
-    chunk's (``chunk``); ``scored`` marks the chunk's."""
-    start, count = state.chunk_start, state.chunk_count
-    B = start.shape[0]
-    device = start.device
+def step_entries(
+    prompt_start: torch.Tensor,
+    start: torch.Tensor,
+    count: torch.Tensor,
+    sinks: torch.Tensor,
+    scope: str,
+    T: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The prompt columns a step's scoring softmax runs over, ``(columns [B, S], entry_valid [B, S],
+    scored [B, S])`` (``scored`` marks the chunk's), from each sample's first prompt column, its
+    chunk's first column and tokens and its sinks (``[B]`` long each, on the CPU): each sample's
+    first ``sinks`` and its chunk's (``scope: chunk``); None under ``scope: cache`` (every column,
+    the chunk's scored: :func:`reconstruction_attention` takes the layer's keys as they are)."""
     if scope == "cache":
-        columns = torch.arange(T, device=device)[None, :].expand(B, -1)
-        chunk = (columns >= start[:, None]) & (columns < (start + count)[:, None])
-        return columns, torch.ones_like(chunk), chunk
-    sinks = state.sinks
-    s_max = int(sinks.max()) if B else 0
-    c_max = int(count.max()) if B else 0
-    js = torch.arange(s_max, device=device)[None, :]
-    jc = torch.arange(c_max, device=device)[None, :]
-    sink_columns = (state.prompt_start[:, None] + js).clamp(max=T - 1)
-    chunk_columns = (start[:, None] + jc).clamp(max=T - 1)
-    columns = torch.cat([sink_columns, chunk_columns], dim=1)
+        return None
+    s_max = int(sinks.max()) if sinks.numel() else 0
+    c_max = int(count.max()) if count.numel() else 0
+    js = torch.arange(s_max, device="cpu")[None, :]
+    jc = torch.arange(c_max, device="cpu")[None, :]
+    columns = torch.cat([prompt_start[:, None] + js, start[:, None] + jc], dim=1).clamp(max=T - 1)
     real = torch.cat([js < sinks[:, None], jc < count[:, None]], dim=1)
     scored = torch.cat([torch.zeros_like(real[:, :s_max]), jc < count[:, None]], dim=1)
     return columns, real, scored
@@ -223,19 +224,25 @@ def reconstruction_attention(
         block_elements=session.block_elements,
     )  # fmt: skip
     held = state.pending[layer_idx]
-    columns, entry_valid, scored = _entries(state, session.pipeline.prefill_mode.scope, T)
-    columns, entry_valid, scored = columns.to(key.device), entry_valid.to(key.device), scored.to(key.device)
-    entry_valid = entry_valid & prompt_valid.gather(1, columns)
     B, Hkv, _, D = key.shape
-    index = columns[:, None, :, None].expand(B, Hkv, -1, D)
+    if state.entries is None:  # scope: cache, every prompt entry in the softmax, the chunk's scored
+        columns = torch.arange(T, device=key.device)[None, :].expand(B, -1)
+        start, count = state.chunk_start.to(key.device), state.chunk_count.to(key.device)
+        scored = (columns >= start[:, None]) & (columns < (start + count)[:, None])
+        keys, values, entry_valid = key[:, :, :T], value[:, :, :T], prompt_valid
+    else:
+        columns, entry_valid, scored = (x.to(key.device) for x in state.entries)
+        entry_valid = entry_valid & prompt_valid.gather(1, columns)
+        index = columns[:, None, :, None].expand(B, Hkv, -1, D)
+        keys, values = key[:, :, :T].gather(2, index), value[:, :, :T].gather(2, index)
     facts = session.layer_facts(layer_idx)
     step = ReconstructionStep(
         layer_idx=layer_idx,
         queries=query,
         block_keys=key[:, :, T:],
         block_valid=block_valid,
-        keys=key[:, :, :T].gather(2, index),
-        values=value[:, :, :T].gather(2, index),
+        keys=keys,
+        values=values,
         entry_valid=entry_valid,
         columns=columns,
         scored=scored,

@@ -89,10 +89,11 @@ class ReconstructionState:
         active: a reconstruction forward is running (the attention function scores instead of
             compressing).
         block_valid: ``[B, q]`` bool, the step's block (left padded).
-        prompt_start: ``[B]`` long, each sample's first prompt column.
         chunk_start / chunk_count: ``[B]`` long, the step's chunk: its first prompt column and tokens.
-        sinks: ``[B]`` long, the prompt's first tokens in the softmax besides the chunk
-            (``budget.sinks``, fewer for a chunk starting before them).
+        entries: ``scope: chunk``: the prompt columns the step's scoring softmax runs over, ``(columns
+            [B, S], entry_valid [B, S], scored [B, S])`` (each sample's sinks, then its chunk's;
+            :func:`~kvlab.engine.reconstruction.step_entries`), made once per step; None under
+            ``scope: cache`` (every column).
     """
 
     scorers: list[Any] = field(default_factory=list)
@@ -100,10 +101,9 @@ class ReconstructionState:
     pending: dict[int, LayerContext] = field(default_factory=dict, repr=False)
     active: bool = False
     block_valid: torch.Tensor | None = None
-    prompt_start: torch.Tensor | None = None
     chunk_start: torch.Tensor | None = None
     chunk_count: torch.Tensor | None = None
-    sinks: torch.Tensor | None = None
+    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
