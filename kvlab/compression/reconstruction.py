@@ -24,13 +24,14 @@ entries its softmax runs over, T the padded prompt, D head dim, E hidden size.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from kvlab.cache.state import RunState
-from kvlab.compression.context import LayerContext
+from kvlab.compression.context import LayerContext, appended_attention
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities
@@ -77,36 +78,25 @@ class ReconstructionStep:
     facts: LayerFacts = field(default_factory=LayerFacts)
     block_elements: int = REFERENCE_BLOCK_ELEMENTS
 
-    def attention_rows(self) -> list[tuple[slice, torch.Tensor]]:
-        """The block's softmax attention over the entries, ``rows`` block rows at a time:
-        ``[(rows, probs [B, H, r, S] fp32)]``.
+    def attention_rows(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        """The block's softmax attention over the entries, a block of rows at a time (made as it is
+        read): ``(rows, probs [B, H, r, S] fp32)``.
 
-        Row ``i`` attends to every valid entry and, causally, to the block's valid keys ``j <= i``;
-        the softmax (fp32 logits) runs over both and only the entries' columns are returned.
-        Padding rows are zero. Each block of rows holds at most :attr:`block_elements` logits.
+        Row ``i`` attends to every valid entry and, causally, to the block's valid keys ``j <= i``
+        (:func:`~kvlab.compression.context.appended_attention`); padding rows are zero. Each block
+        of rows holds at most :attr:`block_elements` logits.
         """
-        B, H, q, D = self.queries.shape
-        Hkv, S = self.keys.shape[1], self.keys.shape[2]
-        G = H // Hkv
+        B, H, q, _ = self.queries.shape
+        S = self.keys.shape[2]
         rows = max(1, min(q, self.block_elements // max(1, B * H * (S + q))))
-        keys = self.keys.float()
-        own = self.block_keys.float()
-        position = torch.arange(q, device=keys.device)
-        out = []
+        keys = self.keys.float()  # cast once for every block of rows
         for first in range(0, q, rows):
             part = slice(first, min(q, first + rows))
-            r = part.stop - first
-            queries = self.queries[:, :, part].float().reshape(B, Hkv, G * r, D)
-            entry_logits = (queries @ keys.transpose(-1, -2) * self.scaling).view(B, H, r, S)
-            own_logits = (queries @ own.transpose(-1, -2) * self.scaling).view(B, H, r, q)
-            entry_logits = entry_logits.masked_fill(~self.entry_valid[:, None, None, :], float("-inf"))
-            seen = (position[None, :] <= position[part, None])[None] & self.block_valid[
-                :, None, :
-            ]  # [B, r, q]
-            own_logits = own_logits.masked_fill(~seen[:, None], float("-inf"))
-            probs = torch.softmax(torch.cat([entry_logits, own_logits], dim=-1), dim=-1)[..., :S]
-            out.append((part, torch.nan_to_num(probs) * self.block_valid[:, None, part, None]))
-        return out
+            probs = appended_attention(
+                self.queries[:, :, part], first, keys, self.entry_valid, self.block_keys, self.block_valid,
+                self.scaling,
+            )  # fmt: skip
+            yield part, probs
 
 
 class ReconstructionScorer(ImportanceScorer):

@@ -13,6 +13,7 @@ blocks are the paper's requests; what the mode cannot run is refused. Against kv
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from naive.kvzip import reconstruction_scores
 from support import e2e, kvpress_cases
 
-from kvlab.compression.reconstruction import ReconstructionScorer
+from kvlab.compression.reconstruction import ReconstructionAttention, ReconstructionScorer, ReconstructionStep
 from kvlab.config.errors import ConfigError
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.engine.generation import RunOptions
@@ -116,6 +117,33 @@ def test_scores_and_kept_positions_follow_the_formula(monkeypatch, scope, scorer
         assert report.selection.kept_positions(0, h) == expected
 
 
+def test_scores_in_blocks_of_rows_equal_the_scores_at_once():
+    """A step whose rows do not fit ``block_elements`` is scored a few rows at a time, to the same values."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, Hkv, q, S, D = 2, 4, 2, 9, 7, 8
+    block_valid = torch.ones(B, q, dtype=torch.bool)
+    block_valid[1, :3] = False  # a left-padded block
+    entry_valid = torch.ones(B, S, dtype=torch.bool)
+    entry_valid[0, -2:] = False
+    step = ReconstructionStep(
+        layer_idx=0,
+        queries=torch.randn(B, H, q, D, generator=gen),
+        block_keys=torch.randn(B, Hkv, q, D, generator=gen),
+        block_valid=block_valid,
+        keys=torch.randn(B, Hkv, S, D, generator=gen),
+        values=torch.randn(B, Hkv, S, D, generator=gen),
+        entry_valid=entry_valid,
+        columns=torch.arange(S)[None].expand(B, -1),
+        scored=torch.ones(B, S, dtype=torch.bool),
+        seq_len=S,
+        scaling=D**-0.5,
+    )
+    scorer = ReconstructionAttention()
+    small = dataclasses.replace(step, block_elements=B * H * (S + q) * 2)  # two rows at a time
+    assert len(list(small.attention_rows())) == 5
+    torch.testing.assert_close(scorer.step_scores(small), scorer.step_scores(step), atol=1e-6, rtol=1e-6)
+
+
 def test_blocks_are_the_papers_requests():
     loaded = e2e.kvlab_model("tiny-qwen2")
     processor = loaded.processor
@@ -192,6 +220,21 @@ def test_schedule_global_keeps_what_layerwise_keeps():
     observed = run(Pipeline.from_config(node), items()).result
     assert observed.tokens == layerwise.tokens
     for got, want in zip(observed.reports, layerwise.reports, strict=True):
+        assert torch.equal(got.selection.counts, want.selection.counts)
+        assert torch.equal(torch.where(got.selection.mask(), got.selection.indices, -1),
+                           torch.where(want.selection.mask(), want.selection.indices, -1))  # fmt: skip
+
+
+def test_a_chunked_prompt_prefill_keeps_the_same_entries():
+    """``model.prefill_chunk`` only chunks the prompt's own forward: the reconstruction scores the same."""
+    loaded = e2e.kvlab_model("tiny-qwen2")
+    batch = loaded.processor.collate(list(items()))
+    pipe = kvzip(budget={"ratio": 0.3, "window": 0, "sinks": 4})
+    protocol = build_protocol("query_agnostic")
+    whole = protocol.run(loaded, pipe, batch, RunOptions(max_new_tokens=3)).result
+    chunked = protocol.run(loaded, pipe, batch, RunOptions(max_new_tokens=3, prefill_chunk=50)).result
+    assert chunked.tokens == whole.tokens
+    for got, want in zip(chunked.reports, whole.reports, strict=True):
         assert torch.equal(got.selection.counts, want.selection.counts)
         assert torch.equal(torch.where(got.selection.mask(), got.selection.indices, -1),
                            torch.where(want.selection.mask(), want.selection.indices, -1))  # fmt: skip
