@@ -6,7 +6,8 @@ max over the block's rows and the KV head's query heads, on tiny-qwen2 from the 
 queries and keys (captured by wrapping the scorer), then the top entries per head. Invariants: a
 budget covering the prompt gives the full cache's output, kept counts equal budgets, a padded batch
 keeps what each sample keeps alone; the reconstruction forwards count as compression time; the
-blocks are the paper's requests; what the mode cannot run is refused. Against kvpress 0.5.5's
+blocks are the paper's requests; ``multi_question`` reconstructs each context once for all its
+questions; what the mode cannot run is refused. Against kvpress 0.5.5's
 ``KVzipPress`` (``layerwise=True``) on the seeded random prompt (``tests/fixtures/kvpress/``), the
 ``kvzip`` preset keeps the same positions in every layer and head, in one chunk and in several.
 """
@@ -20,6 +21,7 @@ import pytest
 import torch
 from naive.kvzip import reconstruction_scores
 from support import e2e, kvpress_cases
+from support.questions import QUESTIONS
 
 from kvlab.compression.reconstruction import ReconstructionAttention, ReconstructionScorer, ReconstructionStep
 from kvlab.config.errors import ConfigError
@@ -238,6 +240,28 @@ def test_a_chunked_prompt_prefill_keeps_the_same_entries():
         assert torch.equal(got.selection.counts, want.selection.counts)
         assert torch.equal(torch.where(got.selection.mask(), got.selection.indices, -1),
                            torch.where(want.selection.mask(), want.selection.indices, -1))  # fmt: skip
+
+
+def test_multi_question_reconstructs_each_context_once(monkeypatch):
+    """Compress once, answer many: one reconstruction of the two contexts for four questions, each
+    answer the one its question gets alone (``query_agnostic``) on the same compressed context."""
+    import kvlab.engine.generation as generation
+
+    runs = []
+    reconstruct = generation.reconstruct
+
+    def counted(model, session, processor, input_ids):
+        runs.append(input_ids.shape[0])
+        return reconstruct(model, session, processor, input_ids)
+
+    monkeypatch.setattr(generation, "reconstruct", counted)
+    pipe = kvzip(budget={"tokens": 24, "window": 0, "sinks": 4}, chunk=16)
+    shared = run(pipe, QUESTIONS, protocol="multi_question").result
+    assert runs == [2]  # the fox context and the colours one, in one batch
+    for b, question in enumerate(QUESTIONS):
+        alone = run(pipe, [question]).result
+        assert shared.tokens[b] == alone.tokens[0]
+        assert torch.equal(shared.kept[:, b], alone.kept[:, 0])
 
 
 def test_the_reconstruction_counts_as_compression_time(monkeypatch):
