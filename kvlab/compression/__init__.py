@@ -19,6 +19,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     merge,
     mixers,
     modality,
+    model_topk,
     prefill_modes,
     prefixkv,
     qfilters,

@@ -61,6 +61,7 @@ NEEDS: dict[tuple[str, str], Any] = {
         "mixer": {"extrinsic": "attention", "intrinsic": ["value_norm"], "diversity": ["mean_key_diversity"]},
     },
     ("layer allocator", "prefix_threshold"): {"schedule": "global"},
+    ("layer allocator", "model_topk"): {"schedule": "global"},
     ("layer allocator", "vl_cache"): {"schedule": "global"},
     ("importance scorer", "expected_attention"): {"model": TEXT_MODEL},  # Qwen2-VL's 3-D rotary: refused
     ("importance scorer", "qfilters"): {"model": TEXT_MODEL},  # filters shipped for the text models

@@ -19,7 +19,7 @@ import functools
 
 import pytest
 import torch
-from naive.kvzip import reconstruction_scores
+from naive.kvzip import model_topk_kept, reconstruction_scores
 from support import e2e, kvpress_cases
 from support.questions import QUESTIONS
 
@@ -262,6 +262,38 @@ def test_multi_question_reconstructs_each_context_once(monkeypatch):
         alone = run(pipe, [question]).result
         assert shared.tokens[b] == alone.tokens[0]
         assert torch.equal(shared.kept[:, b], alone.kept[:, 0])
+
+
+def test_model_wide_budgets_rank_every_layer_together():
+    """``model_topk`` (KVzip's default budgets) under ``schedule: global``: the layer shares of one
+    model-wide ranking of the recorded scores, the heads of each layer sharing it (AdaKV, alpha 0)."""
+    node = {
+        "budget": {"tokens": 40, "window": 0, "sinks": 4},
+        "importance": {"attention": {"name": "reconstruction_attention"}},
+        "allocate": {"layer": {"name": "model_topk"}, "head": {"name": "adakv", "alpha": 0.0}},
+        "prefill": {"name": "reconstruct", "chunk": CHUNK},
+        "schedule": "global",
+    }
+    loaded = e2e.kvlab_model("tiny-qwen2")
+    batch = loaded.processor.collate(list(items()))
+    options = RunOptions(max_new_tokens=3, record_scores=True)
+    result = build_protocol("query_agnostic").run(loaded, Pipeline.from_config(node), batch, options)
+    reports = result.result.reports
+    kept = torch.stack([r.kept for r in reports])  # [L, B, Hkv]
+    assert len(set(kept.sum(-1).flatten().tolist())) > 1  # layers differ
+    T = batch.input_ids.shape[1]
+    for b in range(len(items())):
+        n = int(result.context_tokens[b])
+        first = T - int(result.result.prompt_lengths[b])  # the context's first column in the batch
+        assert int(kept[:, b].sum()) == len(reports) * loaded.info.num_kv_heads * 40
+        scores = []
+        for report in reports:
+            layer = report.scorer_scores["attention"][b]  # [Hkv, T] at the batch's columns
+            scores.append([[float(x) if 4 <= c - first < n else None for c, x in enumerate(row.tolist())]
+                           for row in layer])  # fmt: skip
+        want = model_topk_kept(scores, 40 - 4, list(range(first, first + 4)))
+        got = [[r.selection.kept_positions(b, h) for h in range(loaded.info.num_kv_heads)] for r in reports]
+        assert got == want
 
 
 def test_the_reconstruction_counts_as_compression_time(monkeypatch):

@@ -51,3 +51,39 @@ def reconstruction_scores(
                             )
                         scores[j, t] = max(float(scores[j, t]), value)
     return scores
+
+
+def model_topk_kept(scores, free: int, protected: list[int]) -> list[list[list[int]]]:
+    """KVzip's model-wide budgets as kvlab sizes them, for one sample: ``scores[ly][h][t]`` (None off the
+    candidates), ``free`` candidates per head on average, ``protected`` the positions always kept.
+
+    The model's best ``L Hkv free`` candidates (ties to the lower layer, head, position) give each
+    layer its winners ``n_l``; the per-head shares ``n_l / Hkv`` are rounded by largest remainder
+    (ties to the lower layer) to sum to ``L free``; each layer keeps its best ``Hkv`` times its share
+    over all its heads (ties as above) and the protected positions. Returns ``[ly][h]`` sorted positions.
+    """
+    L, Hkv = len(scores), len(scores[0])
+    flat = [
+        (-s, ly, h, t)
+        for ly in range(L)
+        for h in range(Hkv)
+        for t, s in enumerate(scores[ly][h])
+        if s is not None
+    ]
+    flat.sort()
+    winners = [0] * L
+    for _, ly, _, _ in flat[: L * Hkv * free]:
+        winners[ly] += 1
+    shares = [w / Hkv for w in winners]
+    base = [int(x) for x in shares]
+    short = L * free - sum(base)
+    for ly in sorted(range(L), key=lambda ly: (-(shares[ly] - base[ly]), ly))[:short]:
+        base[ly] += 1
+    kept = []
+    for ly in range(L):
+        ranked = sorted((-s, h, t) for h in range(Hkv) for t, s in enumerate(scores[ly][h]) if s is not None)
+        heads = [sorted(protected) for _ in range(Hkv)]
+        for _, h, t in ranked[: Hkv * base[ly]]:
+            heads[h].append(t)
+        kept.append([sorted(x) for x in heads])
+    return kept
