@@ -388,17 +388,9 @@ class LayerContext:
                 "`model.compression.prefill: {name: progressive, question: true}` provides (under "
                 "model.protocol: query_aware)."
             )
-        B, H, Q, D = view.queries.shape
-        Hkv, G = self.num_kv_heads, self.group_size
-        queries = view.queries.float().reshape(B, Hkv, G * Q, D)
-        entry_logits = (queries @ self.keys_fp32().transpose(-1, -2) * self.scaling).view(B, H, Q, -1)
-        own_logits = (queries @ view.keys.float().transpose(-1, -2) * self.scaling).view(B, H, Q, Q)
-        entry_logits = entry_logits.masked_fill(~self.valid[:, None, None, :], float("-inf"))
-        rows = torch.arange(Q, device=self.keys.device)
-        seen = (rows[None, :] <= rows[:, None])[None] & view.valid[:, None, :]  # [B, Q, Q]
-        own_logits = own_logits.masked_fill(~seen[:, None], float("-inf"))
-        probs = torch.softmax(torch.cat([entry_logits, own_logits], dim=-1), dim=-1)[..., : self.seq_len]
-        probs = torch.nan_to_num(probs) * view.valid[:, None, :, None]  # padding rows: 0
+        probs = appended_attention(
+            view.queries, 0, self.keys_fp32(), self.valid, view.keys, view.valid, self.scaling
+        )  # [B, H, Q, T]
         if normalize:
             seen_keys = self.lengths[:, None] + view.valid.long().cumsum(-1)  # [B, Q]
             probs = probs * seen_keys[:, None, :, None]
@@ -426,6 +418,38 @@ class LayerContext:
             )
             self._memo[key] = self._summed_attention(queries, 0, chunk)
         return self._memo[key]
+
+
+def appended_attention(
+    queries: torch.Tensor,
+    first_row: int,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    own_keys: torch.Tensor,
+    own_valid: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Softmax attention of rows of a block appended after the entries, over the entries only.
+
+    ``queries [B, H, r, D]`` are the block's rows ``first_row .. first_row + r - 1``; the block's
+    keys are ``own_keys [B, Hkv, Q, D]`` (``own_valid [B, Q]``), the entries' ``keys [B, Hkv, S, D]``
+    (``valid [B, S]``). Row ``i`` attends to every valid entry and, causally, to the block's valid
+    keys ``j <= i``; the softmax (fp32 logits) runs over both and only the entries' columns are
+    returned, ``[B, H, r, S]`` fp32, padding rows zero. Finch's question appended to a chunk
+    (:meth:`LayerContext.question_attention`) and KVzip's reconstruction block
+    (:class:`kvlab.compression.reconstruction.ReconstructionStep`) are such blocks.
+    """
+    B, H, r, D = queries.shape
+    Hkv, S, Q = keys.shape[1], keys.shape[2], own_keys.shape[2]
+    grouped = queries.float().reshape(B, Hkv, (H // Hkv) * r, D)
+    entry_logits = (grouped @ keys.float().transpose(-1, -2) * scaling).view(B, H, r, S)
+    own_logits = (grouped @ own_keys.float().transpose(-1, -2) * scaling).view(B, H, r, Q)
+    entry_logits = entry_logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+    rows = torch.arange(first_row, first_row + r, device=keys.device)
+    seen = (torch.arange(Q, device=keys.device)[None, :] <= rows[:, None])[None] & own_valid[:, None, :]
+    own_logits = own_logits.masked_fill(~seen[:, None], float("-inf"))  # [B, H, r, Q]
+    probs = torch.softmax(torch.cat([entry_logits, own_logits], dim=-1), dim=-1)[..., :S]
+    return torch.nan_to_num(probs) * own_valid[:, None, first_row : first_row + r, None]
 
 
 def attention_probs(queries: torch.Tensor, ctx: LayerContext, first_query: int) -> torch.Tensor:

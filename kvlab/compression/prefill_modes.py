@@ -15,6 +15,15 @@ A prefill mode is a component kind of its own (registry :data:`PREFILL_MODES`, `
   scorer) and its own K/V are dropped after; once the context is compressed the question is
   prefilled on top, uncompressed. Any scorer that runs after a chunked prefill runs here
   (SnapKV per chunk is ``prefill: {name: progressive, chunk: 512}`` over the ``snapkv`` preset).
+- ``reconstruct`` (KVzip's kind, Kim et al. 2025, Sec. 3.2): a prefill mode that runs the model to
+  score. The prompt is prefilled whole (every layer holds its dense K/V, uncompressed); then the
+  model is asked to repeat it, ``chunk`` prompt tokens per forward: each forward feeds the block
+  [repeat request, the chat template's assistant opening, the chunk's tokens] at the positions
+  after the prompt, every layer attends it over its held K/V and itself, and the scorers that
+  read the reconstruction (:class:`~kvlab.compression.reconstruction.ReconstructionScorer`,
+  ``Capabilities(reads_reconstruction=True)``) take what they need of the step
+  (:class:`~kvlab.compression.reconstruction.ReconstructionStep`); the block's K/V are dropped.
+  After the last chunk every layer is compressed with the scores of the whole prompt.
 
 The engine runs the mode (:mod:`kvlab.engine.progressive`); a mode only declares what it is. The
 pipeline refuses the combinations a progressive prefill cannot run
@@ -24,7 +33,7 @@ pipeline refuses the combinations a progressive prefill cannot run
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities, Component
@@ -52,6 +61,11 @@ class PrefillMode(Component):
     def progressive(self) -> bool:
         """True when layers are compressed after every chunk (the engine's progressive prefill)."""
         return self.chunk is not None
+
+    @property
+    def reconstructs(self) -> bool:
+        """True when the model is run again after the prefill to score the prompt (``reconstruct``)."""
+        return False
 
 
 PREFILL_MODES: Registry[PrefillMode] = Registry("prefill mode", WHERE)
@@ -81,3 +95,51 @@ class ProgressivePrefill(PrefillMode):
     def __post_init__(self) -> None:
         if isinstance(self.chunk, bool) or self.chunk < 1:
             raise ValueError(f"chunk must be an integer >= 1 (context tokens per step), got {self.chunk!r}")
+
+
+@PREFILL_MODES.register("reconstruct")
+@dataclass
+class ReconstructPrefill(PrefillMode):
+    """KVzip: the prompt prefilled whole, then reconstructed by the model ``chunk`` tokens at a time
+    to score every entry (Kim et al. 2025, Sec. 3.2); every layer is compressed after the last chunk.
+
+    Chunk ``i`` of each sample's prompt (counted from its first token) is fed as the block
+    ``[request, opening, chunk]``: the request is "Repeat the previous context exactly." for the
+    first chunk and "Repeat the part of the previous context exactly, starting with" followed by
+    the previous chunk's last ``overlap`` tokens for the others (Sec. 3.2, the authors' code), the
+    opening the chat template's end of the user turn and assistant opening. ``scope``: the entries
+    the block's softmax runs over besides its own keys: ``chunk`` the prompt's first
+    ``budget.sinks`` tokens and the chunk's (the authors' code and kvpress' ``KVzipPress``),
+    ``cache`` every prompt entry (the whole held cache, as the model itself attends). Needs a
+    scorer reading the reconstruction (``reconstruction_attention``) and a prompt format kvlab
+    builds (a :class:`~kvlab.models.base.PromptProcessor`: the request is text).
+    """
+
+    paper: ClassVar[str | None] = papers.KVZIP
+
+    chunk: int = 2048
+    scope: Literal["chunk", "cache"] = "chunk"
+    overlap: int = 8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk, bool) or self.chunk < 1:
+            raise ValueError(
+                f"chunk must be an integer >= 1 (prompt tokens per reconstruction), got {self.chunk!r}"
+            )
+        if self.scope not in ("chunk", "cache"):
+            raise ValueError(
+                f"scope must be chunk (sinks + the chunk, as KVzip's code) or cache, got {self.scope!r}"
+            )
+        if isinstance(self.overlap, bool) or self.overlap < 0:
+            raise ValueError(
+                f"overlap must be an integer >= 0 (tokens of the previous chunk), got {self.overlap!r}"
+            )
+
+    @property
+    def progressive(self) -> bool:
+        """Never: every layer is compressed once, after the reconstruction."""
+        return False
+
+    @property
+    def reconstructs(self) -> bool:
+        return True

@@ -57,6 +57,10 @@ class Capabilities:
             (``LayerContext.question_attention``), which only a progressive prefill with
             ``question: true`` provides (``model.compression.prefill``, Finch's kind); a pipeline
             with such a component and no question, or a question and no such component, is refused.
+        reads_reconstruction: scores from the model's reconstruction of the prompt
+            (:class:`~kvlab.compression.reconstruction.ReconstructionStep`), which only the
+            ``reconstruct`` prefill mode runs (KVzip's kind); a pipeline with such a component and
+            another prefill mode, or that mode and no such component, is refused.
         model_facts: the model facts the component reads (names of :data:`MODEL_FACTS`), sorted:
             the engine provides them in ``LayerContext.facts`` only when a component declares them,
             and refuses a model that cannot provide one before it runs. ``hidden_states`` covers
@@ -68,6 +72,7 @@ class Capabilities:
     observes_layers: bool = False
     decode_attention: bool = False
     reads_question: bool = False
+    reads_reconstruction: bool = False
     model_facts: tuple[ModelFact, ...] = ()
 
     def __post_init__(self) -> None:

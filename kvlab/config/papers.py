@@ -102,3 +102,7 @@ FINCH = (
     'Models" (TACL 2024, arXiv 2408.00167)'
 )
 THINK = 'Xu et al. 2024, "ThinK: Thinner Key Cache by Query-Driven Pruning" (ICLR 2025, arXiv 2407.21018)'
+KVZIP = (
+    'Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction" '
+    "(arXiv 2505.23416)"
+)

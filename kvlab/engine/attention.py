@@ -14,6 +14,9 @@ registered in transformers' ``AttentionInterface`` by :mod:`kvlab.engine.registr
   compressed in the last one, with the recent window's queries held over from the earlier chunks
   (:mod:`kvlab.engine.prefill_plan`). A progressive prefill (``model.compression.prefill:
   progressive``) compresses every layer after every chunk instead (:mod:`kvlab.engine.progressive`).
+  A reconstruct prefill (``reconstruct``, KVzip) keeps every layer waiting after the prompt's
+  forward, then runs the model's reconstruction forwards, scored layer by layer, before
+  compressing them all (:mod:`kvlab.engine.reconstruction`).
 - Decode: attention over the layer's ragged kept tokens plus the decoded tokens
   (:meth:`~kvlab.cache.layer.CompressedLayer.decode_attention`). While the decode policy (or the
   decode-time protocol) asks for them, the step's attention probabilities over the layer's
@@ -42,6 +45,7 @@ from kvlab.config.errors import ConfigError
 from kvlab.engine.keywords import attention_options
 from kvlab.engine.prefill_attention import prefill_attention
 from kvlab.engine.progressive import progressive_attention
+from kvlab.engine.reconstruction import hold_layer, reconstruction_attention
 from kvlab.engine.schedule import compress_context, layer_context, observe_layer
 from kvlab.engine.session import active_session
 
@@ -86,6 +90,10 @@ def kvlab_attention(
         if session.run.records_decode_attention:  # a decode policy (or decode_time) reads it
             session.run.record_decode_attention(layer_idx, layer.attention_probs(query, scaling, options))
         return out.transpose(1, 2).contiguous(), None
+    reconstruction = session.reconstruction
+    if reconstruction is not None and reconstruction.active:  # the model repeats the prompt (KVzip)
+        out = reconstruction_attention(session, layer_idx, query, key, value, scaling, options)
+        return out.transpose(1, 2).contiguous(), None
     if session.progressive is not None:  # compressed after every chunk (model.compression.prefill)
         out = progressive_attention(session, layer_idx, query, key, value, scaling, options)
         return out.transpose(1, 2).contiguous(), None
@@ -114,7 +122,9 @@ def kvlab_attention(
         return out.transpose(1, 2).contiguous(), None
     query = session.observed_queries(layer_idx, query)
     ctx = layer_context(session, layer_idx, query, key, value, scaling, options.sliding_window)
-    if session.pipeline.schedule == "global":
+    if reconstruction is not None:  # scored by the reconstruction that follows the prompt's forward
+        hold_layer(session, ctx)
+    elif session.pipeline.schedule == "global":
         observe_layer(session, ctx)
     else:
         compress_context(session, ctx)

@@ -104,6 +104,12 @@ class DecodeTime(Protocol):
         merging selectors, evicting decode policies and components reading model facts are refused.
         """
         where = f"{WHERE} = decode_time"
+        if pipeline.prefill_mode.reconstructs:
+            raise ConfigError(
+                f"{where} rescores the cache during generation with the pipeline's scorers, and "
+                "model.compression.prefill = reconstruct scores only at the prefill, from the model's "
+                "reconstruction of the prompt; use `model.protocol: query_agnostic` (KVzip's) or query_aware."
+            )
         if pipeline.prefill_mode.progressive:
             raise ConfigError(
                 f"{where} compresses one layer's whole cache at a time, and model.compression.prefill = "

@@ -36,6 +36,7 @@ from kvlab.engine.prefill_plan import (
     observed_window,
 )
 from kvlab.engine.progressive import progressive_forward, progressive_state
+from kvlab.engine.reconstruction import reconstruct, reconstruction_state
 from kvlab.engine.schedule import check_prefill_done
 from kvlab.engine.session import CompressionSession, compression_session
 from kvlab.models.base import Batch, LoadedModel
@@ -163,7 +164,8 @@ class PrefillState:
             here because the model overwrites them at its next prefill), None for other models
             and for text-only batches.
         seconds: wall time of the prefill forward, compression included (see
-            ``session.compression_seconds`` for the compression part).
+            ``session.compression_seconds`` for the compression part, a reconstruct prefill's
+            scoring forwards included).
     """
 
     loaded: LoadedModel
@@ -254,6 +256,12 @@ def prefill(
     mode = pipeline.prefill_mode
     if mode.progressive:
         _check_progressive(info.name, info.vision_language, prefill_chunk, mode.question, questions)
+    if mode.reconstructs and info.vision_language:
+        raise ConfigError(
+            f"model.compression.prefill = reconstruct: model {info.name!r} is a vision-language model, "
+            "whose prompt (its images) the text-only reconstruction cannot repeat. Use another method "
+            "with this model."
+        )
     device = input_device(model)  # embeddings' device: with a device_map, not the first parameter's
     input_ids = batch.input_ids.to(device)
     attention_mask = batch.attention_mask.to(device)
@@ -280,6 +288,9 @@ def prefill(
         block_elements=block_elements,
         facts=facts,
         progressive=progressive_state(pipeline, valid.sum(-1)) if mode.progressive else None,
+        reconstruction=reconstruction_state(pipeline, global_query_window(pipeline, valid.sum(-1)))
+        if mode.reconstructs
+        else None,
     )
     positions = sample_positions(valid).clamp(min=0)  # [B, T]; padding gets 0, as in transformers
     capturing = facts.capturing() if facts is not None else contextlib.nullcontext()
@@ -313,6 +324,8 @@ def prefill(
                 )
         if not mode.progressive:
             first_logits = out.logits[:, -1].float()
+        if mode.reconstructs:  # the model repeats the prompt to score it, then every layer is compressed
+            reconstruct(model, session, loaded.processor, input_ids)
         seconds = time.perf_counter() - start
     check_prefill_done(session)
     return PrefillState(

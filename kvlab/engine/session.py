@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +76,37 @@ class ProgressiveState:
 
 
 @dataclass
+class ReconstructionState:
+    """A reconstruct prefill's bookkeeping (``model.compression.prefill: reconstruct``, KVzip), kept by
+    the session and advanced by :mod:`kvlab.engine.reconstruction` one step (chunk) at a time.
+
+    Shapes: B samples, q the step's block.
+
+    Attributes:
+        scorers: the pipeline's reconstruction scorers (every branch's), each handed every step.
+        keep_queries: the last queries a waiting layer's context keeps (None: all of them).
+        pending: by layer, the contexts waiting for the reconstruction (the prompt's dense K/V).
+        active: a reconstruction forward is running (the attention function scores instead of
+            compressing).
+        block_valid: ``[B, q]`` bool, the step's block (left padded).
+        chunk_start / chunk_count: ``[B]`` long, the step's chunk: its first prompt column and tokens.
+        entries: ``scope: chunk``: the prompt columns the step's scoring softmax runs over, ``(columns
+            [B, S], entry_valid [B, S], scored [B, S])`` (each sample's sinks, then its chunk's;
+            :func:`~kvlab.engine.reconstruction.step_entries`), made once per step; None under
+            ``scope: cache`` (every column).
+    """
+
+    scorers: list[Any] = field(default_factory=list)
+    keep_queries: int | None = None
+    pending: dict[int, LayerContext] = field(default_factory=dict, repr=False)
+    active: bool = False
+    block_valid: torch.Tensor | None = None
+    chunk_start: torch.Tensor | None = None
+    chunk_count: torch.Tensor | None = None
+    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
 class CompressionSession:
     """State of one batch's prefill + decode.
 
@@ -101,6 +133,10 @@ class CompressionSession:
         facts: the model facts the pipeline's components declared (:class:`~kvlab.models.facts.ModelFacts`),
             None when none declares one.
         progressive: a progressive prefill's bookkeeping (:class:`ProgressiveState`), None otherwise.
+        reconstruction: a reconstruct prefill's bookkeeping (:class:`ReconstructionState`), None
+            otherwise.
+        scoring_seconds: wall time of the forwards the model ran only to score (a reconstruct
+            prefill's): compression work, counted in :attr:`compression_seconds`.
     """
 
     run: RunState
@@ -114,6 +150,8 @@ class CompressionSession:
     block_elements: int | None = None
     facts: ModelFacts | None = None
     progressive: ProgressiveState | None = None
+    reconstruction: ReconstructionState | None = None
+    scoring_seconds: float = 0.0
     _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -158,8 +196,9 @@ class CompressionSession:
 
     @property
     def compression_seconds(self) -> float:
-        """Seconds spent compressing, summed over the layer reports."""
-        return sum(report.seconds for report in self.reports)
+        """Seconds spent compressing: the layer reports' and the scoring forwards'
+        (:attr:`scoring_seconds`)."""
+        return sum(report.seconds for report in self.reports) + self.scoring_seconds
 
 
 @contextlib.contextmanager

@@ -128,6 +128,14 @@ class PromptProcessor(Processor, PromptTokens, Protocol):
         """How many of ``ids`` (``sample``'s prompt) belong to its context, before the question."""
         ...
 
+    def text_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` inside a prompt (no special tokens added)."""
+        ...
+
+    def assistant_opening_ids(self) -> list[int]:
+        """Token ids the prompt format writes after a user message's text to open the assistant's turn."""
+        ...
+
 
 @dataclass
 class LoadedModel:

@@ -243,6 +243,36 @@ class ChatProcessor:
             )
         return rendered[: rendered.index(QUESTION_MARK)]
 
+    def text_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` inside a prompt: no special tokens added (a request to the model
+        written into a prompt, KVzip's reconstruction)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def assistant_opening_ids(self) -> list[int]:
+        """Token ids the prompt format writes after a user message's text up to the assistant's answer:
+        the chat template rendered around a marker, what follows the marker (the end of the user
+        turn and the assistant's opening); ``"\n"`` without a template (kvpress' ``KVzipPress``).
+
+        Raises:
+            ConfigError: the chat template does not render the user's text once, verbatim.
+        """
+        if self.template is None:
+            return self.text_ids("\n")
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTION_MARK}],
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=self._file_template,
+        )
+        if rendered.count(QUESTION_MARK) != 1:
+            raise ConfigError(
+                "the chat template does not render the user's text once, verbatim, so kvlab cannot tell "
+                "what it writes after a user message (the reconstruct prefill, KVzip, asks the model to "
+                "repeat the prompt in a user turn). Use `data.chat_template: none` or a template that "
+                "writes the user content once."
+            )
+        return self.text_ids(rendered[rendered.index(QUESTION_MARK) + len(QUESTION_MARK) :])
+
     def encode(self, text: str) -> list[int]:
         """Token ids of a :meth:`prompt_text` (images expanded): a templated prompt without added
         special tokens (as ``apply_chat_template(tokenize=True)``: the template writes any BOS), a

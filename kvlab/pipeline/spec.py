@@ -380,7 +380,8 @@ class Pipeline(LayerExecution, RoutedExecution):
         """A progressive prefill (``prefill: {name: progressive}``) compresses every layer after each
         chunk, holding between chunks each sample's kept entries as one dense row per layer; refuse
         what that cannot run, naming the field. A component reading the question needs
-        ``question: true``, and ``question: true`` needs a component reading it."""
+        ``question: true``, and ``question: true`` needs a component reading it; likewise a
+        component reading the reconstruction and the ``reconstruct`` mode (KVzip)."""
         mode, where = self.prefill_mode, f"{WHERE}.prefill"
         readers = [p for p in self.walk() if p.component.capabilities.reads_question]
         if readers and not mode.question:
@@ -388,6 +389,19 @@ class Pipeline(LayerExecution, RoutedExecution):
                 f"{readers[0].field} ({readers[0].name}) scores with the question's attention, which only "
                 f"a progressive prefill with the question appended provides: set `{where}: {{name: "
                 "progressive, chunk: 512, question: true}` (Finch's preset: --config finch)."
+            )
+        rebuilders = [p for p in self.walk() if p.component.capabilities.reads_reconstruction]
+        if rebuilders and not mode.reconstructs:
+            raise ConfigError(
+                f"{rebuilders[0].field} ({rebuilders[0].name}) scores from the model's reconstruction of the "
+                f"prompt, which only the reconstruct prefill runs: set `{where}: {{name: reconstruct, chunk: "
+                "2048}` (KVzip's preset: --config kvzip)."
+            )
+        if mode.reconstructs and not rebuilders:
+            raise ConfigError(
+                f"{where} = reconstruct runs the model again to score the prompt, but no scorer reads the "
+                "reconstruction: add `importance: {attention: {name: reconstruction_attention}}` (KVzip), or "
+                f"use `{where}: {{name: once}}`."
             )
         if not mode.progressive:
             return

@@ -61,6 +61,7 @@ NEEDS: dict[tuple[str, str], Any] = {
         "mixer": {"extrinsic": "attention", "intrinsic": ["value_norm"], "diversity": ["mean_key_diversity"]},
     },
     ("layer allocator", "prefix_threshold"): {"schedule": "global"},
+    ("layer allocator", "model_topk"): {"schedule": "global"},
     ("layer allocator", "vl_cache"): {"schedule": "global"},
     ("importance scorer", "expected_attention"): {"model": TEXT_MODEL},  # Qwen2-VL's 3-D rotary: refused
     ("importance scorer", "qfilters"): {"model": TEXT_MODEL},  # filters shipped for the text models
@@ -83,6 +84,20 @@ NEEDS: dict[tuple[str, str], Any] = {
         "model": TEXT_MODEL,
     },
     ("prefill mode", "progressive"): {"prefill": {"chunk": 16}, "model": TEXT_MODEL},  # text models only
+    # KVzip's scorers read the model's reconstruction of the prompt, which the reconstruct prefill runs
+    ("importance scorer", "reconstruction_attention"): {
+        "prefill": {"name": "reconstruct", "chunk": 16},
+        "model": TEXT_MODEL,
+    },
+    ("importance scorer", "reconstruction_attention_plus"): {
+        "prefill": {"name": "reconstruct", "chunk": 16},
+        "model": TEXT_MODEL,
+    },
+    ("prefill mode", "reconstruct"): {
+        "prefill": {"chunk": 16},
+        "importance": {"attention": {"name": "reconstruction_attention"}},
+        "model": TEXT_MODEL,  # text models only
+    },
     ("head allocator", "hybridkv"): {
         "route": {"rule": {"name": "text_sparsity"}, "branches": {"static": {}, "dynamic": {}}}
     },

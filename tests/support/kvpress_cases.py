@@ -13,11 +13,15 @@ kvpress (its versions are in the file), and the method tests compare kvlab's. Tw
   ``q_proj``, rotary embedding or ``o_proj``: Expected Attention, TOVA, CriticalKV, ThinK): kvpress's
   own hooks run during a forward of the plain model, and kvlab's side is its prefill of the same
   prompt with the same weights (:func:`kvlab_prefill_kept`; a channel pruning case also records
-  each head's kept key channels, :func:`kvlab_prefill_channels`).
+  each head's kept key channels, :func:`kvlab_prefill_channels`). A press that also writes text into
+  the model's input (``tokenizer``: KVzip's repeat request) reads the model's tokenizer, saved
+  without a chat template for the recording; kvlab's side then formats with
+  ``data.chat_template: none`` (both write ``"\n"`` after the request).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +60,7 @@ class Case:
     model: str = MODEL
     forward: bool = False  # the press reads the attention layer: recorded from the model's forward
     channels: bool = False  # the press prunes key channels (ThinK): each head's kept channels recorded
+    tokenizer: bool = False  # the press writes text (KVzip): the model's tokenizer, no chat template
 
 
 def ratio_for(kept: int) -> float:
@@ -243,6 +248,25 @@ CASES: dict[str, Case] = {
 }
 
 
+#: KVzipPress (layerwise: the heads of a layer compete, as the kvzip preset's AdaKV at alpha 0) keeps
+#: ``Hkv T - int(Hkv T ratio)`` entries per layer: the ratios keep 27 per head on average
+for _name, _model, _heads, _chunk in [
+    ("kvzip", "tiny-qwen2", 2, 2048),
+    ("kvzip_chunked", "tiny-qwen2", 2, 16),
+    ("kvzip_llama_chunked", "tiny-llama", 4, 16),
+]:
+    CASES[_name] = Case(
+        "KVzipPress",
+        {"layerwise": True, "n_sink": 4, "chunk_size": _chunk},
+        {"preset": "kvzip", "budget": {"ratio": None, "tokens": 27}, "prefill": {"chunk": _chunk}},
+        27,
+        ratio=(_heads * (LENGTH - 27) + 0.5) / (_heads * LENGTH),
+        model=_model,
+        forward=True,
+        tokenizer=True,
+    )
+
+
 def prompt_ids(vocab_size: int) -> torch.Tensor:
     """``[1, LENGTH]``: the seeded prompt, token ids drawn uniformly below ``vocab_size``."""
     gen = torch.Generator().manual_seed(SEED)
@@ -296,6 +320,8 @@ def kvlab_prefill_kept(case: Case, node: dict[str, Any] | None = None) -> list[l
     ``case.model`` (its attention routed through kvlab) with ``node`` (default
     :func:`compression_node` of ``case``)."""
     loaded = kvlab_model(case.model)
+    if case.tokenizer:
+        loaded = dataclasses.replace(loaded, processor=loaded.processor.with_chat_template("none"))
     ids = prompt_ids(loaded.model.config.vocab_size)
     batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), modality=torch.zeros_like(ids))
     pipeline = Pipeline.from_config(compression_node(case) if node is None else node)
