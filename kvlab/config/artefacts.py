@@ -200,8 +200,9 @@ class UsesArtefact(Component):
         name and, given ``shape`` (``num_layers`` / ``num_heads`` / ``num_kv_heads``, read from the
         model's config without weights when it can be), its layer and head counts."""
         path = resolve_path(self.artefact, model, self.artefact_kind, self._where())
+        counts = {k: v for k, v in (shape or {}).items() if k in ("num_layers", "num_heads", "num_kv_heads")}
         loaded = Artefact.load(path, self._where()).check(
-            self.artefact_kind, self._where(), model=model, **(shape or {})
+            self.artefact_kind, self._where(), model=model, **counts
         )
         self.loaded_artefact = loaded
 
