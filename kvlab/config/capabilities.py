@@ -202,8 +202,9 @@ class Component:
 
     def bind_model(self, model: str, shape: Mapping[str, int] | None = None) -> None:
         """Called with the model name (and its ``num_layers`` / ``num_heads`` / ``num_kv_heads`` /
-        ``sliding_layers`` when known, :func:`kvlab.models.shape.model_shape`) before the model loads: components reading a per-model calibration artefact
-        check it here, so a wrong one fails early; nothing by default."""
+        ``sliding_layers`` when known, :func:`kvlab.models.shape.model_shape`) before the model
+        loads: components reading a per-model calibration artefact check it here, so a wrong one
+        fails early; nothing by default."""
         return None
 
     def report(self, outcome: Outcome) -> Report | None:

@@ -286,7 +286,8 @@ def test_shipped_ratio_artefacts_fit_their_model_and_keep_their_budgets(tmp_path
     from kvlab.config.artefacts import PACKAGED, resolve_path
     from kvlab.models.shape import model_shape
 
-    shape_facts = model_shape(model)  # before KVLAB_CACHE moves: SmolLM2 reads its converted config
+    facts = model_shape(model)  # before KVLAB_CACHE moves: SmolLM2 reads its converted config
+    shape_facts = {k: facts[k] for k in ("num_layers", "num_heads", "num_kv_heads")}
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))  # nothing calibrated locally
     path = resolve_path("auto", model, "prefixkv_layer_ratios", "artefact")
     assert path.parent == PACKAGED
