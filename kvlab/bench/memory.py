@@ -204,7 +204,7 @@ def run(args: list[str]) -> None:
         f"kvlab bench memory: {opts.model} ({info.num_layers} layers, "
         f"{info.num_heads}/{info.num_kv_heads} heads, "
         f"dim {info.head_dim}), batch {opts.batch}, average budget {opts.budget}"
-        f"{'' if '.' in opts.budget else ' tokens/head'}, "
+        f"{'' if 'budget.ratio' in budget_overrides(opts.budget) else ' tokens/head'}, "
         f"{opts.steps} decode steps, {torch.get_num_threads()} CPU threads"
     )
     print_table(title, headers, rows)
