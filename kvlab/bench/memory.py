@@ -17,10 +17,15 @@ heads hold most of the mass), since it measures memory, not quality.
 ``kvlab bench memory --prefill`` measures something else: the peak process memory (resident set
 size high-water mark, as runs report it on CPU) of one prefill of a padded batch of long prompts
 (sample ``i`` has ``floor(T * (1 - spread * i))`` tokens, so every sample but the first is
-padded), compression included, for each prompt length and batch size. Each point runs in a fresh
-Python process (the high-water mark is per process), which the bench kills when its resident set
-passes ``--rss-limit`` GiB, so a point that would exhaust the machine is reported, not run to
-the end.
+padded), compression included, for each prompt length, batch size and method (``--methods``, at
+``--budget``: ``full,snapkv,finch --budget 0.1`` gives the full cache, SnapKV and Finch at 10% on
+the same prompts, with their peaks' ratios to the full cache's). A method that scores with the
+question (a progressive prefill with ``question: true``, Finch) reads the last ``--question``
+tokens of each prompt as its question: the rest is its context, prefilled chunk by chunk with
+the question appended, then the question on top (as the ``query_aware`` protocol runs it); the
+other methods prefill the same tokens in one forward. Each point runs in a fresh Python process
+(the high-water mark is per process), which the bench kills when its resident set passes
+``--rss-limit`` GiB, so a point that would exhaust the machine is reported, not run to the end.
 """
 
 from __future__ import annotations
@@ -41,9 +46,11 @@ from transformers import DynamicCache
 import kvlab
 from kvlab.bench.common import add_threads_option, context_label, parse_list, print_table
 from kvlab.calibration.synthetic import synthetic_visual_heads
-from kvlab.engine.generation import RunOptions, generate, prefill
+from kvlab.config.errors import ConfigError
+from kvlab.engine.generation import RunOptions, extend, generate, prefill
 from kvlab.engine.masking import load_masked_model
 from kvlab.engine.prefill_plan import check_prefill_chunk
+from kvlab.engine.prompt_split import context_batch
 from kvlab.metrics.cost import process_peak_rss_bytes, process_rss_bytes
 from kvlab.models.base import PAD, Batch
 
@@ -52,24 +59,56 @@ def parse(args: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvlab bench memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-qwen2", help="built-in model (random weights are fine)")
     p.add_argument("--contexts", default="2k,8k,32k", help="prompt lengths (comma separated, k = 1024)")
-    p.add_argument("--budget", type=int, default=128, help="average tokens per head (window included)")
-    p.add_argument("--methods", default="adakv,sparsemm", help="presets with ragged head budgets")
+    p.add_argument(
+        "--budget",
+        default=None,
+        help="tokens per head (window included; default 128), or a share of the prompt "
+        "below 1 (0.1); --prefill: default each preset's own, never applied to full",
+    )
+    p.add_argument("--methods", default=None,
+                   help="presets (comma separated): with ragged head budgets (default adakv,sparsemm); "
+                        "--prefill: any, full included (default snapkv)")  # fmt: skip
     p.add_argument("--steps", type=int, default=16, help="decode steps timed")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3, help="decode runs per method; the fastest is reported")
     p.add_argument("--prefill", action="store_true", help="peak process memory of a padded prefill instead")
     p.add_argument("--batches", default="1,4", help="--prefill: batch sizes (comma separated)")
     p.add_argument("--spread", type=float, default=0.125, help="--prefill: sample i has T * (1 - spread * i)")
-    p.add_argument("--prefill-method", default="snapkv", help="--prefill: the preset compressing the prompt")
+    p.add_argument(
+        "--question", type=int, default=64, help="--prefill: Finch's question is each prompt's last N tokens"
+    )
     p.add_argument("--prefill-chunk", type=int, default=None, help="--prefill: model.prefill_chunk")
     p.add_argument("--rss-limit", type=float, default=12.0, help="--prefill: kill a point past this many GiB")
     add_threads_option(p)
     return p.parse_args(args)
 
 
-def pipeline_for(method: str, budget: int, info: Any, directory: str) -> kvlab.Pipeline:
-    """Preset ``method`` at ``budget`` tokens per head (SparseMM: seeded synthetic visual heads)."""
-    overrides: dict[str, Any] = {"budget.tokens": budget}
+def budget_overrides(budget: str | None) -> dict[str, Any]:
+    """The pipeline overrides of ``--budget``: an integer >= 1 is tokens per head, a number in
+    (0, 1) a share of the prompt; None: none.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    if budget is None:
+        return {}
+    try:
+        value = float(budget)
+    except ValueError:
+        value = float("nan")
+    if value.is_integer() and value >= 1:
+        return {"budget.tokens": int(value)}
+    if 0 < value < 1:
+        return {"budget.ratio": value}
+    raise ConfigError(
+        f"--budget {budget}: give tokens per head (an integer >= 1, e.g. 128) or a share of the "
+        "prompt between 0 and 1 (e.g. 0.1)."
+    )
+
+
+def pipeline_for(method: str, budget: str, info: Any, directory: str) -> kvlab.Pipeline:
+    """Preset ``method`` at ``budget`` (:func:`budget_overrides`; SparseMM: seeded synthetic visual heads)."""
+    overrides = budget_overrides(budget)
     head = kvlab.compression_config(method).get("allocate", {}).get("head", {})
     if head.get("name") == "sparsemm":
         overrides["allocate.head.artefact"] = synthetic_visual_heads(info, directory)
@@ -112,9 +151,12 @@ def fastest(loaded: Any, pipe: Any, batch: Batch, opts: argparse.Namespace) -> t
 
 def run(args: list[str]) -> None:
     opts = parse(args)
+    budget_overrides(opts.budget)  # refuse a bad value before any model loads
     if opts.prefill:
         run_prefill(opts)
         return
+    opts.methods = opts.methods or "adakv,sparsemm"
+    opts.budget = opts.budget or "128"
     torch.set_num_threads(opts.threads)
     loaded = kvlab.load_model(opts.model)  # attention routed through kvlab
     info = loaded.info
@@ -161,7 +203,8 @@ def run(args: list[str]) -> None:
     title = (
         f"kvlab bench memory: {opts.model} ({info.num_layers} layers, "
         f"{info.num_heads}/{info.num_kv_heads} heads, "
-        f"dim {info.head_dim}), batch {opts.batch}, average budget {opts.budget} tokens/head, "
+        f"dim {info.head_dim}), batch {opts.batch}, average budget {opts.budget}"
+        f"{'' if 'budget.ratio' in budget_overrides(opts.budget) else ' tokens/head'}, "
         f"{opts.steps} decode steps, {torch.get_num_threads()} CPU threads"
     )
     print_table(title, headers, rows)
@@ -197,10 +240,37 @@ def reset_peak_rss() -> bool:
     return True
 
 
+def question_split(batch: Batch, question: int) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    """``batch`` (left padded ``[B, T]``) as a context batch and a question block: the last
+    ``question`` tokens of each sample are its question, the rest its context.
+
+    Returns:
+        ``(context, ids [B, question], valid [B, question])``: ``context`` a left-padded batch of
+        each sample's first ``length - question`` tokens (:func:`~kvlab.engine.prompt_split.context_batch`).
+
+    Raises:
+        ConfigError: ``question`` < 1, or not shorter than the shortest prompt.
+    """
+    lengths = batch.attention_mask.sum(1)
+    if question < 1 or question >= int(lengths.min()):
+        raise ConfigError(
+            f"--question {question}: a question-scoring method (Finch) reads the last --question tokens "
+            f"of each prompt as its question, which needs 1 <= --question < the shortest prompt "
+            f"({int(lengths.min())} tokens)."
+        )
+    ids = batch.input_ids[:, -question:]  # left padded: every row's last columns are real tokens
+    return context_batch(batch, lengths - question), ids, torch.ones_like(ids, dtype=torch.bool)
+
+
 def measure_prefill(
-    loaded: Any, pipeline: Any, lengths: list[int], chunk: int | None = None
+    loaded: Any, pipeline: Any, lengths: list[int], chunk: int | None = None, question: int = 64
 ) -> dict[str, Any]:
     """Peak memory of one prefill of a padded batch of prompts of ``lengths``, in this process.
+
+    A pipeline that scores with the question (a progressive prefill with ``question: true``)
+    prefills each prompt's context with its last ``question`` tokens as the question
+    (:func:`question_split`), then those tokens on top (:func:`~kvlab.engine.generation.extend`),
+    as the ``query_aware`` protocol does; any other, the whole prompt.
 
     Returns the lengths, ``rss_before`` (the resident set size before the prefill), ``peak`` (the
     high-water mark after it, both bytes; reset first when the kernel allows, ``reset`` says
@@ -208,29 +278,51 @@ def measure_prefill(
     and the cache's bytes after compression.
     """
     batch = padded_batch(loaded, lengths)
+    scores_question = pipeline.prefill_mode.question
+    if scores_question:
+        context, ids, valid = question_split(batch, question)
     gc.collect()
     reset = reset_peak_rss()
     before = process_rss_bytes()
     start = time.perf_counter()
-    state = prefill(loaded, pipeline, batch, 1, RunOptions(prefill_chunk=chunk))
+    options = RunOptions(prefill_chunk=chunk)
+    if scores_question:
+        state = prefill(loaded, pipeline, context, question + 1, options, questions=(ids, valid))
+        state = extend(state, ids, valid)
+    else:
+        state = prefill(loaded, pipeline, batch, 1, options)
     seconds = time.perf_counter() - start
     peak = process_peak_rss_bytes()
     return {"T": max(lengths), "lengths": lengths, "rss_before": before, "peak": peak, "reset": reset,
             "seconds": seconds, "kv_bytes": state.cache.kv_bytes()}  # fmt: skip
 
 
+def prefill_pipeline(method: str, budget: str | None) -> kvlab.Pipeline:
+    """Preset ``method`` at ``--budget`` (:func:`budget_overrides`; the full cache takes none)."""
+    if not kvlab.load_pipeline(method).compresses:
+        return kvlab.load_pipeline(method)
+    return kvlab.load_pipeline(method, budget_overrides(budget))
+
+
 def prefill_peaks(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """:func:`measure_prefill` for each prompt length of ``spec["contexts"]``, in this process.
 
     ``spec``: ``model``, ``contexts`` (longest prompt per point), ``batch``, ``spread``, ``method``
-    (a preset), ``chunk`` (``model.prefill_chunk`` or None), ``threads``.
+    (a preset), ``budget`` (``--budget`` or None), ``question`` (tokens), ``chunk``
+    (``model.prefill_chunk`` or None), ``threads``.
     """
     torch.set_num_threads(spec.get("threads", 1))
     loaded = kvlab.load_model(spec["model"])
-    pipeline = kvlab.load_pipeline(spec["method"])
+    pipeline = prefill_pipeline(spec["method"], spec.get("budget"))
     check_prefill_chunk(pipeline, spec.get("chunk"))
     return [
-        measure_prefill(loaded, pipeline, padded_lengths(T, spec["batch"], spec["spread"]), spec.get("chunk"))
+        measure_prefill(
+            loaded,
+            pipeline,
+            padded_lengths(T, spec["batch"], spec["spread"]),
+            spec.get("chunk"),
+            spec.get("question", 64),
+        )  # fmt: skip
         for T in spec["contexts"]
     ]
 
@@ -270,33 +362,54 @@ def measure_in_subprocess(
 
 
 def run_prefill(opts: argparse.Namespace) -> None:
-    """``--prefill``: one fresh process per (prompt length, batch size); prints the table."""
+    """``--prefill``: one fresh process per (batch size, prompt length, method); prints the table,
+    each method's peak and growth also as a ratio to the full cache's on the same prompts (when
+    ``full`` is among the methods)."""
     info = kvlab.load_model(opts.model).info
+    methods = (opts.methods or "snapkv").split(",")
+    for method in methods:  # refuse a bad preset or budget before any measuring process starts
+        prefill_pipeline(method, opts.budget)
     limit = opts.rss_limit * 2**30
     rows = []
     for batch in parse_list(opts.batches, int):
         for T in parse_list(opts.contexts, int):
-            spec = {"model": opts.model, "contexts": [T], "batch": batch, "spread": opts.spread,
-                    "method": opts.prefill_method, "chunk": opts.prefill_chunk,
-                    "threads": opts.threads}  # fmt: skip
-            [point] = measure_in_subprocess(spec, limit)
             dense_mask = batch * T * T / 2**20  # one [B, T, T] bool mask, for scale
             layer_kv = batch * info.num_kv_heads * T * info.head_dim * 2 * 4 / 2**20  # one layer, fp32
-            if "stopped" in point:
-                rows.append([context_label(T), batch, "", f"stopped: RSS > {opts.rss_limit:g} GiB", "", "",
-                             f"{layer_kv:.1f}", f"{dense_mask:.0f}"])  # fmt: skip
-                continue
-            rows.append([
-                context_label(T), batch, ",".join(str(n) for n in point["lengths"]),
-                f"{point['peak'] / 2**20:.0f}", f"{(point['peak'] - point['rss_before']) / 2**20:.0f}",
-                f"{point['seconds']:.1f}", f"{layer_kv:.1f}", f"{dense_mask:.0f}",
-            ])  # fmt: skip
-    headers = ["context", "batch", "prompt lengths", "peak RSS MiB", "prefill growth MiB", "prefill s",
-               "one layer's dense K/V MiB", "one [B, T, T] bool mask MiB"]  # fmt: skip
+            points = {}
+            for method in methods:
+                spec = {"model": opts.model, "contexts": [T], "batch": batch, "spread": opts.spread,
+                        "method": method, "budget": opts.budget, "question": opts.question,
+                        "chunk": opts.prefill_chunk, "threads": opts.threads}  # fmt: skip
+                [points[method]] = measure_in_subprocess(spec, limit)
+            full = points.get("full")
+            full = None if full is None or "stopped" in full else full
+            for method, point in points.items():
+                if "stopped" in point:
+                    stopped = f"stopped: RSS > {opts.rss_limit:g} GiB"
+                    rows.append([context_label(T), method, batch, "", stopped, "", "", "", "", "",
+                                 f"{layer_kv:.1f}", f"{dense_mask:.0f}"])  # fmt: skip
+                    continue
+                growth = point["peak"] - point["rss_before"]
+                ratios = ["-", "-"]  # no full row to compare with
+                if full is not None:
+                    full_growth = full["peak"] - full["rss_before"]
+                    ratios = [f"{point['peak'] / full['peak']:.2f}",
+                              f"{growth / full_growth:.2f}" if full_growth > 0 else "n/a"]  # fmt: skip
+                rows.append([
+                    context_label(T), method, batch, ",".join(str(n) for n in point["lengths"]),
+                    f"{point['peak'] / 2**20:.0f}", f"{growth / 2**20:.0f}", *ratios,
+                    f"{point['seconds']:.1f}", f"{point['kv_bytes'] / 2**20:.1f}", f"{layer_kv:.1f}",
+                    f"{dense_mask:.0f}",
+                ])  # fmt: skip
+    headers = ["context", "method", "batch", "prompt lengths", "peak RSS MiB", "prefill growth MiB",
+               "peak vs full", "growth vs full", "prefill s", "cache after MiB", "one layer's dense K/V MiB",
+               "one [B, T, T] bool mask MiB"]  # fmt: skip
     chunk = f"prefill_chunk {opts.prefill_chunk}" if opts.prefill_chunk else "one forward"
+    budget = f"budget {opts.budget}" if opts.budget else "each preset's budget"
     title = (
         f"kvlab bench memory --prefill: {opts.model} ({info.num_layers} layers, {info.num_heads}/"
-        f"{info.num_kv_heads} heads, dim {info.head_dim}, fp32), {opts.prefill_method}, {chunk}, "
+        f"{info.num_kv_heads} heads, dim {info.head_dim}, fp32), {','.join(methods)}, {budget}, {chunk}, "
+        f"question-scoring methods: the last {opts.question} tokens are the question, "
         f"padded batches (sample i: T x (1 - {opts.spread:g} i) tokens), {opts.threads} CPU threads, "
         "one process per row"
     )

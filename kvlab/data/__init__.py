@@ -6,6 +6,7 @@ The Lightning data module that serves them to a run is :mod:`kvlab.runner.datamo
 from __future__ import annotations
 
 from kvlab.data import benchmarks as _benchmarks  # noqa: F401  (registers the long-context suites)
+from kvlab.data import counting as _counting  # noqa: F401  (registers synthetic_counting)
 from kvlab.data import kvpress as _kvpress  # noqa: F401  (registers the kvpress-schema dataset)
 from kvlab.data import reader_tasks as _reader_tasks  # noqa: F401  (registers the reader tasks)
 from kvlab.data.datasets import DATASETS, JsonlDataset, SampleSource, build_dataset

@@ -23,7 +23,7 @@ question part follows every chunk, at the positions right after it. In every lay
 
 Kept entries keep the positions (RoPE) they were computed at; nothing is re-rotated. A layer
 never holds more than ``budget + chunk`` entries besides the question's, so the prefill's memory
-falls with the budget (``docs/benchmarks.md``, "Peak memory").
+falls with the budget (``docs/benchmarks.md``, "Long prompts: prefill peak memory").
 """
 
 from __future__ import annotations

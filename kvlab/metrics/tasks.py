@@ -19,6 +19,7 @@ Definitions (answers are the sample's reference answers; the best answer counts)
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -93,6 +94,26 @@ def _contains(output: str, answer: str) -> float:
     return float(bool(target) and target in normalize_answer(output))
 
 
+def _counts_to(output: str, answer: str) -> float:
+    """1 when the output counts up to the answer ``N`` and stops there: its integers (runs of
+    digits) hold 1, 2, ..., N in order (other numbers may come between) and the last one is N."""
+    if not answer.strip().isdigit():
+        return 0.0
+    target = int(answer)
+    found = [int(n) for n in re.findall(r"\d+", output)]
+    expected = 1
+    for n in found:
+        if expected <= target and n == expected:
+            expected += 1
+    return float(expected > target and bool(found) and found[-1] == target)
+
+
+def _counts_to_check(sample: Sample) -> str | None:
+    if sample.answers and not all(a.strip().isdigit() for a in sample.answers):
+        return f"its answers {sample.answers!r} are not all whole numbers (the count to reach)"
+    return None
+
+
 def _per_answer(score: Callable[[str, str], float]) -> Callable[[str, Sample], float | None]:
     """A metric scoring the output against each answer and keeping the best."""
     return lambda output, sample: _best(output, sample, score)
@@ -115,12 +136,16 @@ SampleCheck = Callable[[Sample], str | None]
 TASK_METRICS: dict[str, Callable[[str, Sample], float | None]] = {
     "exact_match": _per_answer(_exact),
     "contains_answer": _per_answer(_contains),
+    "counts_to_answer": _per_answer(_counts_to),
     "token_f1": _per_answer(lambda o, a: token_f1(words(o), words(a))),
     "rouge_l": _per_answer(lambda o, a: rouge_l(words(o), words(a))),
     "choice_accuracy": _choice_accuracy,
 }
 #: the registered metrics' sample checks (a metric without one scores every sample it applies to)
-SAMPLE_CHECKS: dict[str, SampleCheck] = {"choice_accuracy": _choice_check}
+SAMPLE_CHECKS: dict[str, SampleCheck] = {
+    "choice_accuracy": _choice_check,
+    "counts_to_answer": _counts_to_check,
+}
 
 
 def register_task_metrics(

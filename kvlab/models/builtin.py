@@ -5,6 +5,7 @@ name                class                   layers heads   kv heads head dim ima
 =================== ======================= ====== ======= ======== ======== ===================
 tiny-llama          LlamaForCausalLM        2      4       4        16       -
 tiny-qwen2          Qwen2ForCausalLM        3      4       2        16       -
+tiny-llama-long     LlamaForCausalLM        8      4       4        64       -
 tiny-qwen2-vl       Qwen2VL...Generation    2      4       2        16       4 (56x56)
 tiny-llava          Llava...Generation      2      4       2        16       4 (28x28)
 smollm2-135m        LlamaForCausalLM        30     9       3        64       -
@@ -14,7 +15,9 @@ smollm2-reader      Llava...Generation      30     9       3        64       16 
 gemma3-270m         Gemma3ForCausalLM       18     4       1        256      -
 =================== ======================= ====== ======= ======== ======== ===================
 
-Tiny models have seeded random weights and share a BPE tokenizer trained at runtime; the smollm2
+Tiny models have seeded random weights and share a BPE tokenizer trained at runtime
+(``tiny-llama-long``: 65536 positions and K/V wide for its hidden size 64, to measure a long
+prompt's cache memory); the smollm2
 ones carry SmolLM2-135M-Instruct's trained weights (the grafted VLMs with seeded random vision
 parts; ``smollm2-reader`` with a vision path built in closed form so that its image tokens carry
 the glyphs the image shows, :mod:`kvlab.models.scaffolding.reader`); gemma3-270m carries Google's
@@ -127,6 +130,17 @@ class TinyQwen2(TinyModel):
 
     def config(self) -> Any:
         return tiny.tiny_qwen2_config()
+
+
+@MODELS.register("tiny-llama-long")
+@dataclass
+class TinyLlamaLong(TinyModel):
+    """Tiny random long-context Llama: 8 layers, MHA 4/4 heads, head_dim 64, hidden 64, 65536 positions."""
+
+    model_class: ClassVar[str] = "LlamaForCausalLM"
+
+    def config(self) -> Any:
+        return tiny.tiny_llama_long_config()
 
 
 @MODELS.register("tiny-qwen2-vl")

