@@ -241,6 +241,19 @@ def _lse_dtype(query: torch.Tensor) -> torch.dtype:
     return torch.float64 if query.dtype == torch.float64 else torch.float32
 
 
+def run_variants_on_reference(kernel: str, what: str, used: list[str]) -> None:
+    """A call whose attention uses variants ``used`` (sliding window, soft-capping, sinks, a decode
+    mask) that the Triton ``kernel`` does not implement: it runs the torch reference (counted in
+    :data:`CALLS`), or is refused when ``model.kernels`` asked for the kernel itself."""
+    if get_mode() == "triton":
+        raise ConfigError(
+            f"model.kernels is 'triton', but this layer's attention uses {', '.join(used)}, which the "
+            f"{what} does not implement. Use `model.kernels: auto` (such layers then run the torch "
+            "reference) or `reference`."
+        )
+    CALLS[(kernel, "reference")] += 1
+
+
 def padded_decode_attention(
     query: torch.Tensor,
     prompt_keys: torch.Tensor,
@@ -453,13 +466,7 @@ def ragged_decode_attention(
     args = (query, prompt_keys, prompt_values, starts, lengths, decode_keys, decode_values)
     used = variants(sliding_window, softcap, sinks, decode_valid)
     if used:
-        if get_mode() == "triton":  # asked for the kernel, which implements none of them: refuse
-            raise ConfigError(
-                f"model.kernels is 'triton', but this layer's attention uses {', '.join(used)}, which the "
-                "Triton decode kernel does not implement. Use `model.kernels: auto` (such layers then run "
-                "the torch reference) or `reference`."
-            )
-        CALLS[("ragged_decode_attention", "reference")] += 1
+        run_variants_on_reference("ragged_decode_attention", "Triton decode kernel", used)
     elif use_triton("ragged_decode_attention", query, prompt_keys, decode_keys):
         # triton is optional: the launcher (which imports it) loads on this path only
         from kvlab.kernels.tl.decode_attention import ragged_decode_attention_triton

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from kvlab.config.errors import ConfigError
 from kvlab.kernels.decode_attention import (
     RunViews,
     _decode_mask,
@@ -42,9 +41,10 @@ from kvlab.kernels.decode_attention import (
     merge_by_lse,
     padded_decode_attention,
     reads_in_place,
+    run_variants_on_reference,
     variants,
 )
-from kvlab.kernels.dispatch import CALLS, get_mode, launch_device, use_triton
+from kvlab.kernels.dispatch import launch_device, use_triton
 
 
 def prune_key_channels(keys: torch.Tensor, lengths: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
@@ -126,13 +126,7 @@ def pruned_decode_attention(
     selected = query_channels(query, key_channels)
     asked = variants(*(options.get(k) for k in ("sliding_window", "softcap", "sinks", "decode_valid")))
     if asked:
-        if get_mode() == "triton":  # asked for the kernel, which implements none of them: refuse
-            raise ConfigError(
-                f"model.kernels is 'triton', but this layer's attention uses {', '.join(asked)}, which the "
-                "Triton decode kernel over pruned keys does not implement. Use `model.kernels: auto` (such "
-                "layers then run the torch reference) or `reference`."
-            )
-        CALLS[("pruned_decode_attention", "reference")] += 1
+        run_variants_on_reference("pruned_decode_attention", "Triton decode kernel over pruned keys", asked)
     elif use_triton("pruned_decode_attention", query, prompt_keys, decode_keys):
         # triton is optional: the launcher (which imports it) loads on this path only
         from kvlab.kernels.tl.pruned_attention import pruned_decode_attention_triton

@@ -25,6 +25,7 @@ from kvlab.cache.options import AttentionOptions
 from kvlab.compression.context import LayerContext, QuestionView
 from kvlab.compression.diversity import DIVERSITY
 from kvlab.compression.importance import IMPORTANCE
+from kvlab.compression.reconstruction import ReconstructionStep
 from kvlab.compression.selectors import topk_indices
 from kvlab.config.artefacts import Artefact, UsesArtefact
 from kvlab.config.errors import ConfigError
@@ -258,6 +259,18 @@ def bf16_ctx(window: int = 6) -> tuple[LayerContext, LayerContext]:
     return low, up
 
 
+def reconstruction_step(ctx: LayerContext) -> ReconstructionStep:
+    """A reconstruction step of layer 0 whose block is ``ctx``'s last 3 queries and keys, scoring
+    every real prompt entry of ``ctx`` (in ``ctx``'s dtype)."""
+    B, T = ctx.valid.shape
+    return ReconstructionStep(
+        layer_idx=0, queries=ctx.queries[:, :, -3:], block_keys=ctx.keys[:, :, -3:],
+        block_valid=torch.ones(B, 3, dtype=torch.bool), keys=ctx.keys, values=ctx.values,
+        entry_valid=ctx.valid, columns=torch.arange(T).expand(B, T), scored=ctx.valid, seq_len=T,
+        scaling=ctx.scaling,
+    )  # fmt: skip
+
+
 #: the tensors of a random artefact for each scorer that reads one, from (layers, KV heads, head dim)
 SCORER_ARTEFACTS = {
     "qfilters": lambda L, Hkv, D: {"filters": torch.randn(L, Hkv, D), "explained": torch.ones(L, Hkv)},
@@ -286,6 +299,9 @@ def test_every_scorer_reduces_in_fp32(registry, name, tmp_path):
         scorer.window = 6
     if "layer" in getattr(type(scorer), "layer_allocator_settings", {}):
         scorer.layer = 1  # FastV's K, which its layer allocator restates
+    if scorer.capabilities.reads_reconstruction:  # KVzip: its reductions run on a reconstruction step
+        for ctx in (low, up):
+            scorer.observe(reconstruction_step(ctx), ctx.run)
     got, wanted = scorer.score(low), scorer.score(up)
     assert got.dtype == torch.float32
     assert torch.equal(got, wanted)
