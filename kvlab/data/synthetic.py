@@ -93,7 +93,8 @@ class SyntheticRetrieval:
 
     Each prompt is filler sentences with ``num_pairs`` facts "The secret code for <key> is
     <value>." inserted at sentence boundaries; the question, after the text, asks for one key
-    (the needle), placed at relative depth ``needle_depth`` (0 = start, 1 = end). With
+    (the needle), placed at relative depth ``needle_depth`` (0 = start, 1 = end), and is the
+    sample's ``question`` (the context protocols and Finch's prefill split the prompt there). With
     ``needle_depth: null`` the depths are spread evenly over [0, 1] across the samples (in a
     seeded shuffled order). Length: ``context_words`` filler words, or, when ``context_tokens`` is
     set, the most filler sentences whose prompt takes at most ``context_tokens`` tokens of the
@@ -215,6 +216,7 @@ class SyntheticRetrieval:
         return Sample(
             id=f"retrieval-{index:04d}",
             prompt=f"Read the text below and answer the question after it.\n\n{context}\n\n{question}",
+            question=question,
             answers=[values[0]],
             meta={
                 "task": "synthetic_retrieval",

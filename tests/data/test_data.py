@@ -124,6 +124,19 @@ def test_retrieval_answer_is_the_needle_value_exactly_once() -> None:
         assert s.meta["distractor_keys"] and key not in s.meta["distractor_keys"]
 
 
+def test_retrieval_marks_its_question() -> None:
+    """The question is the sample's ``question``: query_agnostic compresses the text without it, and
+    Finch's progressive prefill scores the chunks with it (not with the chat template's tail)."""
+    processor = kvlab.models.load_processor("tiny-qwen2")
+    for s in SyntheticRetrieval(num_samples=3, num_pairs=3, context_words=120, seed=2).samples():
+        assert s.question is not None and s.question.startswith("What is the secret code for")
+        assert s.prompt == s.context + s.question and s.answers[0] in s.context
+        assert s.context.count(s.meta["key"]) == 1  # the fact only; the question is not context
+        ids = processor.prompt_ids(s)
+        question = processor.tokenizer.decode(ids[processor.context_token_count(s, ids) :])
+        assert question.lstrip().startswith(f"What is the secret code for {s.meta['key']}?")
+
+
 def test_retrieval_needle_depth() -> None:
     start = SyntheticRetrieval(num_samples=2, needle_depth=0.0).samples()
     end = SyntheticRetrieval(num_samples=2, needle_depth=1.0).samples()
