@@ -93,7 +93,10 @@ def run_plan(plan: RunPlan) -> None:
     run_dir = plan.run.directory
     done = frozenset() if plan.run.overwrite else completed_ids(run_dir)  # read only
     datamodule = KVLabDataModule(
-        **plan.data_arguments(), skip_ids=done, group_by_context=plan.groups_contexts
+        **plan.data_arguments(),
+        skip_ids=done,
+        group_by_context=plan.groups_contexts,
+        question_split=plan.question_split,
     )
     selected = datamodule.selected_samples
     if selected and not any(s.answers for s in selected) and launch_rank() == 0:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from PIL import Image
+
+from kvlab.config.errors import ConfigError
 
 
 @dataclass
@@ -56,3 +59,24 @@ class Sample:
     def context(self) -> str:
         """``prompt`` without its trailing ``question`` (the whole prompt when there is none)."""
         return self.prompt[: len(self.prompt) - len(self.question)] if self.question else self.prompt
+
+
+def require_questions(samples: Sequence[Sample], why: str) -> None:
+    """Refuse samples that do not mark their question (``Sample.question``) in a run that compresses
+    each context apart from its question (``why`` names it): the split would put the question in the
+    context, and the run would measure a query-aware compression under another name.
+
+    Raises:
+        ConfigError: the first samples without a question, and the fix.
+    """
+    missing = [s.id for s in samples if not s.question]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        listed = ", ".join(repr(i) for i in missing[:3]) + more
+        raise ConfigError(
+            f"{why} compresses each context apart from its question, but samples {listed} do not mark "
+            "their question (Sample.question, the trailing part of the prompt): the question would be "
+            "compressed with the context, which is a query-aware run. Use a dataset that marks it (the "
+            "`kvpress` schema's context and question fields, the built-in tasks), or "
+            "`model.protocol: query_aware` with a method that compresses the whole prompt."
+        )

@@ -176,6 +176,8 @@ class QueryAware(Protocol):
 class QueryAgnostic(Protocol):
     """The context compressed alone, then the question part prefilled uncompressed (kvpress' default)."""
 
+    splits_prompts: ClassVar[bool] = True
+
     def check(self, pipeline: Pipeline) -> None:
         _refuse_decode_policy(pipeline, self.registry_name)
         refuse_question_scoring(pipeline, self.registry_name)
@@ -190,6 +192,7 @@ class MultiQuestion(Protocol):
     """One compressed context per ``context_id`` answers each of its questions in turn (compressed once)."""
 
     groups_contexts: ClassVar[bool] = True
+    splits_prompts: ClassVar[bool] = True
 
     def check(self, pipeline: Pipeline) -> None:
         _refuse_decode_policy(pipeline, self.registry_name)

@@ -18,6 +18,7 @@ import torch
 from kvlab.cache.selection import Selection
 from kvlab.compression.decision import RouteDecision
 from kvlab.config.errors import ConfigError
+from kvlab.data.sample import require_questions
 from kvlab.engine.protocols import WHERE
 from kvlab.models.base import PAD, Batch, PromptProcessor
 from kvlab.pipeline import LayerReport
@@ -65,6 +66,7 @@ def split_prompts(processor: Any, batch: Batch, group: bool) -> PromptSplit:
             "question (samples, string prompts or one-turn chats, through kvlab's processor); token-id "
             "prompts and multi-turn chats run only with `model.protocol: query_aware`."
         )
+    require_questions(samples, WHERE)
     ids, valid = batch.input_ids, batch.attention_mask.bool()
     T = ids.shape[1]
     lengths = valid.sum(1)

@@ -81,11 +81,13 @@ class Protocol:
     """Base class of the protocols (registered in :data:`PROTOCOLS`).
 
     ``groups_contexts``: the data module must put every sample of a ``context_id`` in one
-    batch (``multi_question``).
+    batch (``multi_question``). ``splits_prompts``: the protocol compresses each context apart from
+    its question (``query_agnostic``, ``multi_question``), so every sample must mark its question.
     """
 
     registry_name: str = ""
     groups_contexts: ClassVar[bool] = False
+    splits_prompts: ClassVar[bool] = False
 
     def check(self, pipeline: Pipeline) -> None:
         """Refuse a pipeline this protocol cannot run (:class:`ConfigError` naming both fields)."""

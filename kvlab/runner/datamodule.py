@@ -19,7 +19,7 @@ from kvlab.config.registry import to_plain
 from kvlab.data.contexts import ContextBatchSampler, check_contexts
 from kvlab.data.datasets import build_dataset
 from kvlab.data.long_prompts import LONG_PROMPTS, prompt_length, truncate_left
-from kvlab.data.sample import Sample
+from kvlab.data.sample import Sample, require_questions
 from kvlab.data.tokens import ProcessorSource
 from kvlab.metrics.tasks import DEFAULT_TASK_METRICS, check_task_samples, validate_task_metrics
 from kvlab.models import PROCESSORS, context_length
@@ -72,6 +72,9 @@ class KVLabDataModule(L.LightningDataModule):
             context (``multi_question``): each batch holds whole contexts, every pending sample
             of a ``context_id``, ``batch_size`` contexts per batch (docs/protocols.md); the
             samples of one ``context_id`` must share their context.
+        question_split: what in the run compresses each context apart from its question
+            (:attr:`kvlab.runner.plan.RunPlan.question_split`): every selected sample must then
+            mark its question, or the run is refused before the model loads.
 
     The dataset is built (and validated) in ``__init__``, with its task metric names checked
     against the registry (:attr:`task_metrics`), so data errors surface before a model loads.
@@ -94,6 +97,7 @@ class KVLabDataModule(L.LightningDataModule):
         *,
         skip_ids: frozenset[str] = frozenset(),
         group_by_context: bool = False,
+        question_split: str | None = None,
     ) -> None:
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -120,7 +124,7 @@ class KVLabDataModule(L.LightningDataModule):
                 "none), `none` (always the raw prompt) or a file path."
             )
         read_chat_template(chat_template)  # a missing file surfaces before anything loads
-        self.save_hyperparameters(ignore=["skip_ids", "group_by_context"])
+        self.save_hyperparameters(ignore=["skip_ids", "group_by_context", "question_split"])
         node = to_plain(dataset) if dataset is not None else dict(DEFAULT_DATASET)
         self.dataset_config: dict[str, Any] | str = node
         self.processors.check(model)  # before the dataset, which may load the model's tokenizer
@@ -137,6 +141,7 @@ class KVLabDataModule(L.LightningDataModule):
         self._checked = False
         self.skip_ids = frozenset(str(i) for i in skip_ids)
         self.group_by_context = group_by_context
+        self.question_split = question_split
         self.processor: Any = None
         self._samples: list[Sample] | None = None
 
@@ -178,6 +183,8 @@ class KVLabDataModule(L.LightningDataModule):
         ``none``: LongBench's few-shot and code tasks) in a run that applies one."""
         selected = self.selected_samples
         check_task_samples(self.task_metrics, selected)
+        if self.question_split is not None:
+            require_questions(selected, self.question_split)
         for sample in selected:
             check_encodable(sample)
         raw = [s.id for s in selected if (s.meta or {}).get("reference_chat_template") == "none"]

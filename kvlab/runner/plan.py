@@ -118,6 +118,9 @@ class RunPlan:
         imports: the plugin modules and files the config imports (already imported).
         groups_contexts: whether the protocol answers several questions from one compressed
             context, so the data module must batch each ``context_id`` whole.
+        question_split: what compresses each context apart from its question (``model.protocol =
+            query_agnostic``, a progressive prefill with ``question: true``), so every sample must
+            mark its question; None when nothing does.
     """
 
     model: Mapping[str, Any]
@@ -127,6 +130,7 @@ class RunPlan:
     seed: int | bool = DEFAULT_SEED
     imports: tuple[str, ...] = ()
     groups_contexts: bool = field(default=False)
+    question_split: str | None = None
 
     def model_arguments(self) -> dict[str, Any]:
         """``KVLabModule``'s config arguments (a copy the module may keep)."""
@@ -213,7 +217,21 @@ def plan_run(resolved: Mapping[str, Any] | None, imports: Sequence[str] = (), bu
         seed=seed,
         imports=tuple(imports),
         groups_contexts=build_protocol(model["protocol"]).groups_contexts,
+        question_split=question_split(model),
     )
+
+
+def question_split(model: Mapping[str, Any]) -> str | None:
+    """What in the run's ``model`` fields compresses each context apart from its question (the field
+    and its value, for a refusal), or None: a protocol that splits prompts (``query_agnostic``,
+    ``multi_question``), or a progressive prefill that scores with the question (Finch)."""
+    protocol = build_protocol(model["protocol"])
+    if protocol.splits_prompts:
+        return f"model.protocol = {protocol.registry_name}"
+    prefill = (model.get("compression") or {}).get("prefill")
+    if isinstance(prefill, Mapping) and prefill.get("question"):
+        return f"model.compression.prefill = {prefill.get('name')} with question: true"
+    return None
 
 
 def check_trainer(node: Any) -> None:
