@@ -634,14 +634,17 @@ def test_truncate_left_drops_the_first_words_and_says_so(monkeypatch, capsys) ->
     monkeypatch.setattr(datamodule, "context_length", lambda name: 48)
     module = KVLabDataModule({"name": "synthetic_retrieval", "num_samples": 2}, "tiny-llama",
                              long_prompts="truncate_left")  # fmt: skip
-    original = {s.id: s.prompt for s in module.samples}
+    original = {s.id: s for s in module.samples}
     module.setup("predict")
     assert "data.long_prompts = truncate_left: 2 prompts" in capsys.readouterr().err
     for sample in module.samples:
         assert long_prompts.prompt_length(module.processor, sample) <= 48
-        dropped = sample.meta["truncated_words"]
-        assert dropped > 0 and original[sample.id].split(" ")[dropped:] == sample.prompt.split(" ")
-        assert sample.prompt.endswith("Answer with the 5-digit number only.")  # the question is kept
+        dropped, before = sample.meta["truncated_words"], original[sample.id]
+        assert before.question and sample.question == before.question  # the question is kept whole
+        assert (
+            dropped > 0 and sample.prompt == " ".join(before.context.split(" ")[dropped:]) + before.question
+        )
+        assert sample.prompt.endswith("Answer with the 5-digit number only.")
     longer = long_prompts.truncate_left(module.processor, Sample("x", "word " * 100), 60)[0]
     assert long_prompts.prompt_length(module.processor, longer) <= 60
 

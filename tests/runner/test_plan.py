@@ -50,8 +50,11 @@ def test_config_yaml_run_again_is_the_same_run():
 
 def test_wired_arguments_are_keyword_only_and_never_config_fields():
     """The run's driver gives the module its files and task metrics and the data module the samples
-    already written and the context grouping; a config cannot name them."""
-    wiring = {KVLabModule: {"files", "task_metrics"}, KVLabDataModule: {"skip_ids", "group_by_context"}}
+    already written, the context grouping and what needs each sample's question; a config cannot name them."""
+    wiring = {
+        KVLabModule: {"files", "task_metrics"},
+        KVLabDataModule: {"skip_ids", "group_by_context", "question_split"},
+    }
     for cls, wired in wiring.items():
         params = inspect.signature(cls.__init__).parameters
         assert {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} == wired
@@ -65,12 +68,21 @@ def test_the_protocol_decides_the_batching_of_contexts():
     assert snapkv_plan(model={"protocol": "multi_question"}).groups_contexts is True
 
 
+def test_the_plan_says_what_needs_each_samples_question():
+    assert snapkv_plan().question_split is None
+    assert (
+        snapkv_plan(model={"protocol": "query_agnostic"}).question_split == "model.protocol = query_agnostic"
+    )
+    finch = {"compression": {"prefill": {"name": "progressive", "chunk": 64, "question": True}}}
+    assert "question: true" in snapkv_plan(model=finch).question_split
+
+
 def test_help_lists_every_config_field_and_no_wired_one():
     text = predict_help()
     for group, cls in (("model", KVLabModule), ("data", KVLabDataModule)):
         for name in config_fields(cls):
             if (group, name) != ("data", "model"):
                 assert f"--{group}.{name} " in text
-    for name in ("files", "task_metrics", "skip_ids", "group_by_context", "trainer.logger"):
+    for name in ("files", "task_metrics", "skip_ids", "group_by_context", "question_split", "trainer.logger"):
         assert f".{name} " not in text and f"--{name}" not in text
     assert "--trainer.max_steps (default: -1)" in text and "--run.overwrite (default: false)" in text
