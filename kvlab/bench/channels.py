@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +41,7 @@ from kvlab.bench.common import (
     triton_note,
 )
 from kvlab.cache.pruned import prune_key_channels, pruned_decode_attention
+from kvlab.compression.channels import kept_channel_count
 from kvlab.kernels.decode_attention import (
     RunViews,
     SegmentRuns,
@@ -87,7 +87,7 @@ def channel_rows(query, T, budget, keeps, opts, dtype, gen) -> list[list[object]
         calls[("full", "torch")] = full
     sizes = {"all": 2 * keys.nbytes}
     for keep in keeps:
-        Dk = max(1, math.ceil(round(keep * D, 6)))
+        Dk = kept_channel_count(keep, D)
         channels = torch.rand(B, Hkv, D, generator=gen).argsort(-1)[..., :Dk].sort(-1).values.to(device)
         pruned = prune_key_channels(keys, lengths, channels)
         sizes[keep] = pruned.nbytes + values.nbytes + channels.nbytes

@@ -181,6 +181,20 @@ class NoModalityAllocator(ModalityAllocator):
         return None
 
 
+def layer_signal(signal: str, scores: dict[str, torch.Tensor], mixed: torch.Tensor) -> torch.Tensor:
+    """The score a layer allocator observes: ``mixed`` (the pipeline's mixed score) or the scorer
+    of role ``signal`` (``[B, Hkv, T]``). The pipeline refuses an unknown role when it is built; this
+    refuses it for a direct call."""
+    if signal == "mixed":
+        return mixed
+    if signal not in scores:
+        raise ConfigError(
+            f"model.compression.allocate.layer.signal = '{signal}' is not a scorer's role "
+            f"({', '.join(scores)}); write `signal: mixed` or the key of the scorer to allocate from."
+        )
+    return scores[signal]
+
+
 def round_to_total(real: torch.Tensor, total: int) -> torch.Tensor:
     """Round non-negative ``real`` (any shape) to integers summing to ``total`` (largest remainder).
 

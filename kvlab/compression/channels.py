@@ -60,8 +60,8 @@ class ChannelPruner(Component):
             )
 
     def kept_channels(self, head_dim: int) -> int:
-        """``Dk``: channels kept of ``head_dim``, ``ceil(keep * head_dim)`` (at least 1)."""
-        return max(1, math.ceil(round(self.keep * head_dim, 6)))
+        """``Dk``: channels kept of ``head_dim`` (:func:`kept_channel_count`)."""
+        return kept_channel_count(self.keep, head_dim)
 
     def channel_scores(self, ctx: LayerContext, keys: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """``[B, Hkv, D]`` fp32, higher is kept.
@@ -79,6 +79,11 @@ class ChannelPruner(Component):
         scores = self.channel_scores(ctx, keys, kept)
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         return order[..., : self.kept_channels(keys.shape[-1])].sort(dim=-1).values
+
+
+def kept_channel_count(keep: float, head_dim: int) -> int:
+    """``Dk = ceil(keep * head_dim)``, at least 1 (``keep * head_dim`` rounded to 6 decimals first)."""
+    return max(1, math.ceil(round(keep * head_dim, 6)))
 
 
 CHANNEL_PRUNERS: Registry[ChannelPruner] = Registry("channel pruner", "model.compression.channels")

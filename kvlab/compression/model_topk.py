@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, round_to_total
+from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, layer_signal, round_to_total
 from kvlab.compression.context import LayerContext
 from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities
@@ -53,12 +53,7 @@ class ModelTopKAllocator(LayerAllocator):
 
     def observe(self, ctx: LayerContext, scores: dict[str, torch.Tensor], mixed: torch.Tensor) -> None:
         """Keep layer ``ctx.layer_idx``'s candidate scores for the ranking."""
-        if self.signal != "mixed" and self.signal not in scores:
-            raise ConfigError(
-                f"model.compression.allocate.layer.signal = '{self.signal}' is not a scorer's role "
-                f"({', '.join(scores)}); write `signal: mixed` or the key of the scorer to allocate from."
-            )
-        signal = mixed if self.signal == "mixed" else scores[self.signal]
+        signal = layer_signal(self.signal, scores, mixed)
         seen = ctx.run.owned(self, RankedLayers)
         seen.scores[ctx.layer_idx] = signal.float().masked_fill(~ctx.candidates[:, None, :], float("-inf"))
 

@@ -36,7 +36,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, round_to_total
+from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, layer_signal, round_to_total
 from kvlab.compression.context import LayerContext
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.config import papers
@@ -286,11 +286,7 @@ class PrefixThresholdAllocator(LayerAllocator):
 
     def observe(self, ctx: LayerContext, scores: dict[str, torch.Tensor], mixed: torch.Tensor) -> None:
         """Keep layer ``ctx.layer_idx``'s ``I_l [B, T]`` (mean of the signal over KV heads) for the solve."""
-        if self.signal != "mixed" and self.signal not in scores:
-            raise ConfigError(
-                f"model.compression.allocate.layer.signal = '{self.signal}' is not a scorer's role "
-                f"({', '.join(scores)}); write `signal: mixed` or the key of the scorer to allocate from."
-            )
+        signal = layer_signal(self.signal, scores, mixed)
         if ctx.sliding_window is not None:
             raise ConfigError(
                 "model.compression.allocate.layer 'prefix_threshold' ranks each layer's whole prompt, but "
@@ -298,7 +294,6 @@ class PrefixThresholdAllocator(LayerAllocator):
                 "(model.compression.sliding_layers: compress). Set model.compression.sliding_layers: window "
                 "(sliding layers keep their window; the threshold is shared by the full-attention layers)."
             )
-        signal = mixed if self.signal == "mixed" else scores[self.signal]
         seen = ctx.run.owned(self, lambda: ThresholdObservations(ctx.valid))
         signal = signal.float().masked_fill(~torch.isfinite(signal), 0.0)  # e.g. SnapKV's +inf window
         seen.importance[ctx.layer_idx] = signal.mean(1).masked_fill(~ctx.valid, 0.0)

@@ -147,7 +147,7 @@ def progressive_attention(
         run=session.run,
         query_start=keys.shape[2] - queries.shape[2],
         question=question,
-        **({"block_elements": session.block_elements} if session.block_elements is not None else {}),
+        **session.block_options,
     )
     record = session.record_scores and state.last
     selection, report = state.pipeline.compress(ctx, record_scores=record)

@@ -250,7 +250,7 @@ def reconstruction_attention(
         scaling=scaling,
         hidden_states=facts.inputs,
         facts=facts,
-        **({"block_elements": session.block_elements} if session.block_elements is not None else {}),
+        **session.block_options,
     )
     for scorer in state.scorers:
         scorer.observe(step, session.run)

@@ -31,7 +31,6 @@ def layer_context(
 ) -> LayerContext:
     """The :class:`LayerContext` of layer ``layer_idx`` after its prefill attention (shapes there)."""
     valid, modality = session.run.masks_on(key.device)  # the layer's device (device_map)
-    blocks = {"block_elements": session.block_elements} if session.block_elements is not None else {}
     return LayerContext(
         layer_idx=layer_idx,
         num_layers=len(session.cache.layers),
@@ -46,7 +45,7 @@ def layer_context(
         sliding_window=sliding_window,
         image_blocks=session.run.image_blocks_on(key.device),
         facts=session.layer_facts(layer_idx),
-        **blocks,
+        **session.block_options,
     )
 
 

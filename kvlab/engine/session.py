@@ -164,6 +164,12 @@ class CompressionSession:
         """``[B, T]`` bool prompt padding mask (``run.valid``)."""
         return self.run.valid
 
+    @property
+    def block_options(self) -> dict[str, int]:
+        """``{"block_elements": ...}`` for a :class:`LayerContext` or a step when the run bounds its
+        attention blocks, else ``{}`` (the context's default bound)."""
+        return {"block_elements": self.block_elements} if self.block_elements is not None else {}
+
     def layer_facts(self, layer_idx: int) -> LayerFacts:
         """The declared model facts of layer ``layer_idx`` (an empty view when none is declared)."""
         return self.facts.layer(layer_idx) if self.facts is not None else LayerFacts()
