@@ -43,6 +43,7 @@ from kvlab.data.benchmarks.ruler_tasks import RULER_TASKS
 from kvlab.engine.protocols import PROTOCOLS
 from kvlab.models import validate_model_name
 from kvlab.runner import reference_vlm
+from kvlab.runner.fingerprint import RUN_JSON
 from kvlab.runner.marked_cells import half_width_text
 from kvlab.runner.reference_table import (
     BUDGETS,
@@ -149,12 +150,15 @@ def run_cell(cfg: dict, method: str, ratio: float | None, where: str, refused: R
     text model, a protocol it cannot run, SimLayerKV's token budget against a ratio) is recorded
     in ``refused`` under ``(method, where, reason)`` and the table goes on: its cell stays empty and
     :func:`refused_text` names it under the table. The full cache runs everywhere, so its refusal
-    is a real error and is raised.
+    is a real error and is raised; so is an error raised once the run has started writing (its cell
+    would hold part of a run).
     """
     try:
         run_predict(cfg, ["--trainer.enable_progress_bar", "false"])
     except ConfigError as exc:
-        if method == "full" or ratio is None:
+        run = cfg["run"]
+        started = (Path(run["dir"]) / run["experiment"] / run["method"] / RUN_JSON).exists()
+        if method == "full" or ratio is None or started:  # a refusal comes before the run writes anything
             raise
         refused.setdefault((method, where, str(exc).splitlines()[0]), []).append(ratio)
         return False
