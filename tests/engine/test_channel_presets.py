@@ -15,7 +15,7 @@ import pytest
 import torch
 from support.attention_variants import build, prompts, tokenizer
 from support.e2e import assert_batch_equals_alone, kvlab_model, run
-from support.preset_runs import preset_models, preset_samples
+from support.preset_runs import preset_models, preset_pipeline, preset_samples, stored_form_refusal
 from support.presets import budgeted_compression, preset_config
 from support.questions import QUESTIONS
 
@@ -55,14 +55,11 @@ def pruned_node(preset: str, pruner: str) -> dict:
 
 def refused_reason(preset: str) -> str | None:
     """Why ``preset`` cannot take a channel pruner, read from its own pipeline (None: it can)."""
-    pipeline = Pipeline.from_config(budgeted_compression(preset, preset_models(preset)[0]))
-    if pipeline.decode_policy.registry_name != "none":
-        return "decode"
-    if any(getattr(part.component, "offloads", False) for part in pipeline.walk()):
-        return "outside the cache"
-    if pipeline.prefill_mode.progressive:
+    pipeline = preset_pipeline(preset)
+    reason = stored_form_refusal(pipeline)
+    if reason is None and pipeline.prefill_mode.progressive:
         return "progressive"
-    return None
+    return reason
 
 
 @pytest.mark.parametrize("pruner", list(PRUNERS))

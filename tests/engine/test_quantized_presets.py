@@ -15,7 +15,7 @@ import pytest
 import torch
 from support.attention_variants import build, prompts, tokenizer
 from support.e2e import kvlab_model, run
-from support.preset_runs import preset_models, preset_samples
+from support.preset_runs import preset_models, preset_pipeline, preset_samples, stored_form_refusal
 from support.presets import budgeted_compression, preset_config
 from support.questions import QUESTIONS
 
@@ -52,14 +52,11 @@ def quantized(preset: str, quantizer: str) -> Pipeline:
 
 def refused_reason(preset: str) -> str | None:
     """Why ``preset`` cannot take a quantizer, read from its own pipeline (None: it can)."""
-    pipeline = Pipeline.from_config(budgeted_compression(preset, preset_models(preset)[0]))
-    if pipeline.decode_policy.registry_name != "none":
-        return "decode"
-    if any(getattr(part.component, "offloads", False) for part in pipeline.walk()):
-        return "outside the cache"
-    if pipeline.channel_pruner is not None:
+    pipeline = preset_pipeline(preset)
+    reason = stored_form_refusal(pipeline)
+    if reason is None and pipeline.channel_pruner is not None:
         return "do not compose"
-    return None
+    return reason
 
 
 @pytest.mark.parametrize("quantizer", list(QUANTIZERS))
@@ -80,10 +77,7 @@ def test_every_preset_runs_with_each_quantizer_keeping_the_same_entries_in_fewer
     assert torch.equal(result.kv_bytes_full, plain.kv_bytes_full)
     assert bool((result.kv_bytes_kept <= plain.kv_bytes_kept).all())
     assert int(result.kv_bytes_kept.sum()) < int(plain.kv_bytes_kept.sum())
-    question = Pipeline.from_config(
-        budgeted_compression(preset, preset_models(preset)[0])
-    ).prefill_mode.question
-    if not (question and quantizer == "kivi2"):
+    if not (preset_pipeline(preset).prefill_mode.question and quantizer == "kivi2"):
         # Finch prefills its question (28 tokens here) on top of ~20 kept entries per head, and
         # KIVI folds them into codes, growing its code buffers by capacity: on these tiny prompts
         # the allocation exceeds the unquantized run's (155 against 144 KB; kept bytes still fall)

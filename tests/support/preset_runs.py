@@ -15,7 +15,7 @@ from kvlab.data.synthetic import SyntheticImageQA, SyntheticRetrieval
 from kvlab.pipeline import Pipeline
 from support import e2e
 from support.paths import FIXTURES
-from support.presets import fit_layers, preset_config
+from support.presets import budgeted_compression, fit_layers, preset_config
 
 RECORD = FIXTURES / "preset_selections.json"
 TEXT_MODELS = ("tiny-llama", "tiny-qwen2")
@@ -31,6 +31,22 @@ def is_vlm_preset(name: str) -> bool:
 def preset_models(name: str) -> tuple[str, ...]:
     """The tiny models a preset runs on: VLM presets on the tiny VLMs, the others on the text ones."""
     return VLM_MODELS if is_vlm_preset(name) else TEXT_MODELS
+
+
+def preset_pipeline(name: str) -> Pipeline:
+    """The preset's pipeline (:func:`~support.presets.budgeted_compression`) on its first model."""
+    return Pipeline.from_config(budgeted_compression(name, preset_models(name)[0]))
+
+
+def stored_form_refusal(pipeline: Pipeline) -> str | None:
+    """Why a pipeline cannot store its kept prompt entries in another form (a quantizer's codes, a
+    channel pruner's narrower keys), as the refusal says it: ``decode`` (a decode policy rescores or
+    moves entries), ``outside the cache`` (a selector keeps K/V in a store); None: it can."""
+    if pipeline.decode_policy.registry_name != "none":
+        return "decode"
+    if any(getattr(part.component, "offloads", False) for part in pipeline.walk()):
+        return "outside the cache"
+    return None
 
 
 def preset_samples(vlm: bool) -> list:
