@@ -69,14 +69,16 @@ def test_the_preset_runs_and_the_scorer_loads_as_a_plugin(tmp_path, monkeypatch)
     assert all(count == 40 for r in shipped for row in r["kept_per_layer_head"] for count in row)
 
     # the page's class, in a file outside kvlab under a new name, loaded by `imports:`
-    (tmp_path / "my_scorer.py").write_text(blocks("python")[0].replace('"tova"', '"my_scorer"'))
+    # (a name no other test registers: the registry is process-wide, and the plugin tests' own
+    # scorer is `my_scorer`)
+    (tmp_path / "docs_tova.py").write_text(blocks("python")[0].replace('"tova"', '"docs_tova"'))
     (tmp_path / "mine.yaml").write_text(
-        "preset: tova\nimports: [my_scorer.py]\n"
-        "model: {compression: {importance: {attention: {name: my_scorer}}}}\n"
+        "preset: tova\nimports: [docs_tova.py]\n"
+        "model: {compression: {importance: {attention: {name: docs_tova}}}}\n"
     )
     try:
         mine = predict(tmp_path, str(tmp_path / "mine.yaml"), "mine")
     finally:
-        IMPORTANCE.unregister("my_scorer")
+        IMPORTANCE.unregister("docs_tova")
     assert [r["kept_per_layer_head"] for r in mine] == [r["kept_per_layer_head"] for r in shipped]
     assert [r["output"] for r in mine] == [r["output"] for r in shipped]
