@@ -129,8 +129,10 @@ class ThinK(ChannelPruner):
 
     def __post_init__(self) -> None:
         self.check_keep()
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"think: window is a number of queries >= 1, got {self.window}")
+        if self.window is not None and self.window < 0:
+            raise ValueError(
+                f"think: window is a number of queries >= 0 (0: the last query alone), got {self.window}"
+            )
 
     def channel_scores(self, ctx: LayerContext, keys: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         B, Hkv, _, D = keys.shape

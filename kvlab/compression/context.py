@@ -234,8 +234,8 @@ class LayerContext:
         """The recent window each sample's last queries span, ``[B]`` long, for a window observer.
 
         Inside a pipeline this is :attr:`window` (the budget's); outside one, the observer's
-        ``own`` window. A window of 0 (a budget with no recent window) is raised to 1: an
-        observer needs at least the last query.
+        ``own`` window. A window of 0 (a budget with no recent window, or an observer's own 0) is
+        raised to 1: an observer needs at least the last query.
         """
         if self.window is not None:
             return self.window.clamp(min=1)
@@ -243,7 +243,7 @@ class LayerContext:
             raise ValueError(
                 f"{who} needs a window: set budget.window (or its own window outside a pipeline)"
             )
-        return torch.full((self.batch_size,), own, dtype=torch.long, device=self.valid.device)
+        return torch.full((self.batch_size,), max(own, 1), dtype=torch.long, device=self.valid.device)
 
     def unit_key_mean(self) -> torch.Tensor:
         """Mean of the unit-normalised keys over each sample's valid tokens, ``[B, Hkv, D]`` fp32.

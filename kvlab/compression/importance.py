@@ -90,8 +90,8 @@ class WindowAttentionScorer(ImportanceScorer):
     )  # the window's queries are held after a chunked prefill
 
     def __post_init__(self) -> None:
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.window is not None and self.window < 0:
+            raise ValueError(f"window must be >= 0 (0: the last query alone), got {self.window}")
         if self.kernel < 1:
             raise ValueError(f"kernel must be >= 1, got {self.kernel}")
 

@@ -86,6 +86,7 @@ class RetrieveSelector(Selector):
     chunk: int = 8
     local: Literal["none", "protected"] = "none"
     index: dict[str, Any] = field(default_factory=lambda: {"name": "mean_key"})
+    part_registries: ClassVar[dict[str, Any]] = {"index": RETRIEVAL_INDEXES}
 
     def __post_init__(self) -> None:
         if self.chunk < 1:

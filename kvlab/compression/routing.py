@@ -80,8 +80,8 @@ class NCARMetric(LayerMetric):
     budget_settings: ClassVar[dict[str, str]] = {"window": "window"}
 
     def __post_init__(self) -> None:
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.window is not None and self.window < 0:
+            raise ValueError(f"window must be >= 0 (0: the last query alone), got {self.window}")
 
     def measure(self, ctx: LayerContext) -> torch.Tensor:
         windows = ctx.observation_windows(self.window, "ncar")  # [B]
@@ -133,8 +133,8 @@ class SinkRecentMassMetric(LayerMetric):
     required_budget_settings: ClassVar[frozenset[str]] = frozenset({"tokens"})
 
     def __post_init__(self) -> None:
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.window is not None and self.window < 0:
+            raise ValueError(f"window must be >= 0 (0: the last query alone), got {self.window}")
         if self.sinks is not None and self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.tokens is not None and self.tokens < (self.sinks or 0):
@@ -271,6 +271,8 @@ class MetricLatchRule(RouteRule):
     before: str = "decoupled"
     after: str = "unified"
 
+    part_registries: ClassVar[dict[str, Any]] = {"metric": LAYER_METRICS}
+
     def __post_init__(self) -> None:
         self._metric = LAYER_METRICS.build(self.metric, "model.compression.route.rule.metric")
 
@@ -321,6 +323,8 @@ class MetricThresholdRule(RouteRule):
     threshold: float = 0.9
     above: str = "lazy"
     below: str = "full"
+
+    part_registries: ClassVar[dict[str, Any]] = {"metric": LAYER_METRICS}
 
     def __post_init__(self) -> None:
         self._metric = LAYER_METRICS.build(self.metric, "model.compression.route.rule.metric")

@@ -150,12 +150,13 @@ class Component:
     capabilities, what it reports, and the model-binding hook.
 
     ``budget_settings`` maps a parameter that restates a budget setting to that setting (e.g.
-    ``{"window": "window"}``): the pipeline fills it from the budget when it is unset and refuses
-    a config where the two differ; a parameter also named in ``required_budget_settings`` must get a
-    token count there, or the pipeline refuses the config when it is built (SimLayerKV's lazy-layer
-    tokens cannot come from a ratio budget). ``layer_allocator_settings`` does the same for a parameter that
-    restates one of the layer allocator's (e.g. ``{"layer": "layer"}``: FastV's scorer ranks at the
-    layer before the first one its layer allocator compresses). ``capabilities``: see
+    ``{"window": "window"}``): when it is unset the pipeline fills it from the budget into the
+    component's node before building it, and refuses a config where the two differ; a parameter
+    also named in ``required_budget_settings`` must get a token count there, or the pipeline
+    refuses the config when it is built (SimLayerKV's lazy-layer tokens cannot come from a ratio
+    budget). ``layer_allocator_settings`` does the same for a parameter that restates one of the
+    layer allocator's (e.g. ``{"layer": "layer"}``: FastV's scorer ranks at the layer before the
+    first one its layer allocator compresses). ``capabilities``: see
     :class:`Capabilities`; a component whose capabilities depend on its parameters sets them on
     the instance in ``__post_init__``.
     ``paper``: the paper the component follows (a constant of :mod:`kvlab.config.papers`), None
@@ -176,21 +177,26 @@ class Component:
     #: ``sliding_layers: compress`` meets a model that has such layers)
     compresses_sliding_layers: ClassVar[bool] = True
     layer_allocator_settings: ClassVar[dict[str, str]] = {}
+    #: fields holding the node of a part the component builds itself, by field name -> the
+    #: registry it is built from (a route rule's ``metric``): the pipeline fills the budget
+    #: settings the part restates in that node before the component is built
+    part_registries: ClassVar[dict[str, Any]] = {}
     capabilities: ClassVar[Capabilities] = Capabilities()
     record_fields: ClassVar[dict[str, RecordField]] = {}
 
     def seal(self) -> None:
-        """Freeze this component's parameters (its dataclass fields set at construction): the
-        pipeline seals every component once it is built and validated; assigning a parameter
-        afterwards raises. State a component keeps while it runs is not a parameter and stays
-        writable."""
+        """Freeze this component's parameters (its dataclass fields set at construction): a
+        registry seals every component it builds (:meth:`kvlab.config.registry.Registry.build`),
+        after the pipeline has filled the parameters it restates into its node; assigning a
+        parameter afterwards raises. State a component keeps while it runs is not a parameter and
+        stays writable."""
         object.__setattr__(self, "sealed", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self.sealed and name in parameters(type(self)):
             raise AttributeError(
-                f"{type(self).__name__}.{name} is a parameter of a built pipeline and cannot change; build "
-                "another pipeline (kvlab.load_pipeline) with the value you want."
+                f"{type(self).__name__}.{name} is a parameter of a built component and cannot change; build "
+                "another one with the value you want (kvlab.load_pipeline with an override, or the registry)."
             )
         object.__setattr__(self, name, value)
 

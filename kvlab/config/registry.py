@@ -196,9 +196,12 @@ class Registry(Generic[T]):
             if key in {f.name for f in dataclasses.fields(cls)} and key not in values:  # type: ignore[arg-type]
                 values[key] = val
         try:
-            return cls(**values)
+            built = cls(**values)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{self.kind} '{name}' ({where}): {exc}") from None
+        if isinstance(built, Component):
+            built.seal()  # a component built from a config never changes afterwards
+        return built
 
     def describe(self) -> list[Description]:
         """A :class:`Description` of every component, by name, for ``kvlab list``.

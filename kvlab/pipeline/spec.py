@@ -131,8 +131,6 @@ from kvlab.pipeline.validation import (
     check_schedule,
     check_sliding_layers,
     keyed_by_role,
-    take_budget_settings,
-    take_layer_allocator_settings,
 )
 
 
@@ -200,22 +198,25 @@ class Pipeline(LayerExecution, RoutedExecution):
                 "`budget: {tokens: 128, window: 32}` or `budget: {ratio: 0.2, window: 32}`."
             )
         budget = Budget.from_config(node["budget"]) if node.get("budget") is not None else None
+        layer_where = f"{WHERE}.allocate.layer"
+        layer_allocator = build_component(
+            LAYER_ALLOCATORS, allocate.get("layer") or "uniform", layer_where, budget
+        )
+        scorer = lambda registry, n, where: build_component(
+            registry, n, where, budget, (layer_allocator, layer_where)
+        )
         importance = {
-            role: build_component(IMPORTANCE, n, f"{WHERE}.importance.{role}", budget)
-            for role, n in importance_nodes.items()
+            role: scorer(IMPORTANCE, n, f"{WHERE}.importance.{role}") for role, n in importance_nodes.items()
         }
         diversity = {
-            role: build_component(DIVERSITY, n, f"{WHERE}.diversity.{role}", budget)
-            for role, n in diversity_nodes.items()
+            role: scorer(DIVERSITY, n, f"{WHERE}.diversity.{role}") for role, n in diversity_nodes.items()
         }
         pipeline = cls(
             budget=budget,
             importance=importance,
             diversity=diversity,
             mixer=build_component(MIXERS, node.get("mixer") or "weighted_sum", f"{WHERE}.mixer", budget),
-            layer_allocator=build_component(
-                LAYER_ALLOCATORS, allocate.get("layer") or "uniform", f"{WHERE}.allocate.layer", budget
-            ),
+            layer_allocator=layer_allocator,
             head_allocator=build_component(
                 HEAD_ALLOCATORS, allocate.get("head") or "uniform", f"{WHERE}.allocate.head", budget
             ),
@@ -230,11 +231,6 @@ class Pipeline(LayerExecution, RoutedExecution):
             channel_pruner=build_channel_pruner(node.get("channels"), budget),
             prefill_mode=PREFILL_MODES.build(node.get("prefill") or "once", f"{WHERE}.prefill"),
         )
-        for role, scorer in [*importance.items(), *diversity.items()]:
-            kind = "importance" if role in importance else "diversity"
-            take_layer_allocator_settings(
-                scorer, f"{WHERE}.{kind}.{role}", pipeline.layer_allocator, f"{WHERE}.allocate.layer"
-            )
         pipeline._check_roles()
         pipeline._check_schedule()
         pipeline._check_prefill()
@@ -245,7 +241,6 @@ class Pipeline(LayerExecution, RoutedExecution):
                 pipeline.channel_pruner, pipeline.walk(), pipeline.quantizer is not None,
                 pipeline.prefill_mode.progressive,
             )  # fmt: skip
-        pipeline.seal()
         return pipeline
 
     @property
@@ -369,13 +364,6 @@ class Pipeline(LayerExecution, RoutedExecution):
                 "allocator with a calibration artefact)."
             )
 
-    def seal(self) -> None:
-        """Freeze every component's parameters (:meth:`~kvlab.config.capabilities.Component.seal`):
-        called once the pipeline is built and validated (the validation fills the parameters that
-        restate the budget or the layer allocator), so nothing can change a method afterwards."""
-        for part in self.walk():
-            part.component.seal()
-
     def _check_prefill(self) -> None:
         """A progressive prefill (``prefill: {name: progressive}``) compresses every layer after each
         chunk, holding between chunks each sample's kept entries as one dense row per layer; refuse
@@ -490,8 +478,9 @@ class Pipeline(LayerExecution, RoutedExecution):
         where = f"{WHERE}.route"
         route = node["route"]
         check_route_node(route, where)
-        rule = ROUTE_RULES.build(route["rule"], f"{where}.rule")
         parent = {k: v for k, v in node.items() if k != "route"}
+        budget = Budget.from_config(parent["budget"]) if parent.get("budget") is not None else None
+        rule = build_component(ROUTE_RULES, route["rule"], f"{where}.rule", budget)
         branches = {}
         for name, branch in route["branches"].items():
             branch = check_branch_node(branch, f"{where}.branches.{name}", rule.per_head)
@@ -511,9 +500,6 @@ class Pipeline(LayerExecution, RoutedExecution):
                     f"(it defines: {', '.join(branches) or 'none'}).{did_you_mean(name, list(branches))}"
                 )
         pipeline = cls._from_node(parent)
-        for name, part in rule.parts().items():  # e.g. the metric observing the budget's window
-            take_budget_settings(part, f"{where}.rule.{name}", pipeline.budget)
         pipeline.route_rule = rule
         pipeline.branches = branches
-        pipeline.seal()
         return pipeline

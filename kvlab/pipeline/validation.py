@@ -7,14 +7,18 @@ schema is in :mod:`kvlab.pipeline.spec`.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 from kvlab.compression.budget import Budget
 from kvlab.compression.channels import CHANNEL_PRUNERS, ChannelPruner
 from kvlab.compression.decode import DECODE_POLICIES, DecodePolicy
 from kvlab.compression.quantizers import QUANTIZERS, Quantizer
+from kvlab.config.capabilities import parameters
 from kvlab.config.errors import ConfigError, did_you_mean
+from kvlab.config.registry import Registry, to_plain
 
 WHERE = "model.compression"
 FIELDS = (
@@ -92,51 +96,67 @@ def _inline(node: dict[str, Any]) -> str:
     return "{" + ", ".join(f"{k}: {v}" for k, v in node.items()) + "}"
 
 
-def take_budget_settings(component: Any, where: str, budget: Budget | None) -> None:
-    """Fill the parameters ``component`` restates from the budget; refuse a value that differs.
+def _given(cls: type, node: dict[str, Any], param: str) -> Any:
+    """The value ``node`` gives ``param`` of ``cls``, or the field's default."""
+    if param in node:
+        return node[param]
+    for f in dataclasses.fields(cls):
+        if f.name == param:
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            return None if f.default is dataclasses.MISSING else f.default
+    return None
 
-    ``component.budget_settings`` maps a parameter to a budget field (e.g. ``window``). Unset
-    (None) parameters take the budget's value when it is a token count; a set one must equal it.
-    An unset parameter of ``component.required_budget_settings`` that the budget cannot fill (the
-    budget has no token count for it, e.g. a ratio budget's ``tokens``) is refused here, when the
-    pipeline is built, not when the component first runs.
+
+def budget_restatements(cls: type, node: dict[str, Any], where: str, budget: Budget | None) -> dict[str, Any]:
+    """The parameters of ``cls`` that ``node`` leaves unset and the budget fills; refuse a value
+    that differs from the budget's.
+
+    ``cls.budget_settings`` maps a parameter to a budget field (e.g. ``window``). An unset (None)
+    parameter takes the budget's value when it is a token count; a set one must equal it. An unset
+    parameter of ``cls.required_budget_settings`` that the budget cannot fill (the budget has no
+    token count for it, e.g. a ratio budget's ``tokens``) is refused here, when the pipeline is
+    built, not when the component first runs.
     """
-    for param, setting in component.budget_settings.items():
-        own = getattr(component, param)
-        if budget is None:
-            continue
-        value = getattr(budget, setting)
+    filled: dict[str, Any] = {}
+    if budget is None:
+        return filled
+    for param, setting in cls.budget_settings.items():
+        own, value = _given(cls, node, param), getattr(budget, setting)
         is_count = isinstance(value, int) and not isinstance(value, bool)
         if own is None:
             if is_count:
-                setattr(component, param, value)
-            elif param in component.required_budget_settings:
+                filled[param] = value
+            elif param in cls.required_budget_settings:
                 raise ConfigError(
                     f"{where} needs {WHERE}.budget.{setting} as a token count (its `{param}`), but the "
                     f"budget gives {setting} = {value!r}: set {WHERE}.budget.{setting} (e.g. "
                     f"`--{WHERE}.budget.{setting} 512`), or `{param}` on {where}."
                 )
-            continue
-        if not is_count or own != value:
+        elif not is_count or own != value:
             raise ConfigError(
                 f"{where}.{param} = {own} differs from {WHERE}.budget.{setting} = {value}: the "
                 f"{setting} is set once, in the budget, and {where.rsplit('.', 1)[-1]} reads it from "
                 f"there. Remove `{param}` from {where} (or make it equal), and set "
                 f"{WHERE}.budget.{setting} to the {setting} you want."
             )
+    return filled
 
 
-def take_layer_allocator_settings(component: Any, where: str, allocator: Any, allocator_where: str) -> None:
-    """Fill the parameters ``component`` restates from the layer allocator; refuse a value that differs.
+def allocator_restatements(
+    cls: type, node: dict[str, Any], where: str, allocator: Any, allocator_where: str
+) -> dict[str, Any]:
+    """The parameters of ``cls`` that ``node`` leaves unset and the layer allocator fills; refuse a
+    value that differs from the allocator's.
 
-    ``component.layer_allocator_settings`` maps a parameter to a parameter of the layer allocator
-    (one source per setting, as :func:`take_budget_settings`). An unset (None) parameter takes the
+    ``cls.layer_allocator_settings`` maps a parameter to a parameter of the layer allocator (one
+    source per setting, as :func:`budget_restatements`). An unset (None) parameter takes the
     allocator's value; a set one must equal it. An allocator without that parameter leaves a set
     value alone and refuses an unset one (nothing says what it should be).
     """
-    for param, setting in component.layer_allocator_settings.items():
-        own = getattr(component, param)
-        name = allocator.registry_name
+    filled: dict[str, Any] = {}
+    for param, setting in cls.layer_allocator_settings.items():
+        own, name = _given(cls, node, param), allocator.registry_name
         if not hasattr(allocator, setting):
             if own is None:
                 raise ConfigError(
@@ -147,13 +167,14 @@ def take_layer_allocator_settings(component: Any, where: str, allocator: Any, al
             continue
         value = getattr(allocator, setting)
         if own is None:
-            setattr(component, param, value)
+            filled[param] = value
         elif own != value:
             raise ConfigError(
                 f"{where}.{param} = {own} differs from {allocator_where}.{setting} = {value}: the "
                 f"setting is made once, on the layer allocator ('{name}'), and {where.rsplit('.', 1)[-1]} "
                 f"reads it from there. Remove `{param}` from {where} (or make it equal)."
             )
+    return filled
 
 
 def check_shared_budget(branch: dict[str, Any], where: str) -> None:
@@ -168,11 +189,42 @@ def check_shared_budget(branch: dict[str, Any], where: str) -> None:
             )
 
 
-def build_component(registry: Any, node: Any, where: str, budget: Budget | None) -> Any:
-    """Build one component and give it the budget settings it restates (:func:`take_budget_settings`)."""
-    component = registry.build(node, where)
-    take_budget_settings(component, where, budget)
-    return component
+def build_component(
+    registry: Registry[Any],
+    node: Any,
+    where: str,
+    budget: Budget | None,
+    allocator: tuple[Any, str] | None = None,
+) -> Any:
+    """Build one component from its node with the parameters it restates filled in first
+    (:func:`restated_node`): a built component never changes afterwards."""
+    return registry.build(restated_node(registry, node, where, budget, allocator), where)
+
+
+def restated_node(
+    registry: Registry[Any],
+    node: Any,
+    where: str,
+    budget: Budget | None,
+    allocator: tuple[Any, str] | None = None,
+) -> Any:
+    """``node`` with the parameters its component restates filled: from the budget
+    (:func:`budget_restatements`), from the layer allocator ``(allocator, its field)`` when given
+    (:func:`allocator_restatements`), and likewise inside the nodes of the parts the component
+    builds from its own fields (``part_registries``: a route rule's metric). A node the registry
+    cannot read is returned as it is, for :meth:`~kvlab.config.registry.Registry.build` to refuse."""
+    node = to_plain(node)
+    if isinstance(node, str):
+        node = {"name": node}
+    if not isinstance(node, dict) or not isinstance(node.get("name"), str):
+        return node
+    cls = registry.get(node["name"], where)
+    filled = {**node, **budget_restatements(cls, node, where, budget)}
+    if allocator is not None:
+        filled.update(allocator_restatements(cls, node, where, *allocator))
+    for name, part_registry in cls.part_registries.items():
+        filled[name] = restated_node(part_registry, _given(cls, node, name), f"{where}.{name}", budget)
+    return filled
 
 
 def build_quantizer(node: Any) -> Quantizer | None:
@@ -180,27 +232,40 @@ def build_quantizer(node: Any) -> Quantizer | None:
     return QUANTIZERS.build(node, f"{WHERE}.quantize") if node is not None else None
 
 
+def refuse_parts(
+    parts: list[Any], decode_policy: Callable[[str, str], str], outside_store: Callable[[str, str], str]
+) -> None:
+    """Refuse a decode policy other than ``none`` and a selector keeping K/V in a store outside the
+    cache (``offloads``), with the caller's message for each, made from the part's field and the
+    component's registry name: what a rewritten stored form of the kept entries cannot serve."""
+    for part in parts:
+        name = part.component.registry_name
+        if part.field.endswith(".decode") and name != "none":
+            raise ConfigError(decode_policy(part.field, name))
+        if getattr(part.component, "offloads", False):
+            raise ConfigError(outside_store(part.field, name))
+
+
 def check_quantizer(quantizer: Quantizer, parts: list[Any]) -> None:
     """Refuse what a quantized prompt region cannot serve, naming the field: a decode policy that
     rescores or moves entries (codes have no slot layout to write into) and a selector keeping K/V
     outside the cache (the retrieved entries would bypass the quantizer)."""
     name = quantizer.registry_name
-    for part in parts:
-        component = part.component
-        if part.field.endswith(".decode") and component.registry_name != "none":
-            raise ConfigError(
-                f"{WHERE}.quantize ({name}) stores the kept prompt entries as packed codes, which have no "
-                f"slot layout a decode policy can rescore or move entries in, so {part.field} = "
-                f"{component.registry_name} cannot run with it. Use `decode: {{name: none}}` (decoded tokens "
-                f"are appended in full precision) or remove {WHERE}.quantize."
-            )
-        if getattr(component, "offloads", False):
-            raise ConfigError(
-                f"{WHERE}.quantize ({name}) quantizes what the cache keeps, but {part.field} = "
-                f"{component.registry_name} keeps K/V in a store outside the cache (fetched per decode "
-                "step), which the quantizer does not reach, so the memory figures would mix coded and "
-                f"full-precision entries. Use an evicting or merging selector, or remove {WHERE}.quantize."
-            )
+    refuse_parts(
+        parts,
+        lambda field, policy: (
+            f"{WHERE}.quantize ({name}) stores the kept prompt entries as packed codes, which have no "
+            f"slot layout a decode policy can rescore or move entries in, so {field} = {policy} cannot "
+            f"run with it. Use `decode: {{name: none}}` (decoded tokens are appended in full precision) "
+            f"or remove {WHERE}.quantize."
+        ),
+        lambda field, selector: (
+            f"{WHERE}.quantize ({name}) quantizes what the cache keeps, but {field} = {selector} keeps "
+            "K/V in a store outside the cache (fetched per decode step), which the quantizer does not "
+            "reach, so the memory figures would mix coded and full-precision entries. Use an evicting "
+            f"or merging selector, or remove {WHERE}.quantize."
+        ),
+    )
 
 
 def build_channel_pruner(node: Any, budget: Budget | None) -> ChannelPruner | None:
@@ -239,21 +304,19 @@ def check_channel_pruner(pruner: ChannelPruner, parts: list[Any], quantized: boo
             "progressive holds the kept entries as dense rows between chunks and compresses every chunk. "
             f"Use `{WHERE}.prefill: {{name: once}}` (the default) or remove {where}."
         )
-    for part in parts:
-        component = part.component
-        if part.field.endswith(".decode") and component.registry_name != "none":
-            raise ConfigError(
-                f"{where} ({name}) stores the prompt keys with fewer channels than the decoded tokens', so "
-                f"{part.field} = {component.registry_name}, which rescores entries and moves decoded tokens "
-                f"into prompt slots, cannot run with it. Use `decode: {{name: none}}` or remove {where}."
-            )
-        if getattr(component, "offloads", False):
-            raise ConfigError(
-                f"{where} ({name}) prunes the keys the cache keeps, but {part.field} = "
-                f"{component.registry_name} keeps K/V in a store outside the cache (fetched per decode "
-                f"step), which the pruner does not reach. Use an evicting or merging selector, or remove "
-                f"{where}."
-            )
+    refuse_parts(
+        parts,
+        lambda field, policy: (
+            f"{where} ({name}) stores the prompt keys with fewer channels than the decoded tokens', so "
+            f"{field} = {policy}, which rescores entries and moves decoded tokens into prompt slots, "
+            f"cannot run with it. Use `decode: {{name: none}}` or remove {where}."
+        ),
+        lambda field, selector: (
+            f"{where} ({name}) prunes the keys the cache keeps, but {field} = {selector} keeps K/V in a "
+            "store outside the cache (fetched per decode step), which the pruner does not reach. Use an "
+            f"evicting or merging selector, or remove {where}."
+        ),
+    )
 
 
 def build_decode_policy(node: Any, budget: Budget | None) -> DecodePolicy:
@@ -263,26 +326,29 @@ def build_decode_policy(node: Any, budget: Budget | None) -> DecodePolicy:
     (a different count per prompt) or no budget, the policy's ``recent`` must be written.
     """
     where = f"{WHERE}.decode"
-    policy = DECODE_POLICIES.build(node, where)
-    if not hasattr(policy, "recent"):
-        return policy
-    written = isinstance(node, dict) and "recent" in node
+    node = to_plain(node)
+    node = {"name": node} if isinstance(node, str) else node
+    if not isinstance(node, dict) or not isinstance(node.get("name"), str):
+        return DECODE_POLICIES.build(node, where)  # refused there, naming the field
+    name = node["name"]
+    if "recent" not in parameters(DECODE_POLICIES.get(name, where)):
+        return DECODE_POLICIES.build(node, where)
     window = budget.window if budget is not None else None
     if isinstance(window, int) and not isinstance(window, bool):
-        if written and policy.recent != window:
+        if "recent" in node and node["recent"] != window:
             raise ConfigError(
-                f"{where}.recent = {policy.recent} differs from {WHERE}.budget.window = {window}: the "
+                f"{where}.recent = {node['recent']} differs from {WHERE}.budget.window = {window}: the "
                 f"recent window is set once, in the budget, and the decode policy keeps it too. Remove "
                 f"`recent` from {where} and set {WHERE}.budget.window to the window you want."
             )
-        policy.recent = window
-    elif not written:
+        node = {**node, "recent": window}
+    elif "recent" not in node:
         raise ConfigError(
-            f"{where} '{policy.registry_name}' keeps a recent window of a fixed size, and "
+            f"{where} '{name}' keeps a recent window of a fixed size, and "
             f"{WHERE}.budget.window is {'a fraction of each prompt' if budget else 'not set'}: write "
-            f"the decode window in tokens, e.g. `decode: {{name: {policy.registry_name}, recent: 32}}`."
+            f"the decode window in tokens, e.g. `decode: {{name: {name}, recent: 32}}`."
         )
-    return policy
+    return DECODE_POLICIES.build(node, where)
 
 
 def check_schedule(schedule: Any) -> str:

@@ -283,22 +283,24 @@ def test_every_scorer_reduces_in_fp32(registry, name, tmp_path):
     """bf16 keys, values and queries give fp32 scores equal to those of the fp32-upcast inputs:
     every reduction (norms, softmax, window sums, GQA, pooling, means) ran in fp32. A scorer that
     reads a calibration artefact gets a random one of the context's shape (:data:`SCORER_ARTEFACTS`)."""
-    scorer = registry.build({"name": name})
+    cls = registry.get(name)
+    node: dict = {"name": name}
     low, up = bf16_ctx()
-    if isinstance(scorer, UsesArtefact):
+    if issubclass(cls, UsesArtefact):
         assert name in SCORER_ARTEFACTS, f"{name} reads an artefact: add its tensors to SCORER_ARTEFACTS"
         tensors = SCORER_ARTEFACTS[name](low.num_layers, low.num_kv_heads, low.keys.shape[-1])
         shape = (low.num_layers, low.num_heads, low.num_kv_heads)
-        artefact = Artefact(scorer.artefact_kind, "toy", *shape, tensors)
-        scorer.artefact = str(artefact.save(tmp_path / f"{name}.safetensors"))
+        artefact = Artefact(cls.artefact_kind, "toy", *shape, tensors)
+        node["artefact"] = str(artefact.save(tmp_path / f"{name}.safetensors"))
+    if "window" in cls.budget_settings:
+        node["window"] = 6
+    if "layer" in cls.layer_allocator_settings:
+        node["layer"] = 1  # FastV's K, which its layer allocator restates
+    scorer = registry.build(node)
     if scorer.capabilities.model_facts:  # a synthetic context has no model: tested through one
         pytest.skip(
             f"{name} reads model facts {scorer.capabilities.model_facts}: its own test runs it on a model"
         )
-    if "window" in getattr(type(scorer), "budget_settings", {}):
-        scorer.window = 6
-    if "layer" in getattr(type(scorer), "layer_allocator_settings", {}):
-        scorer.layer = 1  # FastV's K, which its layer allocator restates
     if scorer.capabilities.reads_reconstruction:  # KVzip: its reductions run on a reconstruction step
         for ctx in (low, up):
             scorer.observe(reconstruction_step(ctx), ctx.run)

@@ -1,6 +1,7 @@
 """What you write in YAML is what runs: scorers keyed by role, one source for the recent window,
 and a per-sample budget that holds (or whose overshoot is recorded) on short prompts."""
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from kvlab.config.loader import resolve
 from kvlab.data.sample import Sample
 from kvlab.data.synthetic import SyntheticRetrieval
 from kvlab.pipeline import Pipeline
-from kvlab.pipeline.validation import take_layer_allocator_settings
+from kvlab.pipeline.validation import allocator_restatements
 
 MIXKV = {
     "budget": {"tokens": 24, "window": 8},
@@ -295,15 +296,50 @@ def test_a_setting_restated_from_the_layer_allocator_is_taken_and_a_different_on
         layer_allocator_settings = {"steps": "beta"}
 
     pyramid = LAYER_ALLOCATORS.build({"name": "pyramid", "beta": 7})
-    taken = Reader()
-    take_layer_allocator_settings(taken, "importance.r", pyramid, "allocate.layer")
-    assert taken.steps == 7
-    take_layer_allocator_settings(Reader(steps=7), "importance.r", pyramid, "allocate.layer")  # equal: fine
+    restated = lambda node, allocator: allocator_restatements(
+        Reader, node, "importance.r", allocator, "allocate.layer"
+    )
+    assert restated({}, pyramid) == {"steps": 7}
+    assert restated({"steps": 7}, pyramid) == {}  # equal: fine, nothing to fill
     with pytest.raises(ConfigError, match=r"importance.r.steps = 5 differs from allocate.layer.beta = 7"):
-        take_layer_allocator_settings(Reader(steps=5), "importance.r", pyramid, "allocate.layer")
+        restated({"steps": 5}, pyramid)
     uniform = LAYER_ALLOCATORS.build({"name": "uniform"})
     with pytest.raises(ConfigError, match=r"restates allocate.layer.beta, which the layer allocator 'un"):
-        take_layer_allocator_settings(Reader(), "importance.r", uniform, "allocate.layer")
-    explicit = Reader(steps=3)
-    take_layer_allocator_settings(explicit, "importance.r", uniform, "allocate.layer")
-    assert explicit.steps == 3
+        restated({}, uniform)
+    assert restated({"steps": 3}, uniform) == {}
+
+
+@pytest.mark.parametrize("preset", ["snapkv", "h2o", "david", "simlayerkv", "fastv", "quest"])
+def test_a_built_pipeline_holds_the_restated_settings_and_no_component_can_change(preset):
+    """The settings a component restates are filled into its node before it is built (the budget's
+    window, the layer allocator's layer, a route rule's metric), and every component is sealed
+    from construction: assigning a parameter raises, naming the class and the field."""
+    pipeline = Pipeline.from_config(resolve([preset], [])["model"]["compression"])
+    budget = pipeline.budget
+    for part in pipeline.walk():
+        component = part.component
+        assert component.sealed, part.field
+        for param, setting in type(component).budget_settings.items():
+            value = getattr(budget, setting)
+            if isinstance(value, int) and not isinstance(value, bool):
+                assert getattr(component, param) == value, (part.field, param)
+        for param, setting in type(component).layer_allocator_settings.items():
+            assert getattr(component, param) == getattr(pipeline.layer_allocator, setting), (
+                part.field,
+                param,
+            )
+    first = next(p.component for p in pipeline.walk() if dataclasses.fields(p.component))
+    param = dataclasses.fields(first)[0].name
+    with pytest.raises(
+        AttributeError, match=rf"{type(first).__name__}\.{param} is a parameter of a built component"
+    ):
+        setattr(first, param, getattr(first, param))
+
+
+def test_the_registry_seals_what_it_builds():
+    scorer = IMPORTANCE.build({"name": "window_attention", "window": 8})
+    with pytest.raises(
+        AttributeError, match="WindowAttentionScorer.window is a parameter of a built component"
+    ):
+        scorer.window = 16
+    assert not WindowAttentionScorer(window=8).sealed  # built by hand, from Python: the caller's own object
