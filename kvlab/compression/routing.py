@@ -237,6 +237,21 @@ class LayerSplitRule(RouteRule):
         return self._decision(switched)
 
 
+class MetricRule(RouteRule):
+    """A rule deciding from a layer metric: its ``metric`` field (a layer-metric node, declared
+    by each rule with its default) is built with the rule, after the pipeline filled in what the
+    metric restates of the budget."""
+
+    metric: dict[str, Any]
+    part_registries: ClassVar[dict[str, Any]] = {"metric": LAYER_METRICS}
+
+    def __post_init__(self) -> None:
+        self._metric = LAYER_METRICS.build(self.metric, "model.compression.route.rule.metric")
+
+    def parts(self) -> dict[str, Any]:
+        return {"metric": self._metric}
+
+
 @dataclass
 class Latch:
     """A ``latch`` rule's state over one prompt's layers: ``switched [B]`` bool, ``previous [B]`` metric."""
@@ -247,7 +262,7 @@ class Latch:
 
 @ROUTE_RULES.register("latch")
 @dataclass
-class MetricLatchRule(RouteRule):
+class MetricLatchRule(MetricRule):
     """Use ``before`` until a layer metric trips the test, then ``after`` for that layer and all deeper ones.
 
     DAVID's gate (Alg. 1 lines 15-22), per sample: ``prev = initial`` before layer 0; at each
@@ -270,14 +285,6 @@ class MetricLatchRule(RouteRule):
     initial: float = 1.0
     before: str = "decoupled"
     after: str = "unified"
-
-    part_registries: ClassVar[dict[str, Any]] = {"metric": LAYER_METRICS}
-
-    def __post_init__(self) -> None:
-        self._metric = LAYER_METRICS.build(self.metric, "model.compression.route.rule.metric")
-
-    def parts(self) -> dict[str, Any]:
-        return {"metric": self._metric}
 
     def decide(self, ctx: LayerContext) -> RouteDecision:
         B = ctx.batch_size
@@ -306,7 +313,7 @@ class MetricLatchRule(RouteRule):
 
 @ROUTE_RULES.register("threshold")
 @dataclass
-class MetricThresholdRule(RouteRule):
+class MetricThresholdRule(MetricRule):
     """Each layer on its own: ``above`` where the layer metric exceeds ``threshold``, else ``below``.
 
     SimLayerKV's layer test (Zhang et al. 2024, arXiv 2410.13846): with ``metric: sink_recent_mass``
@@ -324,17 +331,9 @@ class MetricThresholdRule(RouteRule):
     above: str = "lazy"
     below: str = "full"
 
-    part_registries: ClassVar[dict[str, Any]] = {"metric": LAYER_METRICS}
-
-    def __post_init__(self) -> None:
-        self._metric = LAYER_METRICS.build(self.metric, "model.compression.route.rule.metric")
-
     @property
     def branch_names(self) -> tuple[str, ...]:
         return (self.below, self.above)
-
-    def parts(self) -> dict[str, Any]:
-        return {"metric": self._metric}
 
     def decide(self, ctx: LayerContext) -> RouteDecision:
         value = self._metric.measure(ctx).float().cpu()  # [B]; the branch names are host strings
