@@ -1,4 +1,4 @@
-"""Triton decode attention over a quantized layer, dequantizing the packed codes inside the kernel.
+"""Triton decode attention over a quantized layer, reading the packed codes inside the kernel.
 
 Launcher :func:`packed_decode_attention_triton`: the attention
 :func:`kvlab.cache.packed.packed_decode_attention` computes (its torch path dequantizes the body
@@ -6,8 +6,9 @@ chunk by chunk, then attends), without writing any dequantized entry to memory. 
 :class:`~kvlab.cache.packed.PackedPrompt` holds, per (sample, KV head) segment, a body of uniform
 asymmetric codes (KIVI's and ``per_token``'s :class:`~kvlab.compression.quantizers.GroupCodes`:
 ``b``-bit codes packed ``8 / b`` per byte, the first in the low bits, with a scale and zero point
-per group of rows or of channels) and a full-precision residual; decoded tokens sit in the decode
-region.
+per group of rows or of channels), or of TurboQuant codes
+(:class:`~kvlab.compression.quantizers.RotatedCodes`), and a full-precision residual; decoded
+tokens sit in the decode region.
 
 Split-K over three parts, one set of partials (:class:`~kvlab.kernels.tl.decode_attention.Partials`):
 
@@ -15,7 +16,10 @@ Split-K over three parts, one set of partials (:class:`~kvlab.kernels.tl.decode_
   queries of KV head ``h`` once and runs an online softmax over body rows
   ``[s * split, (s + 1) * split)`` of its segment; each ``[BLOCK_N, BLOCK_D]`` key and value tile
   is loaded as its bytes, shifted and masked into codes, and turned into ``q s + z`` (fp32, then
-  the entries' dtype, as the torch path rounds) in registers, then fed to ``tl.dot``;
+  the entries' dtype, as the torch path rounds) in registers, then fed to ``tl.dot``; over
+  TurboQuant codes the body program is
+  :func:`~kvlab.kernels.tl.rotated_attention.launch_rotated_partials`' instead (the query rotated
+  once, the body attended in the rotated basis, its accumulators rotated back);
 - the ragged decode kernel's partial program over the residual and the decode region
   (:func:`~kvlab.kernels.tl.decode_attention.launch_ragged_partials`), in the splits after the body's;
 - the decode kernel's combine, merging every split by log-sum-exp.

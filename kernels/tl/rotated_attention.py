@@ -159,11 +159,10 @@ def launch_rotated_partials(
         raise ValueError(f"packed_decode_attention_triton: codes of head dim {keys.dim} for queries of {D}")
     rotated = rotate(query, keys.rotation)
     sketched = rotate(query, keys.projection) if keys.signs is not None else rotated
-    no_codes = keys.norm.new_zeros(1, dtype=torch.uint8)  # never read: 0 planes (no MSE bits)
-    k_codes = keys.packed if keys.packed is not None else no_codes
-    v_codes = values.packed if values.packed is not None else no_codes
-    signs = keys.signs if keys.signs is not None else no_codes
-    gamma = keys.gamma if keys.gamma is not None else keys.norm
+    # what a code has not (no codebook bits, no sketch) its constexpr switch never reads: the
+    # norms stand in for the pointer
+    k_codes, signs, gamma = (t if t is not None else keys.norm for t in (keys.packed, keys.signs, keys.gamma))
+    v_codes = values.packed if values.packed is not None else values.norm
     _rotated_partial[check_grid((B * Hkv, splits))](
         rotated, sketched, k_codes, keys.codebook, keys.norm, signs, gamma,
         v_codes, values.codebook, values.norm, body_starts.contiguous(), body_lengths.contiguous(),
