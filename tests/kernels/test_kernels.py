@@ -63,7 +63,7 @@ from kvlab.cache.layer import CompressedLayer  # noqa: E402
 from kvlab.cache.packed import PackedPrompt  # noqa: E402
 from kvlab.cache.selection import Selection  # noqa: E402
 from kvlab.compression.context import LayerContext  # noqa: E402
-from kvlab.compression.quantizers import KIVI, RotatedCodes, TurboQuant  # noqa: E402
+from kvlab.compression.quantizers import KIVI, RotatedCodes, TurboQuant, turbo_quantize  # noqa: E402
 from kvlab.compression.selectors import topk_indices  # noqa: E402
 from kvlab.config.errors import ConfigError  # noqa: E402
 from kvlab.kernels import dispatch  # noqa: E402
@@ -79,6 +79,7 @@ from kvlab.kernels.retrieval import (  # noqa: E402
 from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
 from kvlab.kernels.tl.launches import record_launches  # noqa: E402
 from kvlab.kernels.tl.merge import merge_scatter_triton  # noqa: E402
+from kvlab.kernels.tl.packed_attention import packed_decode_attention_triton  # noqa: E402
 from kvlab.kernels.tl.retrieval import (  # noqa: E402
     chunk_topk_triton,
     gather_chunks_triton,
@@ -173,6 +174,22 @@ def test_turboquant_decode_kernel_matches_the_torch_path_and_naive_attention(bit
     assert packed.keys.mse_bits == bits - sketch and (packed.keys.signs is not None) == sketch
     assert int(packed.body_lengths.max()) > 0 and int(packed.body_lengths.min()) == 0  # ragged, one empty
     assert_close(got, naive_packed_decode(inputs, packed), dtype)
+
+
+def test_packed_decode_kernel_refuses_codes_it_cannot_read_exactly():
+    """Values with a QJL sketch (TurboQuant stores none: their ``S^T sign`` term has no
+    rotated-basis accumulator) and keys and values of two kinds are refused, not approximated."""
+    inputs, packed = packed_inputs(1, 2, 2, 1, 16, 40, torch.float32, "turbo3")
+    body_values = packed.values.dequantize_rows(slice(0, int(packed.body_lengths.sum())))
+    layout = (packed.body_starts, packed.body_lengths, packed.residual_keys, packed.residual_values,
+              packed.residual_starts, packed.residual_lengths, inputs["decode_keys"], inputs["decode_values"],
+              inputs["decode_length"], inputs["scaling"])  # fmt: skip
+    sketched = turbo_quantize(body_values, 3, seed=3, sketch=True)
+    with pytest.raises(ValueError, match="values carry no QJL sketch"):
+        packed_decode_attention_triton(inputs["query"], packed.keys, sketched, *layout)
+    uniform = KIVI(bits=2, group=1, residual=0).quantize_values(body_values)
+    with pytest.raises(ValueError, match="both uniform or both TurboQuant"):
+        packed_decode_attention_triton(inputs["query"], packed.keys, uniform, *layout)
 
 
 @pytest.mark.parametrize("B, Hkv, G, q, D, Dk, max_len, split, dtype", PRUNED_CASES)
