@@ -1,6 +1,7 @@
 """What the torch references and the Triton launchers of the kernels share: the flat layout's
-result type and offsets, the merge's weighting. A launcher (``kvlab.kernels.tl``) imports these
-from here, never from its dispatcher's module, so the two never import each other."""
+result type and offsets, the merge's weighting, the packed codes the fused decode kernels read. A
+launcher (``kvlab.kernels.tl``) imports these from here, never from its dispatcher's module, so the
+two never import each other."""
 
 from __future__ import annotations
 
@@ -42,3 +43,31 @@ class UniformCodes(Protocol):
     bits: int
     group: int
     along: Literal["tokens", "channels"]
+
+
+@runtime_checkable
+class RotatedCodebookCodes(Protocol):
+    """TurboQuant codes of ``[M, D]`` rows, as the fused packed decode kernel reads them
+    (:class:`kvlab.compression.quantizers.RotatedCodes`, Zandieh et al. 2025, Algorithms 1-2):
+    ``x^ = ||x|| (Π^T c[idx] + γ sqrt(π/2) / D  S^T sign)``, the second term with a sketch only.
+
+    Attributes:
+        packed: ``[M, D * mse_bits / 8]`` uint8 codebook indices (``8 / b`` per byte, the first in the
+            low bits, for ``b`` in {1, 2, 4}; ``b`` bit planes of ``D / 8`` bytes otherwise), or None
+            when ``mse_bits`` is 0.
+        norm: ``[M]`` ``||x||`` in the entries' dtype.
+        signs / gamma: ``[M, D / 8]`` uint8 the signs of ``S r`` (8 per byte, the first in the low
+            bit) and ``[M]`` ``γ = ||r||``, or None (no QJL sketch).
+        rotation / projection: ``Π`` and ``S`` ``[D, D]`` fp32 (``projection`` None without sketch).
+        codebook: ``[2^mse_bits]`` fp32 centroids (``[1]`` zeros when ``mse_bits`` is 0).
+    """
+
+    packed: torch.Tensor | None
+    norm: torch.Tensor
+    signs: torch.Tensor | None
+    gamma: torch.Tensor | None
+    rotation: torch.Tensor
+    projection: torch.Tensor | None
+    codebook: torch.Tensor
+    mse_bits: int
+    dim: int

@@ -83,7 +83,13 @@ def softmax_step(q, k, visible, m, lsum, scale_log2, UPCAST: tl.constexpr, PRECI
     """One key tile ``k [BLOCK_N, BLOCK_D]`` of an online softmax (log2 domain, fp32): ``visible``
     ``[ROWS, BLOCK_N]`` (or broadcastable) masks logits; returns the tile's unnormalised
     probabilities ``p``, the rescale ``alpha`` of the earlier sums and the new max and sum."""
-    logits = dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+    return online_softmax(dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2, visible, m, lsum)
+
+
+@triton.jit
+def online_softmax(logits, visible, m, lsum):
+    """:func:`softmax_step` from a tile's logits ``[ROWS, BLOCK_N]`` (fp32, log2 domain, scaled),
+    for kernels that do not compute them as one ``q k^T``."""
     logits = tl.where(visible, logits, float("-inf"))
     m_new = tl.maximum(m, tl.max(logits, 1))
     alpha = tl.exp2(m - m_new)

@@ -10,8 +10,8 @@ usage (registers, stack and local memory: a non-zero stack means spilled registe
   records each launch's grid, argument types, constexprs and options (``num_warps``), running
   the kernel or not.
 - :func:`distinct` keeps one launch per compilation; :func:`covering` picks fewer launches that
-  still include every (kernel, dtype), every (kernel, 16-bit or fp32, head-dim tile, warps) and
-  every value of every boolean code-path switch (:func:`features`).
+  still include every (kernel, dtype), every (kernel, 16-bit or fp32, head-dim tile, warps),
+  every value of every boolean code-path switch and every code width (:func:`features`).
 - :func:`compile_launches` compiles launches for the given targets without the interpreter, one
   subprocess per target running side by side (``python -m kvlab.kernels.tl.launches``), and
   returns one :class:`Compiled` per (launch, target).
@@ -39,6 +39,7 @@ from typing import Any
 MODULES = (
     "kvlab.kernels.tl.decode_attention",
     "kvlab.kernels.tl.packed_attention",
+    "kvlab.kernels.tl.rotated_attention",
     "kvlab.kernels.tl.pruned_attention",
     "kvlab.kernels.tl.window_scores",
     "kvlab.kernels.tl.compaction",
@@ -191,12 +192,15 @@ def features(launch: Launch) -> set[tuple]:
 
     ``(kernel, "dtype", dtype)``, ``(kernel, "tile", "16-bit" | "fp32", BLOCK_D, num_warps)``
     (what decides the register use, hence spills) and ``(kernel, switch, value)`` for every
-    boolean constexpr (a code path), except ``UPCAST`` (interpreter only, always off on a GPU).
+    boolean constexpr (a code path), except ``UPCAST`` (interpreter only, always off on a GPU),
+    and for every code width (``*_BITS``: each unpacks its codes by other code).
     """
     consts, options = dict(launch.constexprs), dict(launch.options)
     width = "fp32" if launch.dtype() == "fp32" else "16-bit"
     found = {("dtype", launch.dtype()), ("tile", width, consts.get("BLOCK_D"), options.get("num_warps"))}
-    found |= {(k, v) for k, v in consts.items() if isinstance(v, bool) and k != "UPCAST"}
+    found |= {
+        (k, v) for k, v in consts.items() if (isinstance(v, bool) and k != "UPCAST") or k.endswith("_BITS")
+    }
     return {(launch.kernel, *f) for f in found}
 
 

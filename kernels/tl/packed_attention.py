@@ -1,4 +1,4 @@
-"""Triton decode attention over a quantized layer, dequantizing the packed codes inside the kernel.
+"""Triton decode attention over a quantized layer, reading the packed codes inside the kernel.
 
 Launcher :func:`packed_decode_attention_triton`: the attention
 :func:`kvlab.cache.packed.packed_decode_attention` computes (its torch path dequantizes the body
@@ -6,8 +6,9 @@ chunk by chunk, then attends), without writing any dequantized entry to memory. 
 :class:`~kvlab.cache.packed.PackedPrompt` holds, per (sample, KV head) segment, a body of uniform
 asymmetric codes (KIVI's and ``per_token``'s :class:`~kvlab.compression.quantizers.GroupCodes`:
 ``b``-bit codes packed ``8 / b`` per byte, the first in the low bits, with a scale and zero point
-per group of rows or of channels) and a full-precision residual; decoded tokens sit in the decode
-region.
+per group of rows or of channels), or of TurboQuant codes
+(:class:`~kvlab.compression.quantizers.RotatedCodes`), and a full-precision residual; decoded
+tokens sit in the decode region.
 
 Split-K over three parts, one set of partials (:class:`~kvlab.kernels.tl.decode_attention.Partials`):
 
@@ -15,7 +16,10 @@ Split-K over three parts, one set of partials (:class:`~kvlab.kernels.tl.decode_
   queries of KV head ``h`` once and runs an online softmax over body rows
   ``[s * split, (s + 1) * split)`` of its segment; each ``[BLOCK_N, BLOCK_D]`` key and value tile
   is loaded as its bytes, shifted and masked into codes, and turned into ``q s + z`` (fp32, then
-  the entries' dtype, as the torch path rounds) in registers, then fed to ``tl.dot``;
+  the entries' dtype, as the torch path rounds) in registers, then fed to ``tl.dot``; over
+  TurboQuant codes the body program is
+  :func:`~kvlab.kernels.tl.rotated_attention.launch_rotated_partials`' instead (the query rotated
+  once, the body attended in the rotated basis, its accumulators rotated back);
 - the ragged decode kernel's partial program over the residual and the decode region
   (:func:`~kvlab.kernels.tl.decode_attention.launch_ragged_partials`), in the splits after the body's;
 - the decode kernel's combine, merging every split by log-sum-exp.
@@ -51,7 +55,8 @@ from kvlab.kernels.tl.decode_attention import (
     splits_for,
     store_partial,
 )
-from kvlab.kernels.types import UniformCodes
+from kvlab.kernels.tl.rotated_attention import launch_rotated_partials
+from kvlab.kernels.types import RotatedCodebookCodes, UniformCodes
 
 #: body rows per tile and software-pipeline stages. Each tile's codes, scales and zero points
 #: (gathered per element) and their addresses sit in registers: 64-row tiles in two stages spilled
@@ -141,8 +146,8 @@ def _groups(codes: UniformCodes) -> tuple[int, int, int]:
 
 def packed_decode_attention_triton(
     query: torch.Tensor,
-    keys: UniformCodes,
-    values: UniformCodes,
+    keys: UniformCodes | RotatedCodebookCodes,
+    values: UniformCodes | RotatedCodebookCodes,
     body_starts: torch.Tensor,
     body_lengths: torch.Tensor,
     residual_keys: torch.Tensor,
@@ -160,8 +165,10 @@ def packed_decode_attention_triton(
     """Attention of ``query [B, H, q, D]`` over a quantized layer -> ``[B, H, q, D]`` (query dtype).
 
     Args:
-        keys / values: the body's codes (``M`` rows, :class:`~kvlab.kernels.types.UniformCodes`,
-            bits in {1, 2, 4, 8}), scales and zero points in the entries' dtype.
+        keys / values: the body's codes (``M`` rows), both :class:`~kvlab.kernels.types.UniformCodes`
+            (bits in {1, 2, 4, 8}, scales and zero points in the entries' dtype: :func:`_packed_partial`)
+            or both :class:`~kvlab.kernels.types.RotatedCodebookCodes` (TurboQuant: the rotated-basis
+            program of :mod:`kvlab.kernels.tl.rotated_attention`).
         body_starts / body_lengths: ``[B, Hkv]`` each segment's rows in the codes.
         residual_keys / residual_values: ``[Nr, D]`` the full-precision residual, segments
             ``residual_starts / residual_lengths [B, Hkv]``.
@@ -173,9 +180,13 @@ def packed_decode_attention_triton(
     """
     B, H, q, D = query.shape
     Hkv = body_starts.shape[1]
-    G = H // Hkv
-    if keys.bits != values.bits or keys.packed.stride(0) != values.packed.stride(0):
-        raise ValueError("packed_decode_attention_triton: keys and values must share their bit width")
+    uniform = isinstance(keys, UniformCodes) and isinstance(values, UniformCodes)
+    rotated = isinstance(keys, RotatedCodebookCodes) and isinstance(values, RotatedCodebookCodes)
+    if not (uniform or rotated):
+        raise ValueError(
+            f"packed_decode_attention_triton: keys and values must be both uniform or both TurboQuant "
+            f"codes, got {type(keys).__name__} and {type(values).__name__}"
+        )
     if widths is None:
         widths = (int(body_lengths.max()), int(residual_lengths.max())) if body_lengths.numel() else (0, 0)
     block_d = head_block(D)
@@ -185,26 +196,53 @@ def packed_decode_attention_triton(
     rest_split, S_rest = splits_for(widths[1] + decode_length, *sizing)
     if not residual_keys.shape[0]:  # no residual row: a row to point at (never read, lengths are 0)
         residual_keys = residual_values = residual_keys.new_zeros(1, D)
-    partials = Partials.empty(B * Hkv, S_body + S_rest, G * q, D, query.device)
+    partials = Partials.empty(B * Hkv, S_body + S_rest, (H // Hkv) * q, D, query.device)
     options = launch_options(block_d, query.dtype)
     options["num_stages"] = min(options["num_stages"], STAGES)
     if query.dtype != torch.float32:
         options["num_warps"] = max(options["num_warps"], MIN_WARPS_16BIT)
-    k_rows, k_cols, k_stride = _groups(keys)
-    v_rows, v_cols, v_stride = _groups(values)
-    if S_body:  # a layer whose every entry is in the residual has no codes to read
-        _packed_partial[check_grid((B * Hkv, S_body))](
-            query, keys.packed, keys.scale, keys.zero, values.packed, values.scale, values.zero,
-            body_starts.contiguous(), body_lengths.contiguous(),
-            partials.acc, partials.m, partials.l,
-            scaling * LOG2E, body_split, partials.splits, q, Hkv, G,
-            keys.bits, keys.packed.stride(0), k_rows, k_cols, k_stride, v_rows, v_cols, v_stride,
-            *query.stride(),
-            D=D, ROWS=pow2(G * q, 16), BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=dot_upcast(query.dtype),
-            PRECISION=dot_precision(query.dtype), **options,
-        )  # fmt: skip
+    if S_body and uniform:  # a layer whose every entry is in the residual has no codes to read
+        _launch_uniform(partials, S_body, body_split, query, keys, values, body_starts, body_lengths, scaling,
+                        block_n, block_d, options)  # fmt: skip
+    elif S_body:
+        launch_rotated_partials(partials, S_body, body_split, query, keys, values, body_starts, body_lengths,
+                                scaling, block_n, block_d, options)  # fmt: skip
     launch_ragged_partials(
         partials, S_body, S_rest, rest_split, query, residual_keys, residual_values, residual_starts,
         residual_lengths, decode_keys, decode_values, decode_length, scaling,
     )  # fmt: skip
     return combine(partials, query, Hkv)
+
+
+def _launch_uniform(
+    partials: Partials,
+    splits: int,
+    split_size: int,
+    query: torch.Tensor,
+    keys: UniformCodes,
+    values: UniformCodes,
+    body_starts: torch.Tensor,
+    body_lengths: torch.Tensor,
+    scaling: float,
+    block_n: int,
+    block_d: int,
+    options: dict[str, int],
+) -> None:
+    """:func:`_packed_partial` over the body into splits ``0 .. splits - 1`` of ``partials``."""
+    B, H, q, D = query.shape
+    Hkv = body_starts.shape[1]
+    G = H // Hkv
+    if keys.bits != values.bits or keys.packed.stride(0) != values.packed.stride(0):
+        raise ValueError("packed_decode_attention_triton: keys and values must share their bit width")
+    k_rows, k_cols, k_stride = _groups(keys)
+    v_rows, v_cols, v_stride = _groups(values)
+    _packed_partial[check_grid((B * Hkv, splits))](
+        query, keys.packed, keys.scale, keys.zero, values.packed, values.scale, values.zero,
+        body_starts.contiguous(), body_lengths.contiguous(),
+        partials.acc, partials.m, partials.l,
+        scaling * LOG2E, split_size, partials.splits, q, Hkv, G,
+        keys.bits, keys.packed.stride(0), k_rows, k_cols, k_stride, v_rows, v_cols, v_stride,
+        *query.stride(),
+        D=D, ROWS=pow2(G * q, 16), BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=dot_upcast(query.dtype),
+        PRECISION=dot_precision(query.dtype), **options,
+    )  # fmt: skip

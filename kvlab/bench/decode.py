@@ -17,15 +17,16 @@ and reports the Triton kernel's achieved bandwidth (K/V bytes read / time) as a 
 device's peak. Defaults: Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim 128),
 bf16 on CUDA; ``--quick`` runs small shapes in fp32 on CPU in seconds.
 
-**Packed-entries table** (``--formats int8,int4,kivi2``). Per context and budget (ragged heads, as
-above), one decode step's attention over the kept entries in 16 bits (bf16 unless ``--dtype``)
-and over the same entries stored as each format's codes (:mod:`kvlab.cache.packed`,
+**Packed-entries table** (``--formats int8,int4,kivi2,turbo3``). Per context and budget (ragged
+heads, as above), one decode step's attention over the kept entries in 16 bits (bf16 unless
+``--dtype``) and over the same entries stored as each format's codes (:mod:`kvlab.cache.packed`,
 ``docs/methods/quantization.md``): the torch path (the reference above; over codes
 :func:`kvlab.cache.packed.packed_decode_attention`, dequantizing a chunk of heads at a time) and,
-on CUDA, the Triton kernels (the ragged kernel; over codes the fused dequantizing kernel of
-:mod:`kvlab.kernels.tl.packed_attention`), each with its ratio to the 16-bit entries on the same
-path, measured in the same run; ``KV MiB``: the kept prompt entries' bytes (codes, scales and zero
-points, residual). Defaults: 4k and 32k contexts, 10% kept.
+on CUDA, the Triton kernels (the ragged kernel; over codes the fused kernel of
+:mod:`kvlab.kernels.tl.packed_attention`, over ``turbo3``'s in the rotated basis), each with its
+ratio to the 16-bit entries on the same path, measured in the same run; ``KV MiB``: the kept
+prompt entries' bytes (codes, scales and zero points or norms and sketches, residual). Defaults:
+4k and 32k contexts, 10% kept.
 
 **Model table** (``--model NAME``). Whole decode steps of a model (batch 1, a seeded random
 prompt per context, the same teacher-forced tokens everywhere), in one run:
@@ -103,7 +104,7 @@ from kvlab.bench.common import (
 from kvlab.cache.layer import CompressedLayer
 from kvlab.cache.packed import packed_decode_attention
 from kvlab.compression.context import LayerContext
-from kvlab.compression.quantizers import KIVI, PerToken, Quantizer
+from kvlab.compression.quantizers import KIVI, PerToken, Quantizer, TurboQuant
 from kvlab.compression.retrieval import RetrieveSelector
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import decode, prefill
@@ -199,6 +200,7 @@ FORMATS: dict[str, Callable[[], Quantizer]] = {
     "int2": lambda: PerToken(bits=2, group=32),
     "kivi2": lambda: KIVI(bits=2, group=32, residual=128),
     "kivi4": lambda: KIVI(bits=4, group=32, residual=128),
+    "turbo3": lambda: TurboQuant(bits=3),
 }
 PACKED_HEADERS = [
     "context", "budget", "kept/head", "entries", "KV MiB", "torch", "torch vs 16-bit", "triton",
@@ -264,7 +266,7 @@ def run_packed(opts: argparse.Namespace) -> None:
         f"kvlab bench decode --formats on {device_name(device)}, {dtype}: B={opts.batch}, H={opts.heads}, "
         f"Hkv={opts.kv_heads}, D={opts.head_dim}, {opts.decoded} decoded tokens; times in ms (median of "
         f"{opts.repeat} interleaved rounds); int8 / int4: per_token, group 32; kivi2: KIVI 2 bits, group 32, "
-        "residual 128"
+        "residual 128; turbo3: TurboQuant 3 bits (keys 2 + the 1-bit sketch), no residual"
     )
     print_table(title, PACKED_HEADERS, rows)
     triton_note(device.type == "cuda" and triton_available())

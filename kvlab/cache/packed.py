@@ -28,13 +28,16 @@ the segment's body: the result is exactly :meth:`EntryQuantizer.pack` of the seg
 and the folded tokens together, as if they had all been quantized offline.
 
 Decode attention (:func:`packed_decode_attention`): where the kernel mode picks Triton (CUDA
-tensors under ``auto``), uniform codes (KIVI, ``per_token``) go to the fused kernel of
-:mod:`kvlab.kernels.tl.packed_attention`, which dequantizes each tile in registers. The torch path
-attends the body one bounded chunk of segments at a time, dequantized into the cache's dtype
-(never the whole body at once, never in fp32 beyond one chunk), the residual through strided
+tensors under ``auto``), the codes go to the fused kernel of
+:mod:`kvlab.kernels.tl.packed_attention`: uniform codes (KIVI, ``per_token``) dequantized tile by
+tile in registers, TurboQuant codes attended in the rotated basis (the query rotated once, each
+tile's indices looked up in the codebook, the values' sum rotated back once,
+:mod:`kvlab.kernels.tl.rotated_attention`); no dequantized entry is written to memory. The torch
+path (CPU) attends the body one bounded chunk of segments at a time, dequantized into the cache's
+dtype (never the whole body at once, never in fp32 beyond one chunk), the residual through strided
 views of its buffers, and the decode region, merging the parts by their log-sum-exp. Calls
-neither can take (attention variants; TurboQuant codes off the CPU) attend
-:meth:`PackedPrompt.dense`, the entries dequantized back into the layer's flat order.
+neither can take (attention variants; a torch path off the CPU, ``kernels: reference`` on CUDA)
+attend :meth:`PackedPrompt.dense`, the entries dequantized back into the layer's flat order.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from kvlab.kernels.decode_attention import (
     variants,
 )
 from kvlab.kernels.dispatch import launch_device, use_triton
-from kvlab.kernels.types import UniformCodes, segment_starts
+from kvlab.kernels.types import RotatedCodebookCodes, UniformCodes, segment_starts
 
 #: segments dequantized at once by the in-place decode path (bounds its transient buffer)
 CHUNK_SEGMENTS = 16
@@ -290,17 +293,19 @@ def packed_decode_attention(
     Arguments as :func:`kvlab.kernels.decode_attention.ragged_decode_attention`, the flat prompt
     buffers replaced by ``packed`` (``starts / lengths``: the layer's logical segments; ``options``:
     the keyword arguments of ``ragged_decode_attention``). A plain call over uniform codes (KIVI,
-    ``per_token``) that the kernel mode sends to Triton (:func:`~kvlab.kernels.dispatch.use_triton`:
-    CUDA tensors under ``auto``) runs the fused kernel
-    :func:`kvlab.kernels.tl.packed_attention.packed_decode_attention_triton`, which dequantizes in
-    registers. Otherwise a plain call on CPU (no attention
+    ``per_token``) or TurboQuant codes that the kernel mode sends to Triton
+    (:func:`~kvlab.kernels.dispatch.use_triton`: CUDA tensors under ``auto``) runs the fused kernel
+    :func:`kvlab.kernels.tl.packed_attention.packed_decode_attention_triton`, which reads the codes
+    without writing a dequantized entry. Otherwise a plain call on CPU (no attention
     variant) attends each body run in chunks of at most ``chunk`` segments dequantized into the
     cache dtype, the residual runs in place and the decode entries, merged by log-sum-exp
     (:func:`~kvlab.kernels.decode_attention.merge_by_lse`); any other call attends
     :meth:`PackedPrompt.dense` through ``ragged_decode_attention``.
     """
     asked = variants(*(options.get(k) for k in ("sliding_window", "softcap", "sinks", "decode_valid")))
-    fusable = isinstance(packed.keys, UniformCodes) and isinstance(packed.values, UniformCodes)
+    fusable = all(isinstance(codes, UniformCodes) for codes in (packed.keys, packed.values)) or all(
+        isinstance(codes, RotatedCodebookCodes) for codes in (packed.keys, packed.values)
+    )
     if (
         not asked
         and fusable

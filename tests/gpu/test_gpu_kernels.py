@@ -81,9 +81,10 @@ def test_ragged_decode_attention_at_real_model_shapes(D, G, q, max_len, dtype, B
     assert_close(got, want, dtype)
 
 
-# Decode over packed codes (the fused dequantizing kernel) against the torch path (on CUDA: the
-# entries dequantized into the flat layout, then the masked fp32 attention): D, group, queries,
-# longest kept prompt, dtype, batch, KV heads, format (support.kernel_cases.PACKED_QUANTIZERS).
+# Decode over packed codes (the fused kernel: uniform codes dequantized in registers, TurboQuant's
+# read in the rotated basis) against the torch path (on CUDA: the entries dequantized into the flat
+# layout, then the masked fp32 attention): D, group, queries, longest kept prompt, dtype, batch, KV
+# heads, format (support.kernel_cases.PACKED_QUANTIZERS).
 PACKED = [
     (128, 4, 1, 33000, BF16, 1, 8, "kivi2_paper"),  # Llama-3-8B attention at 32k, KIVI-2
     (128, 4, 2, 4100, FP16, 2, 3, "int4"),
@@ -91,6 +92,9 @@ PACKED = [
     (96, 7, 1, 1500, FP16, 2, 3, "kivi2_paper"),
     (128, 1, 1, 2100, FP32, 2, 3, "int2"),
     (128, 4, 1, 100, BF16, 2, 3, "kivi2_paper"),  # every entry in the residual: no body launch
+    (128, 4, 1, 33000, BF16, 1, 8, "turbo3_paper"),  # TurboQuant-3 at 32k (rotated-basis kernel)
+    (128, 4, 2, 4100, FP16, 2, 3, "turbo4_mse"),  # keys without the sketch, 3-bit planes
+    (64, 8, 1, 2100, FP32, 2, 3, "turbo2"),
 ]
 
 

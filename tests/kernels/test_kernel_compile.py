@@ -34,10 +34,12 @@ from kvlab.kernels.tl.launches import (  # noqa: E402
 )
 from kvlab.kernels.tl.window_scores import window_attention_scores_triton  # noqa: E402
 
-# what may be a tl.constexpr: tile sizes, the head dim, and code-path switches
+# what may be a tl.constexpr: tile sizes, the head dim, code-path switches, and the bit widths of
+# TurboQuant's codebook indices (a quantizer's setting: one compilation per width, unrolled unpacking)
 BLOCKS = {"ROWS", "BLOCK_N", "BLOCK_D", "BLOCK_DK", "BLOCK_S", "BLOCK_G", "BLOCK_W", "BLOCK_T", "BLOCK_M"}
-SWITCHES = {"UPCAST", "PRECISION", "HAS_INDEX", "HAS_W", "HAS_DEN", "DEN_IS_W", "FINISH", "HAS_KW"}
-ALLOWED_CONSTEXPRS = BLOCKS | SWITCHES | {"D"}
+SWITCHES = {"UPCAST", "PRECISION", "HAS_INDEX", "HAS_W", "HAS_DEN", "DEN_IS_W", "FINISH", "HAS_KW", "SKETCH"}
+WIDTHS = {"K_BITS", "V_BITS"}
+ALLOWED_CONSTEXPRS = BLOCKS | SWITCHES | WIDTHS | {"D"}
 # the sizes that change with the data: a constexpr among them would compile per prompt or step
 DATA_SIZES = {
     "T",

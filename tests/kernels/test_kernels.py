@@ -14,6 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from naive.attention import naive_attention  # noqa: E402
+from naive.quantization import naive_turbo_dequantize  # noqa: E402
 from support.kernel_cases import (  # noqa: E402
     COMPACTION_CASES,
     CROWDED_CASES,
@@ -30,6 +32,7 @@ from support.kernel_cases import (  # noqa: E402
     REAL_PACKED,
     REAL_PRUNED,
     REAL_WINDOW,
+    ROTATED_CASES,
     TOPK_CASES,
     WINDOW_CASES,
     assert_close,
@@ -37,7 +40,9 @@ from support.kernel_cases import (  # noqa: E402
     gather_inputs,
     merge_case,
     merge_inputs,
+    packed_inputs,
     page_inputs,
+    rotated_case,
     run_crowded_merge,
     run_decode,
     run_gather,
@@ -55,9 +60,10 @@ from support.kernel_cases import (  # noqa: E402
 )
 
 from kvlab.cache.layer import CompressedLayer  # noqa: E402
+from kvlab.cache.packed import PackedPrompt  # noqa: E402
 from kvlab.cache.selection import Selection  # noqa: E402
 from kvlab.compression.context import LayerContext  # noqa: E402
-from kvlab.compression.quantizers import KIVI  # noqa: E402
+from kvlab.compression.quantizers import KIVI, RotatedCodes, TurboQuant, turbo_quantize  # noqa: E402
 from kvlab.compression.selectors import topk_indices  # noqa: E402
 from kvlab.config.errors import ConfigError  # noqa: E402
 from kvlab.kernels import dispatch  # noqa: E402
@@ -73,6 +79,7 @@ from kvlab.kernels.retrieval import (  # noqa: E402
 from kvlab.kernels.tl.compaction import compact_kv_triton  # noqa: E402
 from kvlab.kernels.tl.launches import record_launches  # noqa: E402
 from kvlab.kernels.tl.merge import merge_scatter_triton  # noqa: E402
+from kvlab.kernels.tl.packed_attention import packed_decode_attention_triton  # noqa: E402
 from kvlab.kernels.tl.retrieval import (  # noqa: E402
     chunk_topk_triton,
     gather_chunks_triton,
@@ -114,6 +121,75 @@ def test_packed_decode_kernel_matches_the_torch_path(B, Hkv, G, q, D, max_len, s
 def test_packed_decode_kernel_at_real_model_shapes(D, G, dtype, max_len, quantizer):
     got, want = run_real_packed(D, G, dtype, max_len, quantizer)
     assert_close(got, want, dtype)
+
+
+def naive_rows(codes: RotatedCodes) -> list[list[float]]:
+    """Every row of TurboQuant ``codes`` dequantized by the naive loops, from their bytes."""
+
+    def listed(t: torch.Tensor | None) -> list | None:
+        return None if t is None else t.cpu().double().tolist() if t.is_floating_point() else t.cpu().tolist()
+
+    tensors = (codes.codebook, codes.rotation, codes.norm, codes.signs, codes.gamma, codes.projection)
+    return naive_turbo_dequantize(listed(codes.packed), codes.mse_bits, *map(listed, tensors))
+
+
+def naive_packed_decode(inputs: dict, packed: PackedPrompt) -> torch.Tensor:
+    """``[B, H, q, D]`` fp64: each query over its segment's body (naive dequantization), residual
+    and the decode entries up to its own, by the naive attention of one query over lists."""
+    query, scaling, t = inputs["query"].cpu().double(), inputs["scaling"], inputs["decode_length"]
+    B, H, q, D = query.shape
+    Hkv = packed.body_starts.shape[1]
+    keys, values = naive_rows(packed.keys), naive_rows(packed.values)
+    out = torch.zeros(B, H, q, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hkv):
+            start, length = int(packed.body_starts[b, h]), int(packed.body_lengths[b, h])
+            body = slice(start, start + length)
+            start, length = int(packed.residual_starts[b, h]), int(packed.residual_lengths[b, h])
+            rest = slice(start, start + length)
+            seg_k = keys[body] + packed.residual_keys[rest].cpu().double().tolist()
+            seg_v = values[body] + packed.residual_values[rest].cpu().double().tolist()
+            for head in range(h * (H // Hkv), (h + 1) * (H // Hkv)):
+                for i in range(q):
+                    seen = t - q + i + 1
+                    dk = inputs["decode_keys"][b, h, :seen].cpu().double().tolist()
+                    dv = inputs["decode_values"][b, h, :seen].cpu().double().tolist()
+                    row = naive_attention(query[b, head, i].tolist(), seg_k + dk, seg_v + dv, scaling)
+                    out[b, head, i] = torch.tensor(row, dtype=torch.float64)
+    return out
+
+
+@pytest.mark.parametrize("bits, sketch, dtype", ROTATED_CASES)
+def test_turboquant_decode_kernel_matches_the_torch_path_and_naive_attention(bits, sketch, dtype):
+    """The fused kernel over TurboQuant codes (query rotated once, codebook lookups per tile, the
+    values' sum rotated back once) against the torch path (``dequantize_rows`` per chunk, then
+    attention) and against a naive fp64 attention over the rows dequantized bit by bit from their
+    bytes (Algorithms 1-2), 2-4 bits, keys with and without the QJL sketch."""
+    case = rotated_case(bits, sketch, dtype)
+    got, want = run_packed(*case)
+    B, Hkv, G, q, D, max_len, _, _, name = case
+    assert got.dtype == dtype and got.shape == (B, Hkv * G, q, D)
+    assert_close(got, want, dtype)
+    inputs, packed = packed_inputs(B, Hkv, G, q, D, max_len, dtype, name)
+    assert packed.keys.mse_bits == bits - sketch and (packed.keys.signs is not None) == sketch
+    assert int(packed.body_lengths.max()) > 0 and int(packed.body_lengths.min()) == 0  # ragged, one empty
+    assert_close(got, naive_packed_decode(inputs, packed), dtype)
+
+
+def test_packed_decode_kernel_refuses_codes_it_cannot_read_exactly():
+    """Values with a QJL sketch (TurboQuant stores none: their ``S^T sign`` term has no
+    rotated-basis accumulator) and keys and values of two kinds are refused, not approximated."""
+    inputs, packed = packed_inputs(1, 2, 2, 1, 16, 40, torch.float32, "turbo3")
+    body_values = packed.values.dequantize_rows(slice(0, int(packed.body_lengths.sum())))
+    layout = (packed.body_starts, packed.body_lengths, packed.residual_keys, packed.residual_values,
+              packed.residual_starts, packed.residual_lengths, inputs["decode_keys"], inputs["decode_values"],
+              inputs["decode_length"], inputs["scaling"])  # fmt: skip
+    sketched = turbo_quantize(body_values, 3, seed=3, sketch=True)
+    with pytest.raises(ValueError, match="values carry no QJL sketch"):
+        packed_decode_attention_triton(inputs["query"], packed.keys, sketched, *layout)
+    uniform = KIVI(bits=2, group=1, residual=0).quantize_values(body_values)
+    with pytest.raises(ValueError, match="both uniform or both TurboQuant"):
+        packed_decode_attention_triton(inputs["query"], packed.keys, uniform, *layout)
 
 
 @pytest.mark.parametrize("B, Hkv, G, q, D, Dk, max_len, split, dtype", PRUNED_CASES)
@@ -371,13 +447,18 @@ def test_cache_decode_through_the_kernels_equals_the_reference_path():
     assert dispatch.CALLS == {("compact_kv", "triton"): 1, ("ragged_decode_attention", "triton"): 1}
 
 
-def test_quantized_cache_decode_runs_the_fused_kernel_under_triton_and_equals_the_torch_path():
-    """KIVI-2 with its residual folded in after 5 steps: the layer's decode attention runs the fused
-    dequantizing kernel when the mode says triton, and gives the torch path's result."""
-    quantizer = KIVI(bits=2, group=4, residual=4)
+@pytest.mark.parametrize(
+    "quantizer, folded", [(KIVI(bits=2, group=4, residual=4), 4), (TurboQuant(bits=3, residual=2), 0)]
+)
+def test_quantized_cache_decode_runs_the_fused_kernel_under_triton_and_equals_the_torch_path(
+    quantizer, folded
+):
+    """KIVI-2 with its residual folded in after 5 steps, TurboQuant-3: the layer's decode attention
+    runs the fused kernel when the mode says triton (never the dequantized layout through the ragged
+    kernel), and gives the torch path's result."""
     dispatch.set_mode("reference")
     reference_layer, query = decoded_layer(quantizer, steps=6)
-    assert reference_layer.folded == 4
+    assert reference_layer.folded == folded
     want = reference_layer.decode_attention(query, 0.3)
     dispatch.set_mode("triton")
     layer, _ = decoded_layer(quantizer, steps=6)
@@ -437,9 +518,9 @@ def test_bench_commands_print_a_table(bench, extra, capsys):
 def test_bench_decode_formats_prints_the_16_bit_row_then_one_per_format(capsys):
     from kvlab.cli.main import main
 
-    main(["bench", "decode", *SMALL, "--formats", "int8,int4,kivi2"])
+    main(["bench", "decode", *SMALL, "--formats", "int8,int4,kivi2,turbo3"])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 ")]
-    assert [row[4].strip() for row in rows] == ["bf16", "int8", "int4", "kivi2"]
+    assert [row[4].strip() for row in rows] == ["bf16", "int8", "int4", "kivi2", "turbo3"]
     assert rows[0][7].strip() == "1.00" and all(float(row[7]) > 0 for row in rows)
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from kvlab.cache.packed import packed_decode_attention  # noqa: E402
 from kvlab.cache.pruned import pruned_decode_attention, query_channels  # noqa: E402
-from kvlab.compression.quantizers import KIVI, PerToken  # noqa: E402
+from kvlab.compression.quantizers import KIVI, PerToken, RotatedCodes, TurboQuant, turbo_quantize  # noqa: E402
 from kvlab.compression.selectors import topk_indices  # noqa: E402
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402
 from kvlab.kernels.dispatch import kernel_mode  # noqa: E402
@@ -102,6 +102,14 @@ def run_real_decode(D, G, dtype, max_len, q):
 
 
 # --- decode over packed codes (the fused dequantizing kernel) ------------------------------------------
+class MSEKeysTurboQuant(TurboQuant):
+    """TurboQuant with keys coded as its values are (``TurboQuant_mse``, Algorithm 1, every bit to
+    the codebook, no QJL sketch): the fused kernel's path without the sketch term."""
+
+    def quantize_keys(self, keys: torch.Tensor) -> RotatedCodes:
+        return turbo_quantize(keys, self.bits, self.seed, sketch=False)
+
+
 PACKED_QUANTIZERS = {  # int8 / int4 / int2 per token, KIVI-2 (per-channel keys) with a residual
     "int8": PerToken(bits=8, group=32),
     "int4": PerToken(bits=4, group=32, residual=5),
@@ -109,6 +117,12 @@ PACKED_QUANTIZERS = {  # int8 / int4 / int2 per token, KIVI-2 (per-channel keys)
     "kivi2": KIVI(bits=2, group=16, residual=20),
     "kivi4_residual_only": KIVI(bits=4, group=16, residual=64),  # every entry in the residual
     "kivi2_paper": KIVI(bits=2, group=32, residual=128),  # KIVI's own setting (GPU tier)
+    # TurboQuant at b bits: keys b - 1 codebook bits and the sketch (turbo<b>) or b codebook bits
+    # (turbo<b>_mse), values b codebook bits; 3 bits are stored as bit planes; turbo1's keys are
+    # the sketch alone
+    **{f"turbo{b}": TurboQuant(bits=b, residual=3, seed=b) for b in (1, 2, 3, 4)},
+    **{f"turbo{b}_mse": MSEKeysTurboQuant(bits=b, residual=3, seed=b) for b in (2, 3, 4)},
+    "turbo3_paper": TurboQuant(bits=3),  # the quantizer's defaults: no residual (GPU tier)
 }
 PACKED_CASES = [  # B, Hkv, G, q, D, max_len, split, dtype, quantizer: small shapes for the interpreter
     (2, 2, 3, 1, 16, 150, None, torch.bfloat16, "kivi2"),  # GQA 3, body and residual splits sized alike
@@ -116,21 +130,46 @@ PACKED_CASES = [  # B, Hkv, G, q, D, max_len, split, dtype, quantizer: small sha
     (1, 3, 1, 1, 16, 90, 64, torch.float32, "int8"),
     (1, 2, 4, 1, 16, 100, None, torch.float16, "int2"),
     (1, 2, 2, 1, 16, 60, None, torch.float16, "kivi4_residual_only"),  # no body: no body launch
+    (2, 2, 3, 2, 16, 150, 64, torch.float16, "turbo3"),  # TurboQuant: GQA 3, two-token chunk, splits
+    (1, 2, 2, 1, 16, 60, None, torch.float32, "turbo1"),  # keys of the sketch alone (no codebook bits)
+]
+# TurboQuant at 2-4 bits, keys with and without the sketch, bf16 and fp32: ragged heads (one empty),
+# GQA 2, several body splits; also against the naive dequantization and attention (test_kernels)
+ROTATED_CASES = [  # bits, sketch, dtype
+    (bits, sketch, dtype)
+    for bits in (2, 3, 4)
+    for sketch in (True, False)
+    for dtype in (torch.bfloat16, torch.float32)
 ]
 REAL_PACKED = [  # D, G, dtype, max_len, quantizer: real head dims, splits sized for GPU_SLOTS
     (128, 4, torch.bfloat16, 700, "kivi2"),
     (64, 8, torch.float16, 700, "int4"),
     (128, 1, torch.float32, 500, "int8"),
+    (128, 4, torch.bfloat16, 700, "turbo3"),
+    (128, 1, torch.float32, 500, "turbo4_mse"),
+    (64, 8, torch.float16, 700, "turbo2"),
 ]
+
+
+def rotated_case(bits: int, sketch: bool, dtype: torch.dtype) -> tuple:
+    """The :func:`run_packed` arguments of a :data:`ROTATED_CASES` case."""
+    return 2, 2, 2, 1, 16, 90, 32, dtype, f"turbo{bits}" if sketch else f"turbo{bits}_mse"
+
+
+def packed_inputs(B, Hkv, G, q, D, max_len, dtype, quantizer, decode_length=3):
+    """``(inputs, packed)``: :func:`ragged_inputs` and their prompt entries packed by
+    :data:`PACKED_QUANTIZERS` ``[quantizer]``."""
+    inputs = ragged_inputs(B, Hkv, G, q, D, max_len, dtype, decode_length=decode_length)
+    packed = PACKED_QUANTIZERS[quantizer].pack(
+        inputs["prompt_keys"], inputs["prompt_values"], inputs["starts"], inputs["lengths"]
+    )
+    return inputs, packed
 
 
 def run_packed(B, Hkv, G, q, D, max_len, split, dtype, quantizer, slots=None, decode_length=3):
     """``(triton output, torch-path output)`` of decode attention over ragged inputs packed by
     :data:`PACKED_QUANTIZERS` ``[quantizer]`` (the torch path: per-chunk dequantization + attention)."""
-    inputs = ragged_inputs(B, Hkv, G, q, D, max_len, dtype, decode_length=decode_length)
-    packed = PACKED_QUANTIZERS[quantizer].pack(
-        inputs["prompt_keys"], inputs["prompt_values"], inputs["starts"], inputs["lengths"]
-    )
+    inputs, packed = packed_inputs(B, Hkv, G, q, D, max_len, dtype, quantizer, decode_length)
     rest = (inputs["decode_keys"], inputs["decode_values"], decode_length, inputs["scaling"])
     got = packed_decode_attention_triton(
         inputs["query"], packed.keys, packed.values, packed.body_starts, packed.body_lengths,
@@ -379,6 +418,7 @@ def kernel_test_launches() -> Iterator[tuple[Callable[..., object], tuple]]:
     yield from ((run_decode, case) for case in DECODE_CASES)
     yield from ((run_real_decode, case) for case in REAL_DECODE)
     yield from ((run_packed, case) for case in PACKED_CASES)
+    yield from ((run_packed, rotated_case(*case)) for case in ROTATED_CASES)
     yield from ((run_real_packed, case) for case in REAL_PACKED)
     yield from ((run_pruned, case) for case in PRUNED_CASES)
     yield from ((run_real_pruned, case) for case in REAL_PRUNED)
