@@ -17,6 +17,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     hybridkv,
     importance,
     lagkv,
+    leverage,
     merge,
     mixers,
     modality,

@@ -61,6 +61,7 @@ class Case:
     forward: bool = False  # the press reads the attention layer: recorded from the model's forward
     channels: bool = False  # the press prunes key channels (ThinK): each head's kept channels recorded
     tokenizer: bool = False  # the press writes text (KVzip): the model's tokenizer, no chat template
+    sketch: bool = False  # the press draws a Gaussian sketch: the recording hands it kvlab's (seed 0)
 
 
 def ratio_for(kept: int) -> float:
@@ -244,6 +245,27 @@ CASES: dict[str, Case] = {
         model="tiny-qwen2",
         forward=True,
         channels=True,
+    ),
+    # LeverageScorePress with its defaults (a sketch of 48 columns): kvpress draws it unseeded, and its
+    # ridge (the Cholesky jitter 1e-2) makes the scores depend on the draw even with more columns than
+    # the 16 of a head, so the recording hands it kvlab's seeded sketch (gaussian_sketch, seed 0); no
+    # sinks, no recent window, as kvpress's ScorerPress
+    "leverage": Case(
+        "LeverageScorePress",
+        {},
+        {"budget": {"tokens": 20, "window": 0}, "importance": {"leverage": {}}},
+        20,
+        forward=True,
+        sketch=True,
+    ),
+    "leverage_qwen2": Case(
+        "LeverageScorePress",
+        {"sketch_dimension": 12},
+        {"budget": {"tokens": 31, "window": 0}, "importance": {"leverage": {"sketch_dimension": 12}}},
+        31,
+        model="tiny-qwen2",
+        forward=True,
+        sketch=True,
     ),
 }
 
