@@ -9,6 +9,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     decode,
     decode_prefixkv,
     diversity,
+    dms,
     duo_attention,
     expected_attention,
     fastv,

@@ -267,6 +267,37 @@ CASES: dict[str, Case] = {
         forward=True,
         sketch=True,
     ),
+    # DMSPress around KnormPress (its prefill; decoding=False, kvpress's default): every position
+    # before the last sliding_window_size = 8 whose score -||k|| is below -0.65 (about 4 in 10 of
+    # the tiny models' keys) is evicted; kvlab's threshold selector on key_norm, with the window as
+    # budget.window and the whole prompt as the budget (DMS has none)
+    "dms": Case(
+        "DMSPress",
+        {"threshold": -0.65, "sliding_window_size": 8},
+        {
+            "budget": {"ratio": 1.0, "window": 8},
+            "importance": {"key_norm": {}},
+            "select": {"name": "threshold", "threshold": -0.65},
+        },
+        LENGTH,
+        wraps="KnormPress",
+        ratio=0.0,
+        forward=True,
+    ),
+    "dms_qwen2": Case(
+        "DMSPress",
+        {"threshold": -0.6, "sliding_window_size": 16},
+        {
+            "budget": {"ratio": 1.0, "window": 16},
+            "importance": {"key_norm": {}},
+            "select": {"name": "threshold", "threshold": -0.6},
+        },
+        LENGTH,
+        wraps="KnormPress",
+        ratio=0.0,
+        model="tiny-qwen2",
+        forward=True,
+    ),
 }
 
 
