@@ -23,6 +23,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     mixers,
     modality,
     model_topk,
+    per_layer,
     prefill_modes,
     prefixkv,
     qfilters,

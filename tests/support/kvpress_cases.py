@@ -298,6 +298,35 @@ CASES: dict[str, Case] = {
         model="tiny-qwen2",
         forward=True,
     ),
+    # PerLayerCompressionPress around KnormPress: each layer at its own compression ratio, kvlab's
+    # per_layer ratios are the kept shares 1 - cr of the whole prompt (budget ratio 1.0); no window
+    "per_layer": Case(
+        "PerLayerCompressionPress",
+        {"compression_ratios": [0.3, 0.65]},
+        {
+            "budget": {"ratio": 1.0, "window": 0},
+            "importance": {"key_norm": {}},
+            "allocate": {"layer": {"name": "per_layer", "ratios": [0.7, 0.35]}},
+        },
+        LENGTH,
+        wraps="KnormPress",
+        ratio=0.0,
+        forward=True,
+    ),
+    "per_layer_qwen2": Case(
+        "PerLayerCompressionPress",
+        {"compression_ratios": [0.75, 0.5, 0.15]},
+        {
+            "budget": {"ratio": 1.0, "window": 0},
+            "importance": {"key_norm": {}},
+            "allocate": {"layer": {"name": "per_layer", "ratios": [0.25, 0.5, 0.85]}},
+        },
+        LENGTH,
+        wraps="KnormPress",
+        ratio=0.0,
+        model="tiny-qwen2",
+        forward=True,
+    ),
 }
 
 
