@@ -35,15 +35,16 @@ class LeverageScorer(ImportanceScorer):
 
     ``l_t`` is the statistical leverage of key ``t`` (the squared row norm of the left singular
     vectors of ``X`` when ``ridge`` is 0): a key far from the span the other keys share scores
-    high. The paper computes it from a thin factorisation of the sketched keys; the reference
-    code solves with a Cholesky factor of ``X^T X`` plus a jitter of 1e-2 (raised tenfold when
-    the factorisation fails), which is the ridge here (kvlab solves in fp64, where ``ridge``
-    1e-2 always factorises, so nothing is raised quietly). With ``r >= D`` the sketch has full
-    row rank almost surely, ``X`` spans the keys' column space and the leverage does not depend
-    on the sketch (up to the ridge). The z-score is over each sample's heads and valid tokens
-    (the reference's is over the whole batch tensor, which depends on the batch; it equals this
-    for one sample); it is a positive affine map of each sample's scores, so it changes no
-    ranking within or across a sample's heads, only what a mixer adds them to.
+    high. The reference code says its solve differs from the paper's: it uses a Cholesky factor
+    of ``X^T X`` plus a jitter of 1e-2 (raised tenfold when the factorisation fails), which is
+    the ridge here; kvlab follows the reference and solves in fp64, where ``ridge`` 1e-2
+    factorises for any realistic key scale (a failure raises: no jitter is raised quietly).
+    With ``r >= D`` the sketch has full row rank almost surely, ``X`` spans the keys' column
+    space and the leverage does not depend on the sketch (up to the ridge). The z-score is over
+    each sample's heads and valid tokens (the reference's is over the whole batch tensor, which
+    depends on the batch; it equals this for one sample); it is a positive affine map of each
+    sample's scores, so it changes no ranking within or across a sample's heads, only what a
+    mixer adds them to.
 
     The sketch is drawn from ``(seed, layer)`` (kvpress draws one per head, unseeded), one for
     every head and batch. Reads keys only (``chunked_prefill``); refused on a model whose rotary
