@@ -14,7 +14,8 @@ includes the window", as SnapKV, MixKV and kvpress count it). Protected tokens a
 written as a float in [0, 1) is a fraction of each prompt: ``floor(window * prompt length)``
 tokens (LOOK-M's recent ratio alpha1; ``int(T * ratio)`` as its code). A ratio
 budget is ``floor(ratio * prompt length)`` per sample (kvpress' ``int(T * (1 - cr))``). A
-sample whose budget is at least its prompt length is not compressed at all.
+sample whose budget is at least its prompt length is not compressed at all (except by a selector
+whose counts are caps: DMS's ``threshold`` still evicts what scores below it).
 
 ``budget.window`` is the one source of the recent window: it is protected here, observed by
 the scorers that look at the last queries (SnapKV's window attention, DAVID's NCAR) and kept

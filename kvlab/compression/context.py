@@ -12,7 +12,8 @@ need: the window helpers the last ``W`` queries, :meth:`LayerContext.cumulative_
 them (refused otherwise, see ``docs/scaling.md``).
 
 Model facts (:attr:`LayerContext.facts`, :mod:`kvlab.models.facts`): the rotary embedding at any
-position, the queries before rotation (:meth:`LayerContext.queries_before_rotation`), the layer's
+position, the queries and keys before rotation (:meth:`LayerContext.queries_before_rotation`,
+:meth:`LayerContext.keys_before_rotation`), the layer's
 projection weights; a frozen view holding only what the pipeline's components declared in
 ``Capabilities(model_facts=...)`` (empty otherwise: reading an undeclared fact raises).
 
@@ -300,6 +301,19 @@ class LayerContext:
                 self.queries, positions
             )
         return self._memo["queries_before_rotation"]
+
+    def keys_before_rotation(self) -> torch.Tensor:
+        """The prompt's keys before the rotary embedding, ``[B, Hkv, T, D]`` fp32, memoised.
+
+        Each key is rotated back at the position the model gave it (:meth:`model_positions`) by
+        :meth:`~kvlab.models.facts.LayerFacts.keys_before_rotation`; needs the model fact
+        ``keys_before_rotation`` declared (``Capabilities(model_facts=...)``).
+        """
+        if "keys_before_rotation" not in self._memo:
+            self._memo["keys_before_rotation"] = self.facts.keys_before_rotation(
+                self.keys, self.model_positions()
+            )
+        return self._memo["keys_before_rotation"]
 
     def window_attention(self, window: int) -> torch.Tensor:
         """Attention probabilities of the last ``window`` queries over all keys, ``[B, H, W, T]`` fp32.

@@ -35,6 +35,13 @@ def local_shares(scores: torch.Tensor, positions: torch.Tensor, window: int) -> 
     return scores / sums.gather(-1, index).clamp_min(1e-30)
 
 
+def gaussian_sketch(dim: int, width: int, seed: int, layer_idx: int) -> torch.Tensor:
+    """A right Gaussian sketch ``[dim, width]`` with entries ``N(0, 1 / width)``, drawn on the host
+    from ``(seed, layer_idx)``: the same for every batch and head of a layer."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + layer_idx)
+    return torch.randn(dim, width, generator=gen, device="cpu") / math.sqrt(width)
+
+
 @IMPORTANCE.register("cur")
 @dataclass
 class CurScorer(ImportanceScorer):
@@ -78,10 +85,8 @@ class CurScorer(ImportanceScorer):
             raise ValueError(f"local_window must be >= 1 (or null), got {self.local_window}")
 
     def sketch(self, dim: int, layer_idx: int) -> torch.Tensor:
-        """The Gaussian sketch ``G [dim, projection]``, ``N(0, 1 / projection)``, drawn on the host
-        from ``(seed, layer)``."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + layer_idx)
-        return torch.randn(dim, self.projection, generator=gen) / math.sqrt(self.projection)
+        """The Gaussian sketch ``G [dim, projection]`` of layer ``layer_idx`` (:func:`gaussian_sketch`)."""
+        return gaussian_sketch(dim, self.projection, self.seed, layer_idx)
 
     def score(self, ctx: LayerContext) -> torch.Tensor:
         weight = ctx.valid[:, None, :].float()  # [B, 1, T]

@@ -23,9 +23,13 @@ class Selector(Component):
 
     ``offloads``: the selector keeps K/V outside the compressed cache (a ``Selection.offloaded``
     store, the ``retrieve`` selector), which a quantizer does not reach (the pipeline refuses the two).
+    ``keeps_counts``: every (sample, head) keeps exactly the count it is given (True by default); a
+    selector whose counts are caps (``threshold``: the entries above a score) says False, and its
+    ``Selection.counts`` are what it kept.
     """
 
     offloads: ClassVar[bool] = False
+    keeps_counts: ClassVar[bool] = True
 
     def select(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> Selection:
         """Pick ``counts[b, h]`` tokens per (sample, head).

@@ -25,12 +25,15 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 
 #: A model fact a component may declare in ``Capabilities(model_facts=...)``.
-ModelFact = Literal["rotary", "queries_before_rotation", "projections", "hidden_states"]
+ModelFact = Literal[
+    "rotary", "queries_before_rotation", "keys_before_rotation", "projections", "hidden_states"
+]
 
 #: What each model fact is (the sentence refusals and ``kvlab list`` use).
 MODEL_FACTS: dict[str, str] = {
     "rotary": "the layer's rotary embedding at any position (cos, sin)",
     "queries_before_rotation": "the layer's queries before the rotary embedding",
+    "keys_before_rotation": "the layer's keys before the rotary embedding",
     "projections": "the layer's q/k/v/o projection weights",
     "hidden_states": "the layer's attention input (the normed hidden states of every prompt position)",
 }

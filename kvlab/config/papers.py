@@ -60,6 +60,11 @@ LAGKV = (
     'Liang et al. 2025, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important"'
 )
 CURDKV = 'Sengupta et al. 2025, "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition"'
+DMS = 'Łańcucki et al. 2025, "Inference-Time Hyper-Scaling with KV Cache Compression" (DMS, arXiv 2506.05345)'
+COMPACTOR = (
+    'Chari & Van Durme 2025, "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate '
+    'Leverage Scores" (arXiv 2507.08143)'
+)
 CHUNKKV = (
     'Liu et al. 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM '
     'Inference"'

@@ -21,6 +21,10 @@ The facts, for a layer of ``H`` query heads, ``Hkv`` KV heads, head dim ``D`` an
   is inverted exactly: ``(q_rot * cos - rotate_half(q_rot) * sin) / scaling**2``), which equals
   ``q_proj(h)`` (after the layer's query norm, if any) up to rounding; the same refusals as
   ``rotary``. ``LayerContext.queries_before_rotation()`` applies it to the held queries.
+- ``keys_before_rotation``: :meth:`LayerFacts.keys_before_rotation`, the same inversion for the
+  layer's post-RoPE keys, ``[B, Hkv, T, D]`` fp32, which equals ``k_proj(h)`` (after the layer's
+  key norm, if any) up to rounding; the same refusals as ``rotary``.
+  ``LayerContext.keys_before_rotation()`` applies it to the prompt's keys.
 - ``projections``: :attr:`LayerFacts.projections`, the layer's projection weights as stored in
   transformers' ``nn.Linear`` s: ``q [H*D, E]``, ``k [Hkv*D, E]``, ``v [Hkv*D, E]``, ``o [E, H*D]``
   (and the q/k/v biases when the layer has them). Detached views of the parameters, never
@@ -48,6 +52,9 @@ import torch
 from kvlab.config.capabilities import MODEL_FACTS
 from kvlab.config.errors import ConfigError
 from kvlab.models.common import text_config
+
+#: the facts read off the layer's rotary embedding (refused alike)
+ROTARY_FACTS = ("rotary", "queries_before_rotation", "keys_before_rotation")
 
 #: rope types whose frequencies depend on the sequence length: no rotary embedding of a position alone
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -103,7 +110,8 @@ class LayerFacts:
     Attributes:
         provided: the facts this view holds (the union of what the pipeline's components declared).
         model: the model's name (for messages).
-        rotary_table: the layer's rotary embedding (``rotary`` / ``queries_before_rotation``), or None.
+        rotary_table: the layer's rotary embedding (``rotary``, ``queries_before_rotation``,
+            ``keys_before_rotation``), or None.
         weights: the layer's projections (``projections``), or None.
         inputs: the layer's attention input ``[B, T, E]`` of this prefill (``hidden_states``), or None.
 
@@ -138,11 +146,20 @@ class LayerFacts:
     def queries_before_rotation(self, queries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Post-RoPE ``queries [B, H, q, D]`` at ``positions [B, q]`` rotated back, ``[B, H, q, D]`` fp32."""
         self._require("queries_before_rotation")
+        return self._rotated_back(queries, positions)
+
+    def keys_before_rotation(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE ``keys [B, Hkv, T, D]`` at ``positions [B, T]`` rotated back, ``[B, Hkv, T, D]`` fp32."""
+        self._require("keys_before_rotation")
+        return self._rotated_back(keys, positions)
+
+    def _rotated_back(self, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rotary embedding inverted: ``states [B, heads, n, D]`` at ``positions [B, n]``, fp32."""
         assert self.rotary_table is not None
-        cos, sin = self.rotary_table(positions)  # [B, q, D]
+        cos, sin = self.rotary_table(positions)  # [B, n, D]
         cos, sin = cos[:, None], sin[:, None]
-        q = queries.float()
-        unrotated = q * cos - rotate_half(q) * sin  # = scaling**2 * R(p)^T R(p) q / scaling
+        x = states.float()
+        unrotated = x * cos - rotate_half(x) * sin  # = scaling**2 * R(p)^T R(p) x / scaling
         scale = self.rotary_table.scaling
         return unrotated if scale == 1.0 else unrotated / (scale * scale)
 
@@ -176,7 +193,7 @@ def _rope_parameters(text: Any) -> list[Mapping[str, Any] | None]:
 def fact_refusal(config: Any, fact: str) -> str | None:
     """Why a model with HF ``config`` cannot provide ``fact`` (a clause), None when it can; the
     config alone is read (the modules are checked by :meth:`ModelFacts.of`)."""
-    if fact not in ("rotary", "queries_before_rotation"):
+    if fact not in ROTARY_FACTS:
         return None
     text = text_config(config)
     for params in _rope_parameters(text):
@@ -290,8 +307,9 @@ class ModelFacts:
         out = []
         for idx, layer in enumerate(layers):
             table = weights = None
-            if "rotary" in readers or "queries_before_rotation" in readers:
-                fact = "rotary" if "rotary" in readers else "queries_before_rotation"
+            rotary_facts = [fact for fact in ROTARY_FACTS if fact in readers]
+            if rotary_facts:
+                fact = rotary_facts[0]
                 table = _rotary_table(rotary, layer_types[idx] if layer_types else None)
                 if table is None:
                     why = "kvlab finds no rotary module with inv_freq on its language model (rotary_emb)"

@@ -126,10 +126,11 @@ class LayerExecution:
         return selection
 
     def _keep_all(self, ctx: LayerContext) -> tuple[Selection, LayerReport]:
-        """Keep every valid token of the layer (the full cache)."""
+        """Keep every valid token of the layer (the full cache): each scored ``+inf``, as a protected
+        token, so a selector that keeps by score (``threshold``) keeps them too."""
         keep_all = ctx.valid[:, None, :].expand(-1, ctx.num_kv_heads, -1)
         counts = ctx.lengths[:, None].expand(-1, ctx.num_kv_heads).clone()
-        scores = torch.where(keep_all, 0.0, float("-inf"))
+        scores = torch.where(keep_all, float("inf"), float("-inf"))
         selection = self.selector.select(scores, counts, ctx)
         return selection, LayerReport(ctx.layer_idx, counts, ctx.lengths.clone(), selection)
 

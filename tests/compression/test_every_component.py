@@ -64,10 +64,14 @@ NEEDS: dict[tuple[str, str], Any] = {
     ("layer allocator", "model_topk"): {"schedule": "global"},
     ("layer allocator", "vl_cache"): {"schedule": "global"},
     ("importance scorer", "expected_attention"): {"model": TEXT_MODEL},  # Qwen2-VL's 3-D rotary: refused
+    ("importance scorer", "leverage"): {"model": TEXT_MODEL},  # Qwen2-VL's 3-D rotary: refused
     ("importance scorer", "qfilters"): {"model": TEXT_MODEL},  # filters shipped for the text models
     # FastV's K is its layer allocator's; K = 1 so that the two-layer tiny VLM evicts at all
     ("importance scorer", "fastv_attention"): {"allocate": {"layer": {"name": "fastv", "layer": 1}}},
     ("layer allocator", "fastv"): {"allocate": {"layer": {"layer": 1}}},
+    ("layer allocator", "per_layer"): lambda visual_heads, info: {  # one kept share per layer
+        "allocate": {"layer": {"ratios": [0.5] * info.num_layers}}
+    },
     ("layer allocator", "prefix_calibrated"): {
         "budget": {"ratio": 0.5, "window": 1, "sinks": 1},  # as calibrated (its shipped artefact)
         "allocate": {"layer": {"interpolate": "linear"}},

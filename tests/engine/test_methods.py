@@ -20,6 +20,7 @@ from support.presets import budgeted_compression, budgeted_pipeline, preset_conf
 from transformers import DynamicCache
 
 from kvlab.compression.decode import DECODE_POLICIES, ScoredEviction
+from kvlab.compression.selectors import SELECTORS
 from kvlab.config.artefacts import Artefact, resolve_path
 from kvlab.config.loader import preset_names
 from kvlab.engine.masking import load_masked_model
@@ -55,6 +56,7 @@ class Traits:
         False  # scores with the question (Finch): the context is compressed, the question kept whole
     )
     pruned: bool = False  # a channel pruner: the kept keys are stored with fewer channels (ThinK)
+    capped: bool = False  # the selector's counts are caps (DMS's threshold): heads keep what scores above it
 
 
 def traits(name: str) -> Traits:
@@ -82,6 +84,7 @@ def traits(name: str) -> Traits:
         routed_budget=any("budget" in (branch or {}) for branch in branches),
         question=bool((node.get("prefill") or {}).get("question")),
         pruned=node.get("channels") is not None,
+        capped=not SELECTORS.get((node.get("select") or {}).get("name", "topk")).keeps_counts,
     )
 
 
@@ -124,7 +127,10 @@ def test_budget_at_least_the_prompt_is_identical_to_full(preset, model):
         assert big.tokens == full.tokens and torch.equal(big.kept, full.kept)
         torch.testing.assert_close(big.step_logits, full.step_logits, atol=1e-5, rtol=1e-5)
         return
-    big = run(loaded, budgeted_pipeline(preset, model, tokens=room), samples_for(model))
+    node = budgeted_compression(preset, model, tokens=room)
+    if traits(preset).capped:  # a threshold evicts below it whatever the budget: one below every score
+        node["select"]["threshold"] = -1e30
+    big = run(loaded, Pipeline.from_config(node), samples_for(model))
     assert big.tokens == full.tokens
     if traits(preset).question:  # the context prefilled, then the question on top: the same cache, other sums
         torch.testing.assert_close(big.step_logits, full.step_logits, atol=1e-4, rtol=1e-4)
@@ -137,9 +143,13 @@ def test_budget_at_least_the_prompt_is_identical_to_full(preset, model):
 @pytest.mark.parametrize("preset, model", CASES)
 def test_kept_counts_equal_layer_budgets_and_window_is_kept(preset, model):
     loaded = kvlab_model(model)
+    items = samples_for(model)
+    if traits(preset).capped:  # its own budget (DMS: the whole prompt): the threshold decides the counts
+        result = run(loaded, budgeted_pipeline(preset, model), items)
+        check_capped_counts(preset, model, items, batch_of(loaded, items), result)
+        return
     budget = 48
     pipe = budgeted_pipeline(preset, model, tokens=budget)
-    items = samples_for(model)
     result = run(loaded, pipe, items)
     lengths = result.prompt_lengths
     batch = batch_of(loaded, items)
@@ -224,8 +234,8 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
         elif trait.keeps_all_text:  # every text token is kept: the text-only sample is not compressed
             assert bool((result.kv_bytes_kept >= budget * per_token).all())
         elif (
-            trait.periodic
-        ):  # the entries the last periodic eviction kept (decoded ones too): within the budget
+            trait.periodic or trait.capped
+        ):  # the entries the last periodic eviction kept (decoded ones too) / above the threshold: within it
             assert bool((result.kv_bytes_kept <= budget * per_token).all())
         elif (
             trait.routed_budget
@@ -244,7 +254,7 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
                 result.kv_bytes_kept, torch.full_like(result.kv_bytes_kept, budget * per_token)
             )
     if (
-        trait.keeps_all_text or trait.periodic or trait.routed_budget
+        trait.keeps_all_text or trait.periodic or trait.routed_budget or trait.capped
     ):  # the text alone outgrows both budgets / evicted to budget - every + 1 / some layers keep everything
         assert bool((kept[low] <= kept[2 * low]).all())
         return
@@ -252,6 +262,32 @@ def test_kv_bytes_fall_in_proportion_to_the_budget(preset):
     # pyramid budgets average to the configured one up to the schedule's floor
     ratio = (kept[low].float() / kept[2 * low].float()).tolist()
     assert all(0.4 < r < 0.6 for r in ratio)
+
+
+def check_capped_counts(preset, model, items, batch, result):
+    """A selector whose counts are caps (the ``threshold`` selector), run with the preset's own budget
+    (``result``): each head keeps its protected tokens and what scores at least the threshold, so
+    heads differ and none keeps padding; with a budget between the protected tokens and what they
+    keep, the budget caps them (a head that kept more keeps exactly the budget)."""
+    T = batch.input_ids.shape[1]
+    lengths = result.prompt_lengths
+    for report in result.reports:
+        assert bool((report.kept <= lengths[:, None]).all()), report.layer_idx
+        for b in range(len(lengths)):
+            pad = T - int(lengths[b])
+            recent, sinks = protected(preset, int(lengths[b]))
+            for h in range(report.kept.shape[1]):
+                kept = report.selection.kept_positions(b, h)
+                assert all(pad <= p < T for p in kept) and set(range(T - recent, T)) <= set(kept)
+                assert set(range(pad, pad + sinks)) <= set(kept)
+    counts = torch.stack([r.kept for r in result.reports])  # [L, B, Hkv]
+    assert len(set(counts.flatten().tolist())) > 1  # the threshold, not a budget, sets the counts
+    assert bool((counts < lengths[None, :, None]).any())  # it evicts
+    window, sinks = protected(preset, T)
+    cap = (window + sinks + int(counts.max())) // 2
+    capped = run(kvlab_model(model), budgeted_pipeline(preset, model, tokens=cap), items)
+    for free, report in zip(result.reports, capped.reports, strict=True):
+        torch.testing.assert_close(report.kept, torch.clamp(free.kept, max=cap), rtol=0, atol=0)
 
 
 def device_counts(report):

@@ -31,7 +31,13 @@ class Probe(ImportanceScorer):
 
     capabilities: ClassVar[Capabilities] = Capabilities(
         chunked_prefill=False,
-        model_facts=("hidden_states", "projections", "queries_before_rotation", "rotary"),
+        model_facts=(
+            "hidden_states",
+            "keys_before_rotation",
+            "projections",
+            "queries_before_rotation",
+            "rotary",
+        ),
     )
     seen: dict[int, Any] = field(default_factory=dict)
 
@@ -44,6 +50,7 @@ class Probe(ImportanceScorer):
             ctx.facts.projections,
             ctx.facts.provided,
             ctx.facts.hidden_states,
+            ctx.keys_before_rotation(),
         )
         return -ctx.keys.float().norm(dim=-1)
 
@@ -78,9 +85,10 @@ def load(model: str):
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "gemma3-text"])
 def test_facts_are_what_the_model_computed(model):
-    """Queries before rotation equal the layer's projected queries (Qwen2's bias, Gemma 3's query norm
-    included), rotary equals the model's rotary module (Gemma 3: one per layer type, its sliding
-    layers compressed within their window), projections are the layer's own parameters."""
+    """Queries and keys before rotation equal the layer's projected queries and keys (Qwen2's bias,
+    Gemma 3's query and key norms included), rotary equals the model's rotary module (Gemma 3: one
+    per layer type, its sliding layers compressed within their window), projections are the layer's
+    own parameters."""
     loaded = load(model)
     lm = language_model(loaded.model)
     projected: dict[int, torch.Tensor] = {}
@@ -94,6 +102,17 @@ def test_facts_are_what_the_model_computed(model):
     def query_module(attention):  # the last step before RoPE: the query norm, else the projection
         return getattr(attention, "q_norm", attention.q_proj)
 
+    def key_module(attention):
+        return getattr(attention, "k_norm", attention.k_proj)
+
+    projected_keys: dict[int, torch.Tensor] = {}
+
+    def keep_first_key(idx: int):
+        def hook(module, inputs, out) -> None:
+            projected_keys.setdefault(idx, out)
+
+        return hook
+
     normed: dict[int, torch.Tensor] = {}
 
     def keep_input(idx: int):  # the attention's input: the layer's input norm's output
@@ -104,6 +123,10 @@ def test_facts_are_what_the_model_computed(model):
 
     hooks = [
         query_module(layer.self_attn).register_forward_hook(keep_first(i))
+        for i, layer in enumerate(lm.layers)
+    ]
+    hooks += [
+        key_module(layer.self_attn).register_forward_hook(keep_first_key(i))
         for i, layer in enumerate(lm.layers)
     ]
     hooks += [layer.input_layernorm.register_forward_hook(keep_input(i)) for i, layer in enumerate(lm.layers)]
@@ -121,10 +144,14 @@ def test_facts_are_what_the_model_computed(model):
     B, T, H, D = len(rows), int(valid.max()), loaded.info.num_heads, loaded.info.head_dim
     positions = (torch.arange(T)[None] - (T - valid[:, None])).clamp(min=0)  # left padding at 0
     layer_types = getattr(lm.config, "layer_types", None)
-    for idx, (queries, cos, sin, weights, provided, hidden) in probe.seen.items():
+    Hkv = loaded.info.num_kv_heads
+    for idx, (queries, cos, sin, weights, provided, hidden, keys) in probe.seen.items():
         out = projected[idx]
         expected = out if out.dim() == 4 else out.view(B, T, H, D).transpose(1, 2)
         torch.testing.assert_close(queries, expected.float(), atol=1e-5, rtol=1e-5)
+        out = projected_keys[idx]
+        expected = out if out.dim() == 4 else out.view(B, T, Hkv, D).transpose(1, 2)
+        torch.testing.assert_close(keys, expected.float(), atol=1e-5, rtol=1e-5)
         per_type = (layer_types[idx],) if layer_types and model == "gemma3-text" else ()
         want_cos, want_sin = lm.rotary_emb(torch.zeros(1), positions, *per_type)
         torch.testing.assert_close(cos, want_cos)
@@ -133,7 +160,13 @@ def test_facts_are_what_the_model_computed(model):
         assert weights.o.data_ptr() == attention.o_proj.weight.data_ptr()  # a view, not a copy
         assert weights.q.shape == (H * D, attention.q_proj.in_features)
         assert (weights.q_bias is not None) == (model == "tiny-qwen2")
-        assert provided == ("hidden_states", "projections", "queries_before_rotation", "rotary")
+        assert provided == (
+            "hidden_states",
+            "keys_before_rotation",
+            "projections",
+            "queries_before_rotation",
+            "rotary",
+        )
         assert torch.equal(hidden, normed[idx])  # [B, T, E], the prefill's
         assert not attention._forward_pre_hooks  # the capture hook is gone after the prefill
     if model == "gemma3-text":  # the two layer types rotate differently: the test tells them apart
@@ -159,7 +192,7 @@ def test_a_model_without_the_fact_is_refused_before_it_loads_naming_component_fa
     message = str(error.value)
     for fragment in (
         "model.compression.importance.probe (Probe)",
-        "'queries_before_rotation'",
+        "'keys_before_rotation'",  # the first, by name, of the facts it cannot provide
         "tiny-qwen2-vl cannot provide",
         "3-D (M-RoPE",
         "--config snapkv",

@@ -1,7 +1,10 @@
 """Naive budgets and selection: the stable top-k rank, SnapKV's kept positions, a two-stage
-selection, and PyramidKV's layer totals as KVCache-Factory and kvpress compute them."""
+selection, PyramidKV's layer totals as KVCache-Factory and kvpress compute them, and a layer's kept
+count under per-layer ratios."""
 
 from __future__ import annotations
+
+import math
 
 
 def naive_rank(scores: list[float], count: int) -> list[int]:
@@ -60,3 +63,9 @@ def naive_kvpress_total(n_kept: int, w: int, T: int, L: int, layer: int, beta: i
         return round(n_kept)
     steps = (max_num - min_num) / (L - 1)
     return round(max_num - layer * steps)
+
+
+def naive_per_layer_kept(ratio: float, budget: int, length: int, protected: int) -> int:
+    """Entries a head keeps at a layer of kept share ``ratio`` (``per_layer``): ``floor(ratio * budget)``,
+    at least the ``protected`` tokens, at most the prompt."""
+    return min(length, max(protected, math.floor(ratio * budget)))

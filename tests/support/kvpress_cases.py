@@ -61,6 +61,7 @@ class Case:
     forward: bool = False  # the press reads the attention layer: recorded from the model's forward
     channels: bool = False  # the press prunes key channels (ThinK): each head's kept channels recorded
     tokenizer: bool = False  # the press writes text (KVzip): the model's tokenizer, no chat template
+    sketch: bool = False  # the press draws a Gaussian sketch: the recording hands it kvlab's (seed 0)
 
 
 def ratio_for(kept: int) -> float:
@@ -244,6 +245,87 @@ CASES: dict[str, Case] = {
         model="tiny-qwen2",
         forward=True,
         channels=True,
+    ),
+    # LeverageScorePress with its defaults (a sketch of 48 columns): kvpress draws it unseeded, and its
+    # ridge (the Cholesky jitter 1e-2) makes the scores depend on the draw even with more columns than
+    # the 16 of a head, so the recording hands it kvlab's seeded sketch (gaussian_sketch, seed 0); no
+    # sinks, no recent window, as kvpress's ScorerPress
+    "leverage": Case(
+        "LeverageScorePress",
+        {},
+        {"budget": {"tokens": 20, "window": 0}, "importance": {"leverage": {}}},
+        20,
+        forward=True,
+        sketch=True,
+    ),
+    "leverage_qwen2": Case(
+        "LeverageScorePress",
+        {"sketch_dimension": 12},
+        {"budget": {"tokens": 31, "window": 0}, "importance": {"leverage": {"sketch_dimension": 12}}},
+        31,
+        model="tiny-qwen2",
+        forward=True,
+        sketch=True,
+    ),
+    # DMSPress around KnormPress (its prefill; decoding=False, kvpress's default): every position
+    # before the last sliding_window_size = 8 whose score -||k|| is below -0.65 (about 4 in 10 of
+    # the tiny models' keys) is evicted; kvlab's threshold selector on key_norm, with the window as
+    # budget.window and the whole prompt as the budget (DMS has none)
+    "dms": Case(
+        "DMSPress",
+        {"threshold": -0.65, "sliding_window_size": 8},
+        {
+            "budget": {"ratio": 1.0, "window": 8},
+            "importance": {"key_norm": {}},
+            "select": {"name": "threshold", "threshold": -0.65},
+        },
+        LENGTH,
+        wraps="KnormPress",
+        ratio=0.0,
+        forward=True,
+    ),
+    "dms_qwen2": Case(
+        "DMSPress",
+        {"threshold": -0.6, "sliding_window_size": 16},
+        {
+            "budget": {"ratio": 1.0, "window": 16},
+            "importance": {"key_norm": {}},
+            "select": {"name": "threshold", "threshold": -0.6},
+        },
+        LENGTH,
+        wraps="KnormPress",
+        ratio=0.0,
+        model="tiny-qwen2",
+        forward=True,
+    ),
+    # PerLayerCompressionPress around KnormPress: each layer at its own compression ratio, kvlab's
+    # per_layer ratios are the kept shares 1 - cr of the whole prompt (budget ratio 1.0); no window
+    "per_layer": Case(
+        "PerLayerCompressionPress",
+        {"compression_ratios": [0.3, 0.65]},
+        {
+            "budget": {"ratio": 1.0, "window": 0},
+            "importance": {"key_norm": {}},
+            "allocate": {"layer": {"name": "per_layer", "ratios": [0.7, 0.35]}},
+        },
+        LENGTH,
+        wraps="KnormPress",
+        ratio=0.0,
+        forward=True,
+    ),
+    "per_layer_qwen2": Case(
+        "PerLayerCompressionPress",
+        {"compression_ratios": [0.75, 0.5, 0.15]},
+        {
+            "budget": {"ratio": 1.0, "window": 0},
+            "importance": {"key_norm": {}},
+            "allocate": {"layer": {"name": "per_layer", "ratios": [0.25, 0.5, 0.85]}},
+        },
+        LENGTH,
+        wraps="KnormPress",
+        ratio=0.0,
+        model="tiny-qwen2",
+        forward=True,
     ),
 }
 
