@@ -214,12 +214,16 @@ def run_pareto(
             cfg = run_config(cell.method, cell.ratio, node, run, ns.model, quantize)
             # the engine check compares the full cache with transformers: once, in the full 16-bit run
             cfg["model"]["verify"] = "first_batch" if cell == reference_pareto.REFERENCE else "off"
-            ran = run_cell(cfg, cell.method, cell.ratio, f"as {cell.format} on {task}", refused)
-            count += ran
-            if not ran:
+            reasons: Refusals = {}
+            if run_cell(cfg, cell.method, cell.ratio, f"on {task}", reasons):
+                count += 1
+            for (_, _, reason), _ in reasons.items():
                 refused_cells.add(cell)
+                refused.setdefault((cell.method, task, reason), []).append(cell)
     if count == 0:
-        raise ConfigError(f"kvlab reference-table: every cell was refused ({refused_text(refused)}).")
+        raise ConfigError(
+            f"kvlab reference-table: every cell was refused ({reference_pareto.refused_text(refused)})."
+        )
     wall = time.perf_counter() - wall
     reference = reference_pareto.REFERENCE if reference_pareto.REFERENCE in crossed else None
     panels = {
@@ -228,13 +232,14 @@ def run_pareto(
     }
     parts = [
         f"`{ns.model}`, {samples} samples per cell (one sample moves a cell by {100 / samples:.1f} points; "
-        f"{half_width_text(samples)}); formats {', '.join(formats)}; {count} runs in {wall:.0f} s wall.\n"
+        f"{half_width_text(samples)}); formats {', '.join(formats)}; {count} runs, {wall:.0f} s wall in this "
+        "command (with --resume, a finished run is only read).\n"
     ]
     for task in tasks:
         parts.append(f"\n**{task}**, `{metric}` (%)\n\n")
         parts.append(reference_pareto.pareto_table(panels[task], refused_cells, reference))
     if refused:
-        parts.append("\nRefused, no run: " + refused_text(refused) + "\n")
+        parts.append("\nRefused, no run: " + reference_pareto.refused_text(refused) + "\n")
     text = "".join(parts)
     (root / "reference_pareto.md").write_text(text)
     print(text, end="")

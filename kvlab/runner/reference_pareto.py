@@ -8,7 +8,8 @@ run_name`; ``none`` keeps the plain table's names, so its runs are the plain tab
 :func:`pareto_table` prints every cell's score with its 95% interval, its mean kept KV bytes per
 sample and their share of the full cache, and marks the cells on the Pareto front of bytes
 against score (:func:`pareto_front`); :func:`plot_pareto` draws score against kept bytes (log x),
-one colour per method, one marker per format, the front as a step line. ``--docs`` replaces the
+one colour per method, one marker per format (coinciding points side by side), the front as a
+step line. ``--docs`` replaces the
 block between the ``<!-- reference-pareto -->`` markers::
 
     kvlab reference-table --methods full,snapkv,mixkv_snapkv,keydiff,retrieval \\
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.config.errors import ConfigError
-from kvlab.runner.leaderboard import MARKERS, markdown, pyplot
+from kvlab.runner.leaderboard import MARKERS, dodge, markdown, pyplot
 from kvlab.runner.marked_cells import CellScores, cell_text, differs, interval, interval_kinds, legend, value
 from kvlab.runner.reference_table import run_name
 from kvlab.runner.writer import PREDICTIONS, read_predictions
@@ -185,6 +186,17 @@ def pareto_legend(kinds: set[str]) -> str:
     )
 
 
+def refused_text(refused: dict[tuple[str, str, str], list[Cell]]) -> str:
+    """The refused cells, one entry per (method, task, reason) with its formats and budgets:
+    ``retrieval as int8, int4 at 25% on retrieval-1k: <the ConfigError's first line>``."""
+    entries = []
+    for (method, task, reason), cells in refused.items():
+        formats = ", ".join(dict.fromkeys(c.format for c in cells))
+        budgets = ", ".join(dict.fromkeys(_budget(c) for c in cells))
+        entries.append(f"`{method}` as {formats} at {budgets} on {task}: {reason}")
+    return "; ".join(entries)
+
+
 def plot_pareto(panels: dict[str, dict[Cell, CellResult | None]], path: Path, title: str) -> Path | None:
     """Score (%) against mean kept KV bytes per sample (MiB, log x), one panel per task of
     ``panels``: a colour per method, a marker per format, each point's 95% interval as a bar, the
@@ -206,7 +218,10 @@ def plot_pareto(panels: dict[str, dict[Cell, CellResult | None]], path: Path, ti
     for ax, (task, results) in zip(axes.flat, scored.items(), strict=True):
         ranked = list(results)
         points = [(results[c].kept_bytes / 2**20, 100 * value(results[c].scores)) for c in ranked]
-        for cell, (x, y) in zip(ranked, points, strict=True):
+        # coinciding points (equal bytes and score) side by side, so every marker stays visible
+        shifted, _ = dodge({str(i): [p] for i, p in enumerate(points)}, log=True)
+        for i, cell in enumerate(ranked):
+            (x, y) = shifted[str(i)][0]
             bounds = interval(results[cell].scores)
             err = [[y - 100 * bounds.low], [100 * bounds.high - y]] if bounds is not None else None
             ax.errorbar(x, y, yerr=err, color=colours[cell.method], alpha=0.35, linewidth=1, capsize=0)
@@ -216,6 +231,8 @@ def plot_pareto(panels: dict[str, dict[Cell, CellResult | None]], path: Path, ti
         xs, ys = zip(*front, strict=True)
         ax.step(xs, ys, where="post", color="black", linestyle="--", linewidth=1.2)
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
         ax.set_xlabel("kept KV per sample (MiB, log scale)")
         ax.set_ylabel("score (%)")
         ax.set_ylim(-3, 103)

@@ -133,7 +133,7 @@ def test_cli_end_to_end_two_formats(tmp_path: Path, capsys: pytest.CaptureFixtur
     )
     text = doc.read_text()
     assert "| retrieval | kivi2 | 50% | refused | - | - |  |" in text
-    assert "Refused, no run: `retrieval` at 50% as kivi2 on retrieval-512: model.compression.quantize" in text
+    assert "Refused, no run: `retrieval` as kivi2 at 50% on retrieval-512: model.compression.quantize" in text
     assert text.count("| front |") >= 1 and "| full | none | 100% | " in text
     assert text.split(pareto.PARETO_START)[1].split(pareto.PARETO_END)[0].strip() in capsys.readouterr().out
     assert (tmp_path / "fig" / "p.png").stat().st_size > 10_000
