@@ -212,7 +212,7 @@ def run_pareto(
             run = {"dir": str(root), "experiment": task, "method": cell.name}
             quantize = reference_pareto.FORMATS[cell.format]
             cfg = run_config(cell.method, cell.ratio, node, run, ns.model, quantize)
-            # the engine check compares the full cache with transformers: once, in the full 16-bit run
+            # the engine check compares the full cache with transformers: once, in its unquantized run
             cfg["model"]["verify"] = "first_batch" if cell == reference_pareto.REFERENCE else "off"
             reasons: Refusals = {}
             if run_cell(cfg, cell.method, cell.ratio, f"on {task}", reasons):
