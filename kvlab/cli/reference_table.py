@@ -24,6 +24,17 @@ block between the ``<!-- reference-vlm -->`` markers::
 
     kvlab reference-table --suite vlm --docs docs/evaluation.md --figure docs/figures/reference_vlm.png
 
+``--formats none,int8,int4,kivi2,turbo3`` crosses the methods with storage formats on the
+synthetic tasks (:mod:`kvlab.runner.reference_pareto`): every (method, format, budget) is one run
+with ``model.compression.quantize`` set, under ``<dir>/<task>/<method>@budget=<ratio>,quantize=
+<format>/`` (``none``: the plain table's run); the table gives each cell's score, mean kept KV
+bytes and Pareto mark, the figure score against kept bytes; ``--docs`` replaces the block between
+the ``<!-- reference-pareto -->`` markers::
+
+    kvlab reference-table --methods full,snapkv,mixkv_snapkv,keydiff,retrieval \
+        --formats none,int8,int4,kivi2,turbo3 --samples 20 \
+        --docs docs/evaluation.md --figure docs/figures/reference_pareto.png
+
 Each task directory is an ordinary experiment (``kvlab compare <dir>/<task>`` works on it).
 Runs are fresh unless ``--resume`` (stale predictions of other task parameters would mix in). The
 configs, run names and tables are :mod:`kvlab.runner.reference_table`'s.
@@ -42,7 +53,7 @@ from kvlab.config.loader import preset_names
 from kvlab.data.benchmarks.ruler_tasks import RULER_TASKS
 from kvlab.engine.protocols import PROTOCOLS
 from kvlab.models import validate_model_name
-from kvlab.runner import reference_vlm
+from kvlab.runner import reference_pareto, reference_vlm
 from kvlab.runner.fingerprint import RUN_JSON
 from kvlab.runner.marked_cells import half_width_text
 from kvlab.runner.reference_table import (
@@ -174,6 +185,75 @@ def refused_text(refused: Refusals) -> str:
     )
 
 
+def run_pareto(
+    ns: argparse.Namespace,
+    methods: tuple[str, ...],
+    budgets: tuple[float, ...],
+    tasks: list[str],
+    samples: int,
+) -> None:
+    """``kvlab reference-table --formats``: every (method, format, budget) cell on every task, one run
+    each (:mod:`kvlab.runner.reference_pareto`), then per task the bytes-against-score table and one
+    figure with a panel per task. A refused cell (``retrieval`` with a quantizer) is named under the
+    table (:func:`run_cell`) and its row reads ``refused``."""
+    formats = reference_pareto.parse_formats(ns.formats)
+    metric = ns.metric or "contains_answer"
+    root = Path(ns.dir)
+    validate_model_name(ns.model)  # a typo fails here, not as every cell "refused"
+    wall = time.perf_counter()
+    count, refused = 0, {}
+    crossed = reference_pareto.crossing(cells(methods, budgets), formats)
+    refused_cells: set[reference_pareto.Cell] = set()
+    for task in tasks:
+        node = {**TASKS[task], "num_samples": samples}
+        for cell in crossed:
+            if not ns.resume:
+                shutil.rmtree(root / task / cell.name, ignore_errors=True)
+            run = {"dir": str(root), "experiment": task, "method": cell.name}
+            quantize = reference_pareto.FORMATS[cell.format]
+            cfg = run_config(cell.method, cell.ratio, node, run, ns.model, quantize)
+            # the engine check compares the full cache with transformers: once, in its unquantized run
+            cfg["model"]["verify"] = "first_batch" if cell == reference_pareto.REFERENCE else "off"
+            reasons: Refusals = {}
+            if run_cell(cfg, cell.method, cell.ratio, f"on {task}", reasons):
+                count += 1
+            for (_, _, reason), _ in reasons.items():
+                refused_cells.add(cell)
+                refused.setdefault((cell.method, task, reason), []).append(cell)
+    if count == 0:
+        raise ConfigError(
+            f"kvlab reference-table: every cell was refused ({reference_pareto.refused_text(refused)})."
+        )
+    wall = time.perf_counter() - wall
+    reference = reference_pareto.REFERENCE if reference_pareto.REFERENCE in crossed else None
+    panels = {
+        task: {c: reference_pareto.cell_result(root / task / c.name, metric, (task, task)) for c in crossed}
+        for task in tasks
+    }
+    parts = [
+        f"`{ns.model}`, {samples} samples per cell (one sample moves a cell by {100 / samples:.1f} points; "
+        f"{half_width_text(samples)}); formats {', '.join(formats)}; {count} runs, {wall:.0f} s wall in this "
+        "command (with --resume, a finished run is only read).\n"
+    ]
+    for task in tasks:
+        parts.append(f"\n**{task}**, `{metric}` (%)\n\n")
+        parts.append(reference_pareto.pareto_table(panels[task], refused_cells, reference))
+    if refused:
+        parts.append("\nRefused, no run: " + reference_pareto.refused_text(refused) + "\n")
+    text = "".join(parts)
+    (root / "reference_pareto.md").write_text(text)
+    print(text, end="")
+    figure = root / "reference_pareto.png"
+    title = f"{ns.model}: {metric} (%) vs kept KV bytes, methods x storage formats"
+    if reference_pareto.plot_pareto(panels, figure, title) is not None and ns.figure is not None:
+        ns.figure.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(figure, ns.figure)
+        print(f"kvlab: wrote the figure {ns.figure}")
+    if ns.docs is not None:
+        replace_section(ns.docs, text, reference_pareto.PARETO_START, reference_pareto.PARETO_END)
+        print(f"kvlab: updated the bytes-against-score table in {ns.docs}")
+
+
 def _ruler_dataset(ns: argparse.Namespace) -> tuple[dict, int, str]:
     """``(the ruler dataset node, samples per cell, the caption's description)`` from ``--tasks``,
     ``--lengths`` and ``--samples`` (per task and length, default 1)."""
@@ -272,7 +352,12 @@ def main(args: list[str]) -> None:
     parser.add_argument("--model", help=f"model (default {MODEL}; --suite vlm: {reference_vlm.MODEL})")
     parser.add_argument("--resume", action="store_true", help="keep existing runs (skip finished samples)")
     parser.add_argument("--docs", type=Path, help="replace the table between the markers in this file")
-    parser.add_argument("--figure", type=Path, help="--suite: also copy the score-vs-budget PNG here")
+    parser.add_argument(
+        "--formats",
+        help=f"cross the methods with storage formats, from {','.join(reference_pareto.FORMATS)} (`none`: no "
+        "quantize step); prints bytes against score with the Pareto front (not with --suite)",
+    )
+    parser.add_argument("--figure", type=Path, help="--suite or --formats: also copy the figure (PNG) here")
     parser.add_argument("--no-plots", action="store_true", help="--suite: tables only (no PNG, TensorBoard)")
     ns = parser.parse_args(args)
     suite = ns.suite is not None
@@ -280,11 +365,16 @@ def main(args: list[str]) -> None:
     default_methods = reference_vlm.METHODS if ns.suite == "vlm" else SUITE_METHODS if suite else METHODS
     methods = tuple(m for m in (ns.methods or ",".join(default_methods)).split(",") if m)
     budgets = _floats(ns.budgets or ",".join(f"{b:g}" for b in (SUITE_BUDGETS if suite else BUDGETS)))
+    if suite and ns.formats is not None:
+        raise ConfigError(
+            f"kvlab reference-table: --formats crosses storage formats on the synthetic tasks only, not with "
+            f"--suite {ns.suite}; drop --suite (or --formats)."
+        )
     suite_only = {
         "--protocols": ns.protocols,
         "--lengths": ns.lengths,
         "--batch-size": ns.batch_size,
-        "--figure": ns.figure,
+        "--figure": ns.figure if ns.formats is None else None,
         "--no-plots": ns.no_plots or None,
     }
     if not suite and any(v is not None for v in suite_only.values()):
@@ -312,6 +402,9 @@ def main(args: list[str]) -> None:
             f"{', '.join(TASKS)}; --suite ruler takes RULER tasks)."
         )
     samples = 8 if ns.samples is None else ns.samples
+    if ns.formats is not None:
+        run_pareto(ns, methods, budgets, tasks, samples)
+        return
     metric = ns.metric or "contains_answer"
     root = Path(ns.dir)
     count, refused = 0, {}

@@ -80,9 +80,16 @@ VLM_MARKS = ("<!-- reference-vlm:start -->", "<!-- reference-vlm:end -->")
 
 
 def run_config(
-    method: str, ratio: float | None, task: dict[str, Any], run: dict[str, str], model_name: str = MODEL
+    method: str,
+    ratio: float | None,
+    task: dict[str, Any],
+    run: dict[str, str],
+    model_name: str = MODEL,
+    quantize: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The resolved ``kvlab predict`` config of one table cell (``ratio`` None: the preset's budget)."""
+    """The resolved ``kvlab predict`` config of one table cell (``ratio`` None: the preset's budget;
+    ``quantize``: the cell's ``model.compression.quantize``, :data:`kvlab.runner.reference_pareto.
+    FORMATS`)."""
     cfg = load_config(method)
     model = cfg.setdefault("model", {})
     model.update(model=model_name, fidelity=False)
@@ -92,14 +99,21 @@ def run_config(
         budget = dict(budget) if isinstance(budget, dict) else {}
         budget.pop("tokens", None)
         compression["budget"] = {**budget, "ratio": ratio}
+    if quantize is not None:
+        model["compression"] = {**compression, "quantize": dict(quantize)}
     cfg.setdefault("data", {})["dataset"] = dict(task)
     cfg["run"] = dict(run)
     return cfg
 
 
-def run_name(method: str, ratio: float | None) -> str:
-    """Directory name of a run: ``snapkv@budget=0.1`` (the sweep convention), ``full`` for the full cache."""
-    return method if ratio is None else f"{method}@budget={ratio:g}"
+def run_name(method: str, ratio: float | None, storage: str = "none") -> str:
+    """Directory name of a run: ``snapkv@budget=0.1`` (the sweep convention), ``full`` for the full
+    cache; a storage format other than ``none`` adds ``quantize=<format>``: ``snapkv@budget=0.1,
+    quantize=kivi2``, ``full@quantize=int8``."""
+    point = ([] if ratio is None else [f"budget={ratio:g}"]) + (
+        [] if storage == "none" else [f"quantize={storage}"]
+    )
+    return f"{method}@{','.join(point)}" if point else method
 
 
 def cells(methods: tuple[str, ...], budgets: tuple[float, ...]) -> list[tuple[str, float | None]]:
