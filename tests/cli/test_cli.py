@@ -234,7 +234,14 @@ def test_every_registry_is_enrolled_and_listed_with_its_kind_and_field():
     listing, last_line = listing.rstrip("\n").rsplit("\n", 1)
     on_import, everything = json.loads(first_line)
     assert on_import == everything  # importing kvlab.compression registers every component module
-    assert everything["model.compression.select"] == ["chunkkv", "merge", "retrieve", "topk", "two_stage"]
+    assert everything["model.compression.select"] == [
+        "chunkkv",
+        "merge",
+        "retrieve",
+        "threshold",
+        "topk",
+        "two_stage",
+    ]
     registries = json.loads(last_line)
     assert len(registries) >= 13
     for kind, field, names, enrolled in registries:
