@@ -9,8 +9,9 @@ All budgets count tokens per KV head; protected tokens are inside the layer budg
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -193,6 +194,18 @@ def layer_signal(signal: str, scores: dict[str, torch.Tensor], mixed: torch.Tens
             f"({', '.join(scores)}); write `signal: mixed` or the key of the scorer to allocate from."
         )
     return scores[signal]
+
+
+def require_every_layer(observed: Sized, ctx: Any, name: str, what: str, other_fix: str = "") -> None:
+    """Refuse to allocate before every compressed layer was observed: a layer allocator comparing
+    ``what`` across layers (``observed``: one entry per observed layer) can allocate only after the
+    last layer's prefill, i.e. under ``schedule: global``. The pipeline refuses another schedule
+    when it is built (``comparing_layers``); this guards a direct call."""
+    if len(observed) + len(ctx.run.whole_layers) != ctx.num_layers:
+        raise ConfigError(
+            f"model.compression.allocate.layer '{name}' compares {what} of every layer, known only after "
+            f"the last layer's prefill: set `model.compression.schedule: global`{other_fix}."
+        )
 
 
 def round_to_total(real: torch.Tensor, total: int) -> torch.Tensor:

@@ -23,11 +23,16 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, layer_signal, round_to_total
+from kvlab.compression.allocators import (
+    LAYER_ALLOCATORS,
+    LayerAllocator,
+    layer_signal,
+    require_every_layer,
+    round_to_total,
+)
 from kvlab.compression.context import LayerContext
 from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities
-from kvlab.config.errors import ConfigError
 
 
 @dataclass
@@ -59,11 +64,7 @@ class ModelTopKAllocator(LayerAllocator):
 
     def allocate(self, budget, lengths, protected, ctx):
         seen = ctx.run.owned(self, RankedLayers)
-        if len(seen.scores) + len(ctx.run.whole_layers) != ctx.num_layers:
-            raise ConfigError(
-                "model.compression.allocate.layer 'model_topk' ranks every layer's entries together, which "
-                "exist only after the last layer's scores: set `model.compression.schedule: global`."
-            )
+        require_every_layer(seen.scores, ctx, "model_topk", "the entries' scores")
         if seen.sizes is None:
             layers = sorted(seen.scores)
             seen.sizes = dict(zip(layers, self.sizes(seen, budget, lengths, protected, layers), strict=True))

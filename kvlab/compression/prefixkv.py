@@ -36,7 +36,13 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, layer_signal, round_to_total
+from kvlab.compression.allocators import (
+    LAYER_ALLOCATORS,
+    LayerAllocator,
+    layer_signal,
+    require_every_layer,
+    round_to_total,
+)
 from kvlab.compression.context import LayerContext
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.config import papers
@@ -301,12 +307,10 @@ class PrefixThresholdAllocator(LayerAllocator):
 
     def allocate(self, budget, lengths, protected, ctx):
         seen = ctx.run.owned(self, lambda: ThresholdObservations(ctx.valid))
-        if len(seen.importance) + len(ctx.run.whole_layers) != ctx.num_layers:
-            raise ConfigError(
-                "model.compression.allocate.layer 'prefix_threshold' compares every layer's scores, which "
-                "exist only after the last layer's prefill: set `model.compression.schedule: global` (or "
-                "use the offline `prefix_calibrated` allocator with a calibration artefact)."
-            )
+        require_every_layer(
+            seen.importance, ctx, "prefix_threshold", "the scores",
+            " (or use the offline `prefix_calibrated` allocator with a calibration artefact)",
+        )  # fmt: skip
         if seen.sizes is None:
             layers = sorted(seen.importance)  # every layer the pipeline compresses (all observed)
             seen.sizes = dict(zip(layers, self.sizes(seen, budget, lengths, layers), strict=True))

@@ -15,14 +15,13 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, round_to_total
+from kvlab.compression.allocators import LAYER_ALLOCATORS, LayerAllocator, require_every_layer, round_to_total
 from kvlab.compression.context import LayerContext, attention_probs
 from kvlab.compression.hybridkv import text_queries
 from kvlab.compression.importance import IMPORTANCE, ImportanceScorer
 from kvlab.compression.ops import reduce_groups
 from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities
-from kvlab.config.errors import ConfigError
 
 
 def post_vision_attention(ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,11 +121,7 @@ class VLCacheLayerAllocator(LayerAllocator):
 
     def allocate(self, budget, lengths, protected, ctx):
         seen = ctx.run.owned(self, DensityObservations)
-        if len(seen.density) + len(ctx.run.whole_layers) != ctx.num_layers:
-            raise ConfigError(
-                "model.compression.allocate.layer 'vl_cache' compares every layer's post-vision sparsity, "
-                "which exists only after the last layer's prefill: set `model.compression.schedule: global`."
-            )
+        require_every_layer(seen.density, ctx, "vl_cache", "the post-vision sparsity")
         if seen.budgets is None:
             layers = sorted(seen.density)
             density = torch.stack([seen.density[layer].cpu() for layer in layers])  # [L, B]
