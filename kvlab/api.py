@@ -27,15 +27,19 @@ import torch
 import kvlab.models as models
 from kvlab.config.compression import PipelineSource, compression_config
 from kvlab.config.errors import ConfigError
+from kvlab.data.sample import refuse_unused_limit
 from kvlab.engine.generation import GenerationResult, RunOptions
 from kvlab.engine.prefill_plan import check_prefill_chunk
-from kvlab.engine.protocols import Protocol, build_protocol
+from kvlab.engine.protocols import Protocol, build_protocol, sample_limits
 from kvlab.engine.registration import ATTENTION_NAME, enable_kvlab_attention
 from kvlab.models.base import Batch, LoadedModel
 from kvlab.models.common import text_config
 from kvlab.models.prompts import ImagesArg, collate_items, prompt_batches, prompt_items
 from kvlab.pipeline import Pipeline
 from kvlab.pipeline.report import LayerReport
+
+#: the decode limit of :func:`compress_and_generate` for prompts without a limit of their own
+DEFAULT_MAX_NEW_TOKENS = 32
 
 __all__ = [
     "Output",
@@ -164,6 +168,8 @@ class Output:
         prompt: the prompt as given (string, chat messages or token ids).
         text: the generated text (special tokens skipped).
         token_ids: the generated token ids (stops before the first eos token or at the limit).
+        max_new_tokens: the limit this prompt decoded under: its sample's own (a benchmark's
+            answer length) or the run's ``max_new_tokens``.
         prompt_ids: the prompt's token ids as the model saw them (chat template applied, each
             image expanded to its image tokens), ``prompt_tokens`` of them.
         modality: per prompt token: 0 text, 1 image, 2 video.
@@ -184,6 +190,7 @@ class Output:
     prompt: Any
     text: str
     token_ids: list[int]
+    max_new_tokens: int
     prompt_ids: list[int]
     modality: list[int]
     prompt_tokens: int
@@ -216,6 +223,7 @@ class Output:
         return {
             "output": self.text,
             "output_tokens": len(self.token_ids),
+            "max_new_tokens": self.max_new_tokens,
             "prompt_tokens": self.prompt_tokens,
             "kept_per_layer_head": self.kept.tolist(),
             "kv_bytes_full": self.kv_bytes_full,
@@ -265,7 +273,7 @@ def compress_and_generate(
     prompts: Any,
     *,
     images: ImagesArg = None,
-    max_new_tokens: int = 32,
+    max_new_tokens: int | None = None,
     batch_size: int | None = None,
     protocol: str | Mapping[str, Any] | Protocol = "query_aware",
     prefill_chunk: int | None = None,
@@ -285,7 +293,9 @@ def compress_and_generate(
         images: vision-language models: one entry per prompt, each None, a PIL image or a list
             of them; they go before the text in the user turn. Only string prompts and chats of
             one user turn (after an optional system turn, string contents) take images.
-        max_new_tokens: greedy decode limit per prompt.
+        max_new_tokens: greedy decode limit per prompt; None: a Sample's own ``max_new_tokens``,
+            else :data:`DEFAULT_MAX_NEW_TOKENS`. Given, it must apply to every prompt: a Sample
+            whose own limit differs is refused (its own limit would win).
         batch_size: prompts per forward (left-padded); None runs all of one kind at once. String
             and one-turn prompts are batched by the processor's ``collate``, the others as token
             ids; either way a prompt gives the same output as alone. Under ``multi_question`` it
@@ -314,34 +324,47 @@ def compress_and_generate(
         )
     if not isinstance(pipeline, Pipeline):
         pipeline = load_pipeline(pipeline)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+    limit = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigError(f"max_new_tokens must be None or an int >= 1, got {max_new_tokens!r}.")
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ConfigError(f"batch_size must be None or an int >= 1, got {batch_size!r}.")
     protocol = build_protocol(protocol)
     protocol.check(pipeline)
     check_prefill_chunk(pipeline, prefill_chunk)
-    options = RunOptions(max_new_tokens, prefill_chunk=prefill_chunk)
+    options = RunOptions(limit, prefill_chunk=prefill_chunk)
     items = prompt_items(model, prompts, images)
+    if max_new_tokens is not None:
+        samples = [item.sample for item in items if item.sample is not None]
+        fix = (
+            "Pass max_new_tokens=None (each Sample decodes under its own limit) or set Sample.max_new_tokens."
+        )
+        refuse_unused_limit(samples, limit, "max_new_tokens", fix)
     _ensure_kvlab_attention(model)
     outputs: list[Output | None] = [None] * len(items)
     for chunk in prompt_batches(items, batch_size, protocol.groups_contexts):
         batch = collate_items(model, chunk)
         result = protocol.run(model, pipeline, batch, options).result
         reported = pipeline.report(result.reports, result.kv_bytes_kept).samples
-        for item, output in zip(chunk, batch_outputs(model, batch, result, reported), strict=True):
+        for item, output in zip(chunk, batch_outputs(model, batch, result, reported, limit), strict=True):
             output.prompt = item.prompt
             outputs[item.index] = output
     return outputs  # type: ignore[return-value]
 
 
 def batch_outputs(
-    loaded: LoadedModel, batch: Batch, result: GenerationResult, reported: Sequence[dict[str, Any]]
+    loaded: LoadedModel,
+    batch: Batch,
+    result: GenerationResult,
+    reported: Sequence[dict[str, Any]],
+    max_new_tokens: int,
 ) -> list[Output]:
     """One :class:`Output` per sample of a batch's :class:`GenerationResult` (padding removed; its
     ``prompt`` the prompt's ids until the caller sets it); ``reported``: each sample's fields from
-    the pipeline's components (:meth:`kvlab.pipeline.Pipeline.report`)."""
+    the pipeline's components (:meth:`kvlab.pipeline.Pipeline.report`); ``max_new_tokens``: the
+    run's limit, for the samples without their own."""
     B, T = batch.input_ids.shape
+    limits = sample_limits(batch, max_new_tokens).tolist()
     outputs = []
     for b in range(B):
         length = int(result.prompt_lengths[b])
@@ -352,6 +375,7 @@ def batch_outputs(
             prompt=prompt_ids,
             text=loaded.processor.decode(result.tokens[b]),
             token_ids=list(result.tokens[b]),
+            max_new_tokens=int(limits[b]),
             prompt_ids=prompt_ids,
             modality=batch.modality[b, pad:].tolist(),
             prompt_tokens=length,

@@ -47,7 +47,7 @@ from kvlab.runner.files import atomic_write_text
 from kvlab.runner.fingerprint import check_run, clear_results, fingerprint_fields, kvlab_version, record_run
 from kvlab.runner.guards import RunGuard, make_run_dir
 from kvlab.runner.module import KVLabModule, RunFiles
-from kvlab.runner.plan import RUN_DEFAULTS, RunPlan, plan_run
+from kvlab.runner.plan import RUN_DEFAULTS, RunPlan, check_answer_limits, plan_run
 from kvlab.runner.progress import RunProgress, format_summary
 from kvlab.runner.run_names import override_suffix
 from kvlab.runner.views import write_run_summary
@@ -99,6 +99,9 @@ def run_plan(plan: RunPlan) -> None:
         question_split=plan.question_split,
     )
     selected = datamodule.selected_samples
+    limits = check_answer_limits(plan, selected)
+    if limits and launch_rank() == 0:
+        print(f"kvlab: note: {limits} (each record holds the limit its sample decoded under)")
     if selected and not any(s.answers for s in selected) and launch_rank() == 0:
         print(
             "kvlab: note: no sample of data.dataset has reference answers, so the run reports no task "
@@ -195,7 +198,8 @@ def main(args: list[str]) -> None:
             cfg = {**cfg, "run": {**run, "method": f"{run['method']}@{name}"}}
         runs.append(cfg)
     # every point of a sweep is checked before the first one runs
-    plans = [plan_run(cfg, imports, build=len(runs) > 1) for cfg in runs]
+    given = [dotted for dotted, _ in overrides]
+    plans = [plan_run(cfg, imports, build=len(runs) > 1, given=given) for cfg in runs]
     if PRINT_CONFIG in rest:
         print(config_text(plans[0]), end="")
         raise SystemExit(0)
@@ -261,7 +265,7 @@ def run_predict(resolved: dict[str, Any] | None, rest: list[str], imports: Seque
     if IMPORTS_KEY in resolved:  # a caller that did not import them first
         imports = list(dict.fromkeys([*imports, *resolved.pop(IMPORTS_KEY)]))
         import_plugins(imports)
-    plan = plan_run(resolved, imports)
+    plan = plan_run(resolved, imports, given=[dotted for dotted, _ in overrides])
     if PRINT_CONFIG in rest:
         print(config_text(plan), end="")
         raise SystemExit(0)

@@ -61,6 +61,39 @@ class Sample:
         return self.prompt[: len(self.prompt) - len(self.question)] if self.question else self.prompt
 
 
+def own_limits(samples: Sequence[Sample], limit: int) -> list[Sample]:
+    """The samples that decode under their own ``max_new_tokens`` (a benchmark's answer length for
+    its task), not under ``limit``: those whose own limit is set and differs from it."""
+    return [s for s in samples if s.max_new_tokens is not None and s.max_new_tokens != limit]
+
+
+def describe_own_limits(samples: Sequence[Sample], limit: int, total: int) -> str:
+    """``"3 of the 8 samples carry their own answer limit (32 to 128 tokens)"``: what
+    :func:`own_limits` found, for a note or a refusal (empty when every sample decodes under ``limit``)."""
+    own = own_limits(samples, limit)
+    if not own:
+        return ""
+    low, high = min(s.max_new_tokens or 0 for s in own), max(s.max_new_tokens or 0 for s in own)
+    span = f"{low} tokens" if low == high else f"{low} to {high} tokens"
+    return f"{len(own)} of the {total} samples carry their own answer limit ({span})"
+
+
+def refuse_unused_limit(samples: Sequence[Sample], limit: int, field: str, fix: str) -> None:
+    """Refuse a ``max_new_tokens`` the user gave explicitly (``field``: where) that some samples
+    would not decode under: a sample's own limit (a benchmark's protocol length, a row's
+    ``max_new_tokens``) always wins, so the run would answer another question than the one asked.
+
+    Raises:
+        ConfigError: how many samples, their limits, and ``fix``.
+    """
+    found = describe_own_limits(samples, limit, len(samples))
+    if found:
+        raise ConfigError(
+            f"{field} = {limit} would not apply: {found}, which kvlab decodes under instead (a sample's own "
+            f"limit is its benchmark's protocol and always wins). {fix}"
+        )
+
+
 def require_questions(samples: Sequence[Sample], why: str) -> None:
     """Refuse samples that do not mark their question (``Sample.question``) in a run that compresses
     each context apart from its question (``why`` names it): the split would put the question in the

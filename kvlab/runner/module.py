@@ -256,7 +256,7 @@ class KVLabModule(L.LightningModule):
             peak, kind = process_peak_rss_bytes(), "process_rss_high_water"
         rows = position_rows(run, batch, self.protocol.registry_name) if options.record_positions else None
         report = self.pipeline.report(result.reports, result.kv_bytes_kept)  # the components' fields
-        outputs = batch_outputs(self.loaded, batch, result, report.samples)
+        outputs = batch_outputs(self.loaded, batch, result, report.samples, self.options.max_new_tokens)
         records = self.records(outputs, result.reports, batch, rows)
         for record, extra in zip(records, run.extras, strict=True):
             record["protocol"] = self.protocol.registry_name

@@ -33,6 +33,8 @@ from kvlab.config.errors import ConfigError, did_you_mean
 from kvlab.config.loader import check_fields
 from kvlab.config.names import run_directory
 from kvlab.config.values import check_numbers
+from kvlab.data.datasets import DATASETS
+from kvlab.data.sample import Sample, describe_own_limits, refuse_unused_limit
 from kvlab.engine.protocols import build_protocol
 from kvlab.runner.datamodule import KVLabDataModule
 from kvlab.runner.module import KVLabModule
@@ -121,6 +123,9 @@ class RunPlan:
         question_split: what compresses each context apart from its question (``model.protocol =
             query_agnostic``, a progressive prefill with ``question: true``), so every sample must
             mark its question; None when nothing does.
+        given: the dotted fields set on the command line (``model.max_new_tokens``, ...): what the
+            user asked for explicitly, refused where it would not apply
+            (:func:`check_answer_limits`).
     """
 
     model: Mapping[str, Any]
@@ -131,6 +136,7 @@ class RunPlan:
     imports: tuple[str, ...] = ()
     groups_contexts: bool = field(default=False)
     question_split: str | None = None
+    given: frozenset[str] = frozenset()
 
     def model_arguments(self) -> dict[str, Any]:
         """``KVLabModule``'s config arguments (a copy the module may keep)."""
@@ -165,12 +171,18 @@ class RunPlan:
         return config
 
 
-def plan_run(resolved: Mapping[str, Any] | None, imports: Sequence[str] = (), build: bool = False) -> RunPlan:
+def plan_run(
+    resolved: Mapping[str, Any] | None,
+    imports: Sequence[str] = (),
+    build: bool = False,
+    given: Sequence[str] = (),
+) -> RunPlan:
     """Validate one run's resolved config and return its :class:`RunPlan`; nothing is loaded or
-    written. Each problem is one :class:`ConfigError` naming the field, the value, what is
-    accepted and the fix. The pipeline and the dataset validate themselves when the driver builds
-    the module and the data module, still before anything is written; ``build`` (the points of a
-    sweep) builds them here too, so that every point is checked before the first one runs."""
+    written (``given``: the dotted fields the command line set, :attr:`RunPlan.given`). Each
+    problem is one :class:`ConfigError` naming the field, the value, what is accepted and the fix.
+    The pipeline and the dataset validate themselves when the driver builds the module and the
+    data module, still before anything is written; ``build`` (the points of a sweep) builds them
+    here too, so that every point is checked before the first one runs."""
     cfg = dict(resolved or {})
     check_numbers(cfg)
     unknown = sorted(set(cfg) - TOP_LEVEL)
@@ -218,7 +230,36 @@ def plan_run(resolved: Mapping[str, Any] | None, imports: Sequence[str] = (), bu
         imports=tuple(imports),
         groups_contexts=build_protocol(model["protocol"]).groups_contexts,
         question_split=question_split(model),
+        given=frozenset(given),
     )
+
+
+def check_answer_limits(plan: RunPlan, samples: Sequence[Sample]) -> str:
+    """The run's ``model.max_new_tokens`` against the samples' own limits (a benchmark's answer
+    length per task wins over it: ``Sample.max_new_tokens``).
+
+    Given on the command line (``--model.max_new_tokens``) and not applying to some sample, it is
+    refused: the user asked for a limit the run would not use. Set in a config file, it is the
+    default for the samples without a limit of their own (a run's ``config.yaml``, run again,
+    holds it whatever the dataset), and the returned note says which samples decode under their
+    own; empty when none does. Each prediction record holds the limit its sample decoded under.
+
+    Raises:
+        ConfigError: the explicit limit, the samples it would not reach, and the fix.
+    """
+    limit = int(plan.model["max_new_tokens"])
+    if "model.max_new_tokens" in plan.given:
+        dataset = DATASETS.get(plan.data["dataset"]["name"], "data.dataset")
+        own_field = "max_new_tokens" in config_fields(dataset)
+        fix = (
+            f"Set --data.dataset.max_new_tokens {limit} (this dataset's answer limit) instead."
+            if own_field
+            else "Remove --model.max_new_tokens: it applies only to samples without a limit of their own."
+        )
+        refuse_unused_limit(samples, limit, "--model.max_new_tokens", fix)
+        return ""
+    found = describe_own_limits(samples, limit, len(samples))
+    return f"{found}, which replaces model.max_new_tokens ({limit}) for them" if found else ""
 
 
 def question_split(model: Mapping[str, Any]) -> str | None:

@@ -370,15 +370,16 @@ def test_math_problems_are_prompted_to_box_their_answer_and_checked_by_math_veri
     ["query_aware", "{name: decode_time, interval: 4, target_size: 20}"],
 )
 def test_math500_runs_under_query_aware_and_decode_time(tmp_path: Path, protocol: str) -> None:
-    from support.cli import TINY, predict
+    from support.cli import TINY_MODEL, predict
 
     knorm = ["--model.compression.budget", "{tokens: 10000, window: 4}"]
     dataset = f"{{name: math500, path: {BENCHMARKS / 'math500'}, max_new_tokens: 10}}"
-    predict(tmp_path, "--config", "knorm.yaml", *TINY, *knorm, "--model.protocol", protocol,
+    predict(tmp_path, "--config", "knorm.yaml", *TINY_MODEL, *knorm, "--model.protocol", protocol,
             "--data.dataset", dataset)  # fmt: skip
     run_dir = tmp_path / "runs" / "exp" / "knorm"
     records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
     assert [r["math_verify_accuracy"] for r in records] == [0.0, 0.0]  # a random tiny model
+    assert [r["max_new_tokens"] for r in records] == [10, 10]  # the dataset's limit
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["task_samples"] == {"math_verify_accuracy": 2}
 
@@ -440,10 +441,10 @@ def test_scbench_mf_list_context_is_written_as_the_official_prompt_writes_it(tmp
 
 
 def test_scbench_runs_under_multi_question_one_compression_per_context(tmp_path: Path) -> None:
-    from support.cli import TINY, predict
+    from support.cli import TINY_MODEL, predict
 
     dataset = f"{{name: scbench, path: {BENCHMARKS / 'scbench'}, tasks: [scbench_kv]}}"
-    predict(tmp_path, "--config", "knorm.yaml", *TINY, "--model.protocol", "multi_question",
+    predict(tmp_path, "--config", "knorm.yaml", *TINY_MODEL, "--model.protocol", "multi_question",
             "--data.dataset", dataset, "--data.batch_size", "1")  # fmt: skip
     run_dir = tmp_path / "runs" / "exp" / "knorm"
     records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]

@@ -6,14 +6,10 @@ from pathlib import Path
 
 from kvlab.cli.main import main
 
-TINY = [
-    "--model.model",
-    "tiny-llama",
-    "--trainer.enable_progress_bar",
-    "false",
-    "--model.max_new_tokens",
-    "4",
-]
+#: the tiny model, for datasets whose samples carry their own answer limit (an explicit
+#: ``--model.max_new_tokens`` that would not apply to them is refused)
+TINY_MODEL = ["--model.model", "tiny-llama", "--trainer.enable_progress_bar", "false"]
+TINY = [*TINY_MODEL, "--model.max_new_tokens", "4"]
 
 
 def write_jsonl(path, rows):
