@@ -21,6 +21,9 @@ from kvlab.data.sample import Sample
 from kvlab.metrics.fidelity import Reference
 
 REFERENCE_DIR = "reference"
+#: part of every key: 2 since a pipeline that only quantizes (or prunes channels) stopped being
+#: taken as its own reference: references stored before are recomputed, never trusted
+REFERENCE_FORMAT = 2
 
 
 def reference_key(
@@ -29,7 +32,7 @@ def reference_key(
     """Hex digest naming one sample's reference (``prompt_ids``: the valid prompt token ids)."""
     digest = hashlib.sha256()
     limit = sample.max_new_tokens if sample.max_new_tokens is not None else max_new_tokens
-    digest.update(f"{model}\0{dtype}\0{limit}\0{sample.id}\0".encode())
+    digest.update(f"{REFERENCE_FORMAT}\0{model}\0{dtype}\0{limit}\0{sample.id}\0".encode())
     digest.update(prompt_ids.to(torch.int64).cpu().numpy().tobytes())
     for image in sample.images:
         digest.update(f"{image.mode}{image.size}".encode())

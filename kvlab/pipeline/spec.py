@@ -472,6 +472,19 @@ class Pipeline(LayerExecution, RoutedExecution):
         """False for the full cache (no scorer configured, in no branch)."""
         return bool(self.importance or self.diversity) or any(b.compresses for b in self.branches.values())
 
+    @property
+    def keeps_full_cache(self) -> bool:
+        """True when every prompt entry stays as the full cache holds it: nothing is evicted or
+        merged (:attr:`compresses`), quantized or channel-pruned, in no branch. Only then are the
+        run's outputs the full cache's by construction (its own fidelity reference); a pipeline
+        that only quantizes does not compress but changes every entry."""
+        return (
+            not self.compresses
+            and self.quantizer is None
+            and self.channel_pruner is None
+            and all(b.keeps_full_cache for b in self.branches.values())
+        )
+
     @classmethod
     def _routed(cls, node: dict[str, Any]) -> Pipeline:
         """A pipeline whose layers go to branches (parent node + branch fields) chosen by a rule."""

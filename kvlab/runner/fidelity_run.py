@@ -7,8 +7,8 @@ For a batch already generated with the method's pipeline (``result``, with step 
 
 1. each sample's :class:`~kvlab.metrics.fidelity.Reference` is loaded from the
    :class:`~kvlab.metrics.reference.ReferenceStore`; if any is missing, the full cache runs on
-   the whole batch once and the missing ones are stored (a method that does not compress is
-   its own reference);
+   the whole batch once and the missing ones are stored (a method that keeps the full cache,
+   nothing evicted, quantized or pruned, is its own reference);
 2. if every sample's greedy output equals its reference, the method's own step logits are
    the teacher-forced logits (same inputs at every decided position); otherwise the method
    runs again on the batch through its protocol, fed the references' tokens
@@ -57,7 +57,8 @@ class FidelityEvaluator:
     def references(self, batch: Batch, own: GenerationResult | None = None) -> list[Reference]:
         """One full-cache :class:`Reference` per sample (loaded, or computed and stored).
 
-        ``own``: the batch's result with a pipeline that does not compress (used as the reference).
+        ``own``: the batch's result with a pipeline that keeps the full cache
+        (:attr:`~kvlab.pipeline.Pipeline.keeps_full_cache`; used as the reference).
         """
         valid = batch.attention_mask.bool()
         name = self.loaded.info.name
@@ -77,7 +78,7 @@ class FidelityEvaluator:
 
     def evaluate(self, pipeline: Pipeline, batch: Batch, result: GenerationResult) -> list[dict[str, float]]:
         """Per-sample fidelity fields of ``result`` (``pipeline``'s run, with ``return_logits=True``)."""
-        refs = self.references(batch, None if pipeline.compresses else result)
+        refs = self.references(batch, result if pipeline.keeps_full_cache else None)
         if all(tokens == ref.tokens for tokens, ref in zip(result.tokens, refs, strict=True)):
             forced = result.step_logits
         else:
@@ -87,8 +88,8 @@ class FidelityEvaluator:
 
     def run(self, pipeline: Pipeline, batch: Batch, teacher: torch.Tensor | None = None) -> GenerationResult:
         """``pipeline`` on ``batch`` with step logits (teacher-forced by ``teacher`` ``[B, S]``):
-        through :attr:`protocol` when it compresses, ``query_aware`` (prefill, then decode) for the
-        full cache."""
-        protocol = self.protocol if pipeline.compresses else build_protocol("query_aware")
+        through :attr:`protocol`, or ``query_aware`` (prefill, then decode) for a pipeline that
+        keeps the full cache."""
+        protocol = build_protocol("query_aware") if pipeline.keeps_full_cache else self.protocol
         options = RunOptions(self.options.max_new_tokens, True, False, teacher, self.options.prefill_chunk)
         return protocol.run(self.loaded, pipeline, batch, options).result
