@@ -98,7 +98,7 @@ def score_figures(board: Leaderboard, kind: str, title: str) -> dict[str, Any]:
     the axes, so the saved PNG and the TensorBoard image are the same picture."""
     order = family_order(board)
     styles = line_styles(
-        [m for family in order for m in family_methods(board, family) if m not in board.full]
+        [m for family in order for m in family_methods(board, family) if m not in board.reference]
     )
 
     @styled

@@ -76,6 +76,20 @@ def budget_point(fields: dict[str, Any]) -> BudgetPoint:
     return BudgetPoint("tokens" if isinstance(budget, int) else "ratio", float(budget))
 
 
+#: the ``model.compression`` steps that change the kept entries without evicting any (a pipeline of
+#: them alone has no budget, yet is not the full cache)
+ENTRY_STEPS = ("quantize", "channels")
+
+
+def keeps_full_cache(fields: dict[str, Any]) -> bool:
+    """Whether a run keeps the full cache (no budget, and nothing quantized or channel-pruned): the
+    reference the other rows are marked against. A run that only quantizes has no budget either
+    (its score fills every column) but is not the full cache."""
+    compression = (fields.get("model") or {}).get("compression") or {}
+    changes = any(compression.get(slot) for slot in ENTRY_STEPS)
+    return budget_point(fields).kind == FULL and not changes
+
+
 #: sweep keys that set the budget size (the leaderboard's columns); ``budget.window`` etc. stay in the name
 BUDGET_KEYS = ("budget", "budget.ratio", "budget.tokens")
 
@@ -119,15 +133,22 @@ def primary_metric(run: Run) -> str | None:
 @dataclass
 class Leaderboard:
     """``scores[family][method][budget label]`` in %, the budgets in column order, the task metrics
-    used per family, the methods that compress nothing (their score fills every column), and
-    ``samples[method][budget label]``: each cell's per-sample scores (every family's; the full
-    cache's under :data:`FULL`), for the intervals and resolved marks (:func:`cell_samples`)."""
+    used per family, the methods without a budget (``full``: their score fills every column), of
+    them those that keep the full cache (``reference``: what the marks compare with, drawn dashed;
+    a run that only quantizes is in ``full`` alone), and ``samples[method][budget label]``: each
+    cell's per-sample scores (every family's; the budget-free runs' under :data:`FULL`), for the
+    intervals and resolved marks (:func:`cell_samples`)."""
 
     scores: dict[str, dict[str, dict[str, float]]]
     budgets: list[BudgetPoint]
     metrics: dict[str, list[str]]
     full: set[str]
     samples: dict[str, dict[str, CellScores]] = field(default_factory=dict)
+    reference: set[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.reference is None:  # not told apart: every budget-free run is the full cache
+            self.reference = set(self.full)
 
 
 def cell_samples(board: Leaderboard, family: str, method: str, label: str) -> CellScores | None:
@@ -170,6 +191,7 @@ def leaderboard(runs: list[Run]) -> Leaderboard | None:
     samples: dict[str, dict[str, CellScores]] = {}
     metrics: dict[str, list[str]] = {}
     labels = _labels(runs)
+    reference = {labels[method_key(run)] for run in runs if keeps_full_cache(run.fields)}
     for run in runs:
         default_metric = primary_metric(run)
         dataset = (run.fields.get("data") or {}).get("dataset") or {}
@@ -210,7 +232,7 @@ def leaderboard(runs: list[Run]) -> Leaderboard | None:
             row = scores.setdefault(family, {}).setdefault(method, {})
             for label in [b.label for b in budgets] if budget.kind == FULL else [budget.label]:
                 row[label] = value
-    return Leaderboard(scores, budgets, metrics, full, samples)
+    return Leaderboard(scores, budgets, metrics, full, samples, reference & full)
 
 
 def family_order(board: Leaderboard) -> list[str]:
@@ -218,9 +240,10 @@ def family_order(board: Leaderboard) -> list[str]:
 
 
 def family_methods(board: Leaderboard, family: str) -> list[str]:
-    """The full cache first, then the methods by name."""
+    """The full cache first, then the other runs without a budget (quantized only), then the
+    methods by name."""
     rows = board.scores[family]
-    return sorted(rows, key=lambda m: (m not in board.full, m))
+    return sorted(rows, key=lambda m: (m not in board.reference, m not in board.full, m))
 
 
 def family_columns(board: Leaderboard, family: str, methods: list[str]) -> list[dict[str, CellScores]]:
@@ -247,7 +270,9 @@ def leaderboard_text(board: Leaderboard) -> tuple[str, str]:
         methods = family_methods(board, family)
         columns = family_columns(board, family, methods)
         kinds |= interval_kinds(c for column in columns for c in column.values())
-        rows = [[c if c != "-" else "" for c in row] for row in marked_rows(methods, columns, board.full)]
+        rows = [
+            [c if c != "-" else "" for c in row] for row in marked_rows(methods, columns, board.reference)
+        ]
         for method in methods:
             values = board.scores[family][method]
             rows_csv.append(
@@ -350,10 +375,10 @@ def draw_scores(
     series: dict[str, list[tuple[float, float]]] = {}
     for method in family_methods(board, family):
         values = board.scores[family][method]
-        if method in board.full:
+        if method in board.reference:
             level = next(iter(values.values()))
             ax.axhline(level, color="black", linestyle="--", linewidth=1.4, label=method)
-        else:
+        else:  # a budget-free run that is not the full cache (quantized only) is a flat line
             series[method] = [(b.value, values[b.label]) for b in points if b.label in values]
     moved = plot_series(ax, series, styles, log=kind == "tokens")
     ratio = kind == "ratio"
@@ -386,7 +411,7 @@ def plot_leaderboard(board: Leaderboard, kind: str, path: Path, title: str) -> A
     rows = math.ceil(len(order) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 1.2, 3.6 * rows), squeeze=False)
     styles = line_styles(
-        [m for family in order for m in family_methods(board, family) if m not in board.full]
+        [m for family in order for m in family_methods(board, family) if m not in board.reference]
     )
     for ax, family in zip(axes.flat, order, strict=False):
         draw_scores(ax, board, family, kind, styles)

@@ -301,6 +301,7 @@ def plot_suite(
     metrics: dict[str, list[str]] = {}
     points: set[BudgetPoint] = set()
     full: set[str] = set()
+    reference: set[str] = set()
     for protocol, board in boards.items():
         if board is None:
             continue
@@ -316,9 +317,10 @@ def plot_suite(
             metrics[protocol] = sorted({m for ms in board.metrics.values() for m in ms})
             points |= {b for b in board.budgets if b.kind == "ratio"}
             full |= board.full
+            reference |= board.reference
     if not scores or not points:
         return None
-    merged = Leaderboard(scores, sorted(points, key=lambda b: b.value), metrics, full)
+    merged = Leaderboard(scores, sorted(points, key=lambda b: b.value), metrics, full, reference=reference)
     fig = plot_leaderboard(merged, "ratio", path, title)
     pyplot().close(fig)
     return path

@@ -303,3 +303,28 @@ def test_the_legend_names_a_method_drawn_only_in_a_later_panel():
     handles, labels = legend_entries(axes.flat)
     assert labels == ["snapkv", "lookm"] and len(handles) == 2
     pyplot().close(fig)
+
+
+def test_a_quantize_only_run_fills_every_column_but_is_not_the_reference():
+    """A run that only quantizes has no budget (its score fills every column) but changes every
+    entry: the marks compare it with the full cache, whatever the names' order."""
+    from kvlab.runner.leaderboard import family_methods, leaderboard_text
+    from kvlab.runner.runs import Run
+
+    data = {"dataset": {"name": "bench", "metrics": ["contains_answer"]}}
+    quantize = {"quantize": {"name": "per_token", "bits": 2}}
+
+    def run(name, compression, score):
+        records = [{"id": f"s{i}", "contains_answer": score} for i in range(20)]
+        fields = {"model": {"compression": compression}, "data": data}
+        return Run(name, name, {}, {}, records=records, fields=fields)
+
+    snap = {"budget": {"ratio": 0.1}, "importance": ATTENTION}
+    runs = [run("aaa_int2", quantize, 0.0), run("full", {}, 1.0), run("snapkv", snap, 1.0)]
+    board = leaderboard(runs)
+    assert board.full == {"aaa_int2", "full"} and board.reference == {"full"}
+    assert family_methods(board, "bench") == ["full", "aaa_int2", "snapkv"]
+    assert board.scores["bench"]["aaa_int2"] == {"ratio=0.1": 0.0}
+    table, _ = leaderboard_text(board)
+    row = next(line for line in table.splitlines() if line.startswith("| aaa_int2"))
+    assert "*" in row  # 0 of 20 against the full cache's 20 of 20: resolved below it

@@ -1,5 +1,5 @@
 """A pipeline that only quantizes evicts nothing but changes every entry: its fidelity is measured
-against the full cache, and it never stands in for the full cache's reference."""
+against the full cache, it never stands in for the full cache's reference, and its views name it."""
 
 import json
 
@@ -8,6 +8,7 @@ from support.cli import TINY, write_jsonl
 from kvlab.api import load_pipeline
 from kvlab.cli.main import main
 from kvlab.pipeline import Pipeline
+from kvlab.runner.views.hparams import compression_columns
 
 QUANTIZE = "{name: per_token, bits: 2, group: 16}"
 
@@ -21,6 +22,14 @@ def test_a_quantize_only_pipeline_is_not_the_full_cache():
     assert not only_quantizes.compresses and not only_quantizes.keeps_full_cache
     assert Pipeline.from_config(None).keeps_full_cache
     assert not load_pipeline("snapkv").keeps_full_cache
+    # TensorBoard's HPARAMS columns show the quantizer (they showed nothing, as for the full cache)
+    columns = compression_columns({"quantize": {"name": "per_token", "bits": 2, "group": 16}})
+    assert columns == {
+        "quantize": "per_token",
+        "quantize.bits": 2,
+        "quantize.group": 16,
+        "quantize.residual": 0,
+    }
 
 
 def test_quantized_full_cache_fidelity_is_against_the_full_cache(tmp_path):

@@ -23,7 +23,7 @@ from kvlab.config.registry import parameter_fields
 from kvlab.metrics.tasks import SCORED_SAMPLES
 from kvlab.pipeline import Pipeline
 from kvlab.pipeline.validation import WHERE
-from kvlab.runner.leaderboard import budget_point
+from kvlab.runner.leaderboard import ENTRY_STEPS, budget_point
 from kvlab.runner.run_names import parse_method
 
 #: metrics.json key -> the scalar tag the HPARAMS tab shows, its unit in the name: the headline
@@ -95,15 +95,18 @@ def compression_columns(node: dict[str, Any] | None) -> dict[str, Any]:
         pipeline = Pipeline.from_config(node or {})
     except ConfigError:  # an old run's node, or a plugin component this process does not know
         return {f"compression.{k}": v for k, v in _leaves("", node or {}).items()}
-    if not pipeline.compresses:
+    if pipeline.keeps_full_cache:
         return {}
     out: dict[str, Any] = {}
     budget = pipeline.budget
-    for field in dataclasses.fields(budget):
-        out[f"budget.{field.name}"] = getattr(budget, field.name)
-    out["schedule"] = getattr(pipeline, "schedule", None)
+    if pipeline.compresses and budget is not None:  # a pipeline that only quantizes has none
+        for field in dataclasses.fields(budget):
+            out[f"budget.{field.name}"] = getattr(budget, field.name)
+        out["schedule"] = getattr(pipeline, "schedule", None)
     for part in pipeline.walk():
         field = part.field.removeprefix(f"{WHERE}.")
+        if not pipeline.compresses and field.split(".")[0] not in ENTRY_STEPS:
+            continue  # nothing is scored or selected: the default slots would only add blank columns
         component = part.component
         out[field] = getattr(component, "registry_name", type(component).__name__)
         if dataclasses.is_dataclass(component):
