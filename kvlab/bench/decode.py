@@ -201,6 +201,7 @@ FORMATS: dict[str, Callable[[], Quantizer]] = {
     "kivi2": lambda: KIVI(bits=2, group=32, residual=128),
     "kivi4": lambda: KIVI(bits=4, group=32, residual=128),
     "turbo3": lambda: TurboQuant(bits=3),
+    "turbo3mse": lambda: TurboQuant(bits=3, keys="mse"),
 }
 PACKED_HEADERS = [
     "context", "budget", "kept/head", "entries", "KV MiB", "torch", "torch vs 16-bit", "triton",

@@ -430,14 +430,19 @@ def turbo_quantize(x: torch.Tensor, bits: int, seed: int, sketch: bool) -> Rotat
 class TurboQuant(Quantizer):
     """TurboQuant: seeded rotation, Lloyd-Max codes per coordinate, QJL sketch on keys.
 
-    ``bits`` per coordinate; keys spend one of them on the 1-bit sign sketch of the residual
-    (unbiased inner products), values use all for MSE; the newest ``residual`` tokens stay full
-    precision."""
+    ``bits`` per coordinate; values use all for MSE (``TurboQuant_mse``, Algorithm 1). ``keys:
+    prod`` (the paper's choice for inner products, Algorithm 2) spends one of them on the 1-bit sign
+    sketch of the residual, making each ``<q, k>`` unbiased; ``keys: mse`` codes keys as values
+    are. Unbiased is not lower-error: the sketch's variance, about ``π / (2 D)`` of ``||q||^2 ||r||^2``,
+    goes through the softmax, and at head dim 64 (SmolLM2-135M) ``mse`` keys at 3 bits perturb the
+    attention less than ``prod`` keys at 4 (``docs/methods/quantization.md``). The newest
+    ``residual`` tokens stay full precision."""
 
     paper: ClassVar[str] = papers.TURBOQUANT
     bits: int = 3
     residual: int = 0
     seed: int = 0
+    keys: Literal["prod", "mse"] = "prod"
 
     def __post_init__(self) -> None:
         _check_bits(self.bits, (1, 2, 3, 4), "turboquant")
@@ -445,7 +450,7 @@ class TurboQuant(Quantizer):
             raise ValueError("turboquant: residual must be >= 0")
 
     def quantize_keys(self, keys: torch.Tensor) -> RotatedCodes:
-        return turbo_quantize(keys, self.bits, self.seed, sketch=True)
+        return turbo_quantize(keys, self.bits, self.seed, sketch=self.keys == "prod")
 
     def quantize_values(self, values: torch.Tensor) -> RotatedCodes:
         return turbo_quantize(values, self.bits, self.seed, sketch=False)

@@ -43,6 +43,7 @@ FORMATS: dict[str, dict[str, Any] | None] = {
     "int4": {"name": "per_token", "bits": 4},
     "kivi2": {"name": "kivi", "bits": 2, "group": 32, "residual": 128},
     "turbo3": {"name": "turboquant", "bits": 3},
+    "turbo3mse": {"name": "turboquant", "bits": 3, "keys": "mse"},
 }
 PARETO_START, PARETO_END = "<!-- reference-pareto:start -->", "<!-- reference-pareto:end -->"
 FRONT_MARK = "front"

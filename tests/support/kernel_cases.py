@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from kvlab.cache.packed import packed_decode_attention  # noqa: E402
 from kvlab.cache.pruned import pruned_decode_attention, query_channels  # noqa: E402
-from kvlab.compression.quantizers import KIVI, PerToken, RotatedCodes, TurboQuant, turbo_quantize  # noqa: E402
+from kvlab.compression.quantizers import KIVI, PerToken, TurboQuant  # noqa: E402
 from kvlab.compression.selectors import topk_indices  # noqa: E402
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402
 from kvlab.kernels.dispatch import kernel_mode  # noqa: E402
@@ -102,14 +102,6 @@ def run_real_decode(D, G, dtype, max_len, q):
 
 
 # --- decode over packed codes (the fused dequantizing kernel) ------------------------------------------
-class MSEKeysTurboQuant(TurboQuant):
-    """TurboQuant with keys coded as its values are (``TurboQuant_mse``, Algorithm 1, every bit to
-    the codebook, no QJL sketch): the fused kernel's path without the sketch term."""
-
-    def quantize_keys(self, keys: torch.Tensor) -> RotatedCodes:
-        return turbo_quantize(keys, self.bits, self.seed, sketch=False)
-
-
 PACKED_QUANTIZERS = {  # int8 / int4 / int2 per token, KIVI-2 (per-channel keys) with a residual
     "int8": PerToken(bits=8, group=32),
     "int4": PerToken(bits=4, group=32, residual=5),
@@ -121,7 +113,7 @@ PACKED_QUANTIZERS = {  # int8 / int4 / int2 per token, KIVI-2 (per-channel keys)
     # (turbo<b>_mse), values b codebook bits; 3 bits are stored as bit planes; turbo1's keys are
     # the sketch alone
     **{f"turbo{b}": TurboQuant(bits=b, residual=3, seed=b) for b in (1, 2, 3, 4)},
-    **{f"turbo{b}_mse": MSEKeysTurboQuant(bits=b, residual=3, seed=b) for b in (2, 3, 4)},
+    **{f"turbo{b}_mse": TurboQuant(bits=b, residual=3, seed=b, keys="mse") for b in (2, 3, 4)},
     "turbo3_paper": TurboQuant(bits=3),  # the quantizer's defaults: no residual (GPU tier)
 }
 PACKED_CASES = [  # B, Hkv, G, q, D, max_len, split, dtype, quantizer: small shapes for the interpreter
