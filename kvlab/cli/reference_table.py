@@ -35,6 +35,10 @@ the ``<!-- reference-pareto -->`` markers::
         --formats none,int8,int4,kivi2,turbo3 --samples 20 \
         --docs docs/evaluation.md --figure docs/figures/reference_pareto.png
 
+With ``--suite ruler`` the RULER-style suite (its ``--tasks``, ``--lengths`` and ``--samples``) is
+crossed the same way, as one dataset under ``<dir>/ruler/``, under ``query_aware`` (``--protocols``
+is refused with ``--formats``), scored by ``string_match_all``.
+
 Each task directory is an ordinary experiment (``kvlab compare <dir>/<task>`` works on it).
 Runs are fresh unless ``--resume`` (stale predictions of other task parameters would mix in). The
 configs, run names and tables are :mod:`kvlab.runner.reference_table`'s.
@@ -189,23 +193,25 @@ def run_pareto(
     ns: argparse.Namespace,
     methods: tuple[str, ...],
     budgets: tuple[float, ...],
-    tasks: list[str],
+    datasets: dict[str, dict],
     samples: int,
+    metric: str = "contains_answer",
 ) -> None:
-    """``kvlab reference-table --formats``: every (method, format, budget) cell on every task, one run
-    each (:mod:`kvlab.runner.reference_pareto`), then per task the bytes-against-score table and one
-    figure with a panel per task. A refused cell (``retrieval`` with a quantizer) is named under the
-    table (:func:`run_cell`) and its row reads ``refused``."""
+    """``kvlab reference-table --formats``: every (method, format, budget) cell on every dataset
+    (``{experiment: dataset node}``: the synthetic tasks, or the RULER-style suite as one), one run
+    each (:mod:`kvlab.runner.reference_pareto`), then per dataset the bytes-against-score table and
+    one figure with a panel per dataset. ``samples``: per cell, for the caption. A refused cell
+    (``retrieval`` with a quantizer) is named under the table (:func:`run_cell`) and reads ``refused``."""
     formats = reference_pareto.parse_formats(ns.formats)
-    metric = ns.metric or "contains_answer"
+    metric = ns.metric or metric
+    tasks = list(datasets)
     root = Path(ns.dir)
     validate_model_name(ns.model)  # a typo fails here, not as every cell "refused"
     wall = time.perf_counter()
     count, refused = 0, {}
     crossed = reference_pareto.crossing(cells(methods, budgets), formats)
     refused_cells: set[reference_pareto.Cell] = set()
-    for task in tasks:
-        node = {**TASKS[task], "num_samples": samples}
+    for task, node in datasets.items():
         for cell in crossed:
             if not ns.resume:
                 shutil.rmtree(root / task / cell.name, ignore_errors=True)
@@ -365,10 +371,11 @@ def main(args: list[str]) -> None:
     default_methods = reference_vlm.METHODS if ns.suite == "vlm" else SUITE_METHODS if suite else METHODS
     methods = tuple(m for m in (ns.methods or ",".join(default_methods)).split(",") if m)
     budgets = _floats(ns.budgets or ",".join(f"{b:g}" for b in (SUITE_BUDGETS if suite else BUDGETS)))
-    if suite and ns.formats is not None:
+    if ns.formats is not None and (ns.suite == "vlm" or ns.protocols is not None):
+        given = "--suite vlm" if ns.suite == "vlm" else "--protocols"
         raise ConfigError(
-            f"kvlab reference-table: --formats crosses storage formats on the synthetic tasks only, not with "
-            f"--suite {ns.suite}; drop --suite (or --formats)."
+            "kvlab reference-table: --formats crosses storage formats on the synthetic tasks and on --suite "
+            f"ruler under query_aware, not with {given}; drop {given} (or --formats)."
         )
     suite_only = {
         "--protocols": ns.protocols,
@@ -392,6 +399,10 @@ def main(args: list[str]) -> None:
             f"kvlab reference-table: unknown method {unknown} (methods: {', '.join(preset_names())}), "
             f"or --samples < 1 ({ns.samples}) or --batch-size < 1 ({ns.batch_size})."
         )
+    if suite and ns.formats is not None:  # the RULER-style suite as one dataset, crossed with formats
+        node, per_cell, _ = _ruler_dataset(ns)
+        run_pareto(ns, methods, budgets, {"ruler": node}, per_cell, SUITE_METRIC)
+        return
     if suite:
         run_suite(ns, methods, budgets)
         return
@@ -403,7 +414,7 @@ def main(args: list[str]) -> None:
         )
     samples = 8 if ns.samples is None else ns.samples
     if ns.formats is not None:
-        run_pareto(ns, methods, budgets, tasks, samples)
+        run_pareto(ns, methods, budgets, {t: {**TASKS[t], "num_samples": samples} for t in tasks}, samples)
         return
     metric = ns.metric or "contains_answer"
     root = Path(ns.dir)

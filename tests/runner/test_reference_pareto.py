@@ -144,12 +144,34 @@ def test_cli_end_to_end_two_formats(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_bad_formats_exit_2_before_any_run(tmp_path: Path) -> None:
-    for bad in (["--formats", "fp8"], ["--formats", "none,none"], ["--formats", "int8", "--suite", "ruler"]):
+    vlm, protocols = (
+        ["--formats", "int8", "--suite", "vlm"],
+        ["--formats", "int8", "--suite", "ruler", "--protocols", "query_agnostic"],
+    )
+    for bad in (["--formats", "fp8"], ["--formats", "none,none"], vlm, protocols):
         with pytest.raises(SystemExit) as info:
             main(["reference-table", "--model", "tiny-llama", "--dir", str(tmp_path), *bad])
         assert info.value.code == 2
-    with pytest.raises(ConfigError, match="--formats crosses storage formats on the synthetic tasks only"):
-        reference_command.main(["--dir", str(tmp_path), "--formats", "int8", "--suite", "ruler"])
+    with pytest.raises(ConfigError, match="on --suite ruler under query_aware, not with --suite vlm; drop"):
+        reference_command.main(["--dir", str(tmp_path), *vlm])
+    with pytest.raises(ConfigError, match="not with --protocols; drop --protocols"):
+        reference_command.main(["--dir", str(tmp_path), *protocols])
     with pytest.raises(ConfigError, match="--figure apply to --suite ruler or vlm only"):
         reference_command.main(["--dir", str(tmp_path), "--figure", str(tmp_path / "f.png")])
     assert not any(tmp_path.iterdir())
+
+
+def test_the_ruler_suite_crossed_with_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--suite ruler --formats``: the RULER-style suite is one dataset under ``<dir>/ruler/``, each
+    (method, format) one run on it, scored by ``string_match_all``."""
+    runs = tmp_path / "runs"
+    main(["reference-table", "--model", "tiny-llama", "--suite", "ruler", "--methods", "full,snapkv",
+          "--budgets", "0.5", "--formats", "none,int4", "--tasks", "niah_single_2", "--lengths", "512",
+          "--samples", "2", "--dir", str(runs)])  # fmt: skip
+    root = runs / "ruler"
+    names = ["full", "full@quantize=int4", "snapkv@budget=0.5", "snapkv@budget=0.5,quantize=int4"]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "reference") == names
+    record = json.loads((root / "snapkv@budget=0.5,quantize=int4" / "predictions.jsonl").open().readline())
+    assert record["meta"]["task"] == "niah_single_2" and "string_match_all" in record
+    out = capsys.readouterr().out
+    assert "**ruler**, `string_match_all` (%)" in out and "| snapkv | int4 | 50% |" in out
