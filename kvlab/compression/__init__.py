@@ -11,6 +11,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     diversity,
     dms,
     duo_attention,
+    entropy_chunkkv,
     expected_attention,
     fastv,
     finch,

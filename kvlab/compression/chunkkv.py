@@ -28,6 +28,42 @@ class ReusedScores:
     scores: torch.Tensor | None = None
 
 
+def chunk_index(positions: torch.Tensor, chunk: int, heads: int) -> tuple[torch.Tensor, int]:
+    """Each token's chunk ``[B, heads, T]`` long and the number of chunks ``ceil(T / chunk)``.
+
+    Args:
+        positions: ``[B, T]`` each token's position in its sample (-1 on padding, put in chunk 0,
+            which a caller never counts as a candidate): chunk ``j`` is positions ``[j * chunk,
+            (j + 1) * chunk)``.
+    """
+    B, T = positions.shape
+    return (positions.clamp(min=0) // chunk)[:, None, :].expand(B, heads, T), -(-T // chunk)
+
+
+def chunk_totals(
+    scores: torch.Tensor, candidate: torch.Tensor, index: torch.Tensor, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each chunk's summed candidate scores ``[B, Hkv, chunks]`` fp64 and its number of
+    candidates ``[B, Hkv, chunks]`` long (``candidate``, ``index``: ``[B, Hkv, T]``)."""
+    B, Hkv, _ = scores.shape
+    sums = torch.zeros(B, Hkv, chunks, dtype=torch.float64, device=scores.device)
+    sums.scatter_add_(-1, index, scores.double().masked_fill(~candidate, 0.0))
+    cost = torch.zeros(B, Hkv, chunks, dtype=torch.long, device=scores.device)
+    cost.scatter_add_(-1, index, candidate.long())
+    return sums, cost
+
+
+def fill_best(scores: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``keep`` ``[B, Hkv, T]`` bool topped up to ``counts`` ``[B, Hkv]`` with the best-scoring
+    candidates (finite ``scores``) it does not hold (ties: the earlier token)."""
+    T = scores.shape[-1]
+    rest = scores.masked_fill(keep | ~torch.isfinite(scores), float("-inf"))
+    remainder = (counts - keep.sum(-1)).clamp(min=0)
+    rank = torch.sort(rest, dim=-1, descending=True, stable=True).indices
+    chosen = torch.arange(T, device=scores.device) < remainder[..., None]
+    return keep | (torch.zeros_like(keep).scatter(-1, rank, chosen) & torch.isfinite(rest))
+
+
 def chunk_keep(
     scores: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor, chunk: int, shared: bool
 ) -> torch.Tensor:
@@ -46,12 +82,8 @@ def chunk_keep(
     protected = scores == float("inf")
     candidate = torch.isfinite(scores)
     free = counts - protected.sum(-1)  # [B, Hkv]
-    index = (positions.clamp(min=0) // chunk)[:, None, :].expand(B, Hkv, T)
-    chunks = -(-T // chunk)
-    sums = torch.zeros(B, Hkv, chunks, dtype=torch.float64, device=scores.device)
-    sums.scatter_add_(-1, index, scores.double().masked_fill(~candidate, 0.0))
-    cost = torch.zeros(B, Hkv, chunks, dtype=torch.long, device=scores.device)
-    cost.scatter_add_(-1, index, candidate.long())
+    index, chunks = chunk_index(positions, chunk, Hkv)
+    sums, cost = chunk_totals(scores, candidate, index, chunks)
     if shared:
         sums = sums.sum(1, keepdim=True).expand(B, Hkv, chunks)
     sums = sums.masked_fill(cost == 0, float("-inf"))
@@ -61,13 +93,8 @@ def chunk_keep(
     fits = fits.long().cumprod(-1).bool()  # whole chunks in rank order, up to the first that does not fit
     kept_chunks = torch.zeros_like(fits).scatter(-1, order, fits)
     keep = protected | (candidate & kept_chunks.gather(-1, index))
-    # the remainder of the budget: the best candidates outside the kept chunks (ties: the earlier token)
-    rest = scores.masked_fill(keep | ~candidate, float("-inf"))
-    remainder = (counts - keep.sum(-1)).clamp(min=0)
-    rank = torch.sort(rest, dim=-1, descending=True, stable=True).indices
-    chosen = torch.arange(T, device=scores.device) < remainder[..., None]
-    fill = torch.zeros_like(keep).scatter(-1, rank, chosen) & torch.isfinite(rest)
-    return keep | fill
+    # the remainder of the budget: the best candidates outside the kept chunks
+    return fill_best(scores, keep, counts)
 
 
 @SELECTORS.register("chunkkv")
@@ -112,10 +139,15 @@ class ChunkKVSelector(Selector):
 
     def select(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> Selection:
         ranked = self.ranked_scores(scores, counts, ctx)
-        keep = chunk_keep(ranked, counts, ctx.positions(), self.chunk, self.heads == "shared")
+        keep = self.keep(ranked, counts, ctx.positions())
         return Selection(
             indices=topk_indices(keep.float().masked_fill(~keep, float("-inf")), counts), counts=counts
         )
+
+    def keep(self, scores: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The kept tokens ``[B, Hkv, T]`` bool of ``scores`` (as :meth:`select`'s, possibly another
+        layer's under ``reuse_layers``) and ``counts``; ``positions`` ``[B, T]`` (-1 on padding)."""
+        return chunk_keep(scores, counts, positions, self.chunk, self.heads == "shared")
 
     def ranked_scores(self, scores: torch.Tensor, counts: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """The scores layer ``ctx.layer_idx`` ranks: its own, or under ``reuse_layers`` those of the

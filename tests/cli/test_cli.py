@@ -236,6 +236,7 @@ def test_every_registry_is_enrolled_and_listed_with_its_kind_and_field():
     assert on_import == everything  # importing kvlab.compression registers every component module
     assert everything["model.compression.select"] == [
         "chunkkv",
+        "entropy_gated_chunkkv",
         "merge",
         "retrieve",
         "threshold",

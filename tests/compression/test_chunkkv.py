@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from naive.chunkkv import naive_chunkkv
-from naive.context import make_ctx, sample_ctx
+from naive.context import make_ctx, random_scores, sample_ctx
 from support import e2e, kvpress_cases
 from support.presets import budgeted_compression, retrieval_samples
 
@@ -16,17 +14,6 @@ from kvlab.compression.selectors import SELECTORS
 from kvlab.pipeline import Pipeline
 
 LENGTHS = [37, 26]
-
-
-def random_scores(ctx, seed: int, protected: tuple[int, int] = (2, 3)) -> torch.Tensor:
-    """``[B, Hkv, T]`` random scores with each sample's first and last tokens protected (+inf) and
-    padding -inf, as the pipeline hands them to a selector."""
-    gen = torch.Generator().manual_seed(seed)
-    scores = torch.randn(ctx.batch_size, ctx.num_kv_heads, ctx.seq_len, generator=gen)
-    pos, n = ctx.positions(), ctx.lengths[:, None]
-    sinks, window = protected
-    scores = scores.masked_fill(((pos >= 0) & (pos < sinks) | (pos >= n - window))[:, None], math.inf)
-    return scores.masked_fill(~ctx.valid[:, None], -math.inf)
 
 
 def kept(selection, b: int, h: int, offset: int) -> list[int]:

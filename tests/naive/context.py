@@ -1,7 +1,10 @@
-"""Random left-padded contexts for the component tests, a sample of one as Python lists, and two
-small comparisons (build a component from its registry, scores against lists)."""
+"""Random left-padded contexts for the component tests, a sample of one as Python lists, random
+selector scores (protected +inf, padding -inf), and two small comparisons (build a component from
+its registry, scores against lists)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -56,6 +59,17 @@ def sample_ctx(ctx: LayerContext, b: int) -> LayerContext:
         modality=torch.zeros(1, n, dtype=torch.long),
         scaling=ctx.scaling,
     )
+
+
+def random_scores(ctx, seed: int, protected: tuple[int, int] = (2, 3)) -> torch.Tensor:
+    """``[B, Hkv, T]`` random scores with each sample's first and last tokens protected (+inf) and
+    padding -inf, as the pipeline hands them to a selector."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(ctx.batch_size, ctx.num_kv_heads, ctx.seq_len, generator=gen)
+    pos, n = ctx.positions(), ctx.lengths[:, None]
+    sinks, window = protected
+    scores = scores.masked_fill(((pos >= 0) & (pos < sinks) | (pos >= n - window))[:, None], math.inf)
+    return scores.masked_fill(~ctx.valid[:, None], -math.inf)
 
 
 def sample_lists(ctx: LayerContext, b: int):

@@ -5,10 +5,10 @@ its arguments and the kvlab ``model.compression`` that should keep the same posi
 ``tests/fixtures/kvpress/make_kept.py`` records kvpress's, run in a separate environment holding
 kvpress (its versions are in the file), and the method tests compare kvlab's. Two kinds of case:
 
-- a press that scores keys and values alone (LagKV, CUR, ChunkKV): the prompt through the plain
-  model (its own attention, no kvlab) gives each layer's keys and values ``[1, Hkv, T, D]``
-  (post-RoPE, as both frameworks see them); kvpress scores them, and kvlab's pipeline compresses a
-  :class:`LayerContext` of them (:func:`kvlab_kept`);
+- a press that scores keys and values alone (LagKV, CUR, ChunkKV, EntropyGatedChunkKV): the
+  prompt through the plain model (its own attention, no kvlab) gives each layer's keys and values
+  ``[1, Hkv, T, D]`` (post-RoPE, as both frameworks see them); kvpress scores them, and kvlab's
+  pipeline compresses a :class:`LayerContext` of them (:func:`kvlab_kept`);
 - a press that reads the attention layer (``forward``: the layer's input hidden states, its
   ``q_proj``, rotary embedding or ``o_proj``: Expected Attention, TOVA, CriticalKV, ThinK): kvpress's
   own hooks run during a forward of the plain model, and kvlab's side is its prefill of the same
@@ -127,6 +127,42 @@ CASES: dict[str, Case] = {
         22,
         wraps="KnormPress",
         ratio=1 - 2.5 / 5,
+    ),
+    # EntropyGatedChunkKVPress around KnormPress, every head ranking the scores summed over the heads
+    # (kvpress's convention: heads shared): chunks of 10 (5 whole, the partial last of 5) keeping 24,
+    # and chunks of 4 (13 whole, the last of 3) keeping 50, which leaves budget after every chunk
+    # (the spiky ones cut to 1 token) for the best remaining tokens; no sinks or window
+    "entropy_gated_chunkkv": Case(
+        "EntropyGatedChunkKVPress",
+        {"chunk_length": 10, "low_entropy_chunk_length": 4},
+        {
+            "budget": {"tokens": 24, "window": 0},
+            "importance": {"key_norm": {}},
+            "select": {
+                "name": "entropy_gated_chunkkv",
+                "chunk": 10,
+                "low_entropy_chunk": 4,
+                "heads": "shared",
+            },
+        },
+        24,
+        wraps="KnormPress",
+    ),
+    "entropy_gated_chunkkv_topup": Case(
+        "EntropyGatedChunkKVPress",
+        {"chunk_length": 4, "low_entropy_chunk_length": 1},
+        {
+            "budget": {"tokens": 50, "window": 0},
+            "importance": {"key_norm": {}},
+            "select": {
+                "name": "entropy_gated_chunkkv",
+                "chunk": 4,
+                "low_entropy_chunk": 1,
+                "heads": "shared",
+            },
+        },
+        50,
+        wraps="KnormPress",
     ),
     # Expected Attention with the reference's settings (4 sinks, 512 future positions, covariance,
     # value norm; epsilon 0.02 as kvlab's preset, kvpress' default being 0): the sinks are
