@@ -2,6 +2,7 @@
 
 from kvlab.compression import (  # noqa: F401  (imported for their registrations)
     allocators,
+    capkv,
     channels,
     chunkkv,
     criticalkv,

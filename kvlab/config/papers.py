@@ -111,3 +111,7 @@ KVZIP = (
     'Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction" '
     "(arXiv 2505.23416)"
 )
+CAPKV = (
+    'Tang et al. 2026, "Rethinking KV Cache Eviction via a Unified Information-Theoretic Objective" '
+    "(CapKV, arXiv 2604.25975)"
+)

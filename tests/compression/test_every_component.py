@@ -65,6 +65,7 @@ NEEDS: dict[tuple[str, str], Any] = {
     ("layer allocator", "vl_cache"): {"schedule": "global"},
     ("importance scorer", "expected_attention"): {"model": TEXT_MODEL},  # Qwen2-VL's 3-D rotary: refused
     ("importance scorer", "leverage"): {"model": TEXT_MODEL},  # Qwen2-VL's 3-D rotary: refused
+    ("importance scorer", "capkv"): {"model": TEXT_MODEL},  # Qwen2-VL's 3-D rotary: refused
     ("importance scorer", "qfilters"): {"model": TEXT_MODEL},  # filters shipped for the text models
     # FastV's K is its layer allocator's; K = 1 so that the two-layer tiny VLM evicts at all
     ("importance scorer", "fastv_attention"): {"allocate": {"layer": {"name": "fastv", "layer": 1}}},

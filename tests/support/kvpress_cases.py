@@ -196,6 +196,27 @@ CASES: dict[str, Case] = {
         30,
         forward=True,
     ),
+    # CapPress (CAPKV) with the reference's settings (4 sinks, tau 5, 512 future positions, epsilon
+    # 1e-6): the sinks are budget.sinks, no recent window (kvpress has none); tiny-qwen2 for GQA (the
+    # scores of a group's query heads averaged); tiny-llama with other settings of every parameter
+    "capkv": Case(
+        "CapPress",
+        {"n_sink": 4},
+        {"budget": {"tokens": 24, "window": 0, "sinks": 4}, "importance": {"capkv": {}}},
+        24,
+        model="tiny-qwen2",
+        forward=True,
+    ),
+    "capkv_llama": Case(
+        "CapPress",
+        {"n_sink": 2, "tau": 2.0, "n_future_positions": 64, "epsilon": 1e-3},
+        {
+            "budget": {"tokens": 30, "window": 0, "sinks": 2},
+            "importance": {"capkv": {"tau": 2.0, "n_future_positions": 64, "epsilon": 1e-3}},
+        },
+        30,
+        forward=True,
+    ),
     # TOVAPress scores the last token above every other: budget.window 1 (the preset's window 0 lets
     # it compete, as the paper: tests/compression/test_tova.py)
     "tova": Case(
