@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from naive.chunkkv import naive_chunkkv
-from naive.context import make_ctx, random_scores, sample_ctx
+from naive.context import assert_batch_equals_alone, kept, make_ctx, random_scores
 from support import e2e, kvpress_cases
 from support.presets import budgeted_compression, retrieval_samples
 
@@ -14,10 +14,6 @@ from kvlab.compression.selectors import SELECTORS
 from kvlab.pipeline import Pipeline
 
 LENGTHS = [37, 26]
-
-
-def kept(selection, b: int, h: int, offset: int) -> list[int]:
-    return [p - offset for p in selection.kept_positions(b, h)]
 
 
 @pytest.mark.parametrize("heads", ["each", "shared"])
@@ -56,11 +52,7 @@ def test_chunkkv_sample_alone_equals_its_batch():
     ctx = make_ctx(LENGTHS, seed=12)
     node = {"budget": {"tokens": 19, "window": 3, "sinks": 2}, "importance": {"key_norm": {}}}
     pipeline = Pipeline.from_config({**node, "select": {"name": "chunkkv", "chunk": 4}})
-    batched, _ = pipeline.compress(ctx)
-    for b, n in enumerate(LENGTHS):
-        alone, _ = pipeline.compress(sample_ctx(ctx, b))
-        for h in range(2):
-            assert kept(batched, b, h, ctx.seq_len - n) == alone.kept_positions(0, h)
+    assert_batch_equals_alone(pipeline, ctx)
 
 
 def test_chunkkv_reuses_the_first_layer_of_each_group():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from naive.context import make_ctx, random_scores, sample_ctx
+from naive.context import assert_batch_equals_alone, kept, make_ctx, random_scores
 from naive.entropy_gated_chunkkv import naive_entropy_gated_chunkkv
 from support import kvpress_cases
 
@@ -15,10 +15,6 @@ from kvlab.config.errors import ConfigError
 from kvlab.pipeline import Pipeline
 
 LENGTHS = [37, 26]
-
-
-def kept(selection, b: int, h: int, offset: int) -> list[int]:
-    return [p - offset for p in selection.kept_positions(b, h)]
 
 
 def selector(**fields):
@@ -97,11 +93,7 @@ def test_entropy_gated_chunkkv_sample_alone_equals_its_batch(heads):
     node = {"budget": {"tokens": 19, "window": 3, "sinks": 2}, "importance": {"key_norm": {}}}
     select = {"name": "entropy_gated_chunkkv", "chunk": 4, "low_entropy_chunk": 2, "heads": heads}
     pipeline = Pipeline.from_config({**node, "select": select})
-    batched, _ = pipeline.compress(ctx)
-    for b, n in enumerate(LENGTHS):
-        alone, _ = pipeline.compress(sample_ctx(ctx, b))
-        for h in range(2):
-            assert kept(batched, b, h, ctx.seq_len - n) == alone.kept_positions(0, h)
+    assert_batch_equals_alone(pipeline, ctx)
 
 
 def test_entropy_gated_chunkkv_reuses_the_first_layer_of_each_group():

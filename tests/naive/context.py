@@ -90,3 +90,20 @@ def assert_scores(actual: torch.Tensor, expected: list[list[float]], atol: float
     torch.testing.assert_close(
         actual.double(), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=0
     )
+
+
+def kept(selection, b: int, h: int, offset: int) -> list[int]:
+    """Sample ``b``'s kept positions at head ``h``, counted from its first real token (``offset``:
+    its left padding)."""
+    return [p - offset for p in selection.kept_positions(b, h)]
+
+
+def assert_batch_equals_alone(pipeline, ctx: LayerContext, heads: int = 2) -> None:
+    """``pipeline.compress`` of the padded batch ``ctx`` keeps, for each sample and head, what it
+    keeps for that sample alone (:func:`sample_ctx`)."""
+    batched, _ = pipeline.compress(ctx)
+    for b in range(ctx.valid.shape[0]):
+        n = int(ctx.valid[b].sum())
+        alone, _ = pipeline.compress(sample_ctx(ctx, b))
+        for h in range(heads):
+            assert kept(batched, b, h, ctx.seq_len - n) == alone.kept_positions(0, h)
