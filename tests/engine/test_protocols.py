@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from support.cli import TINY, predict, write_jsonl
+from support.cli import TINY, TINY_MODEL, predict, write_jsonl
 from support.e2e import kvlab_model
 from support.questions import CONTEXT, QUESTIONS, sample
 
@@ -241,11 +241,11 @@ def test_the_python_api_takes_a_protocol_and_sample_prompts():
 
     model = kvlab.load_model("tiny-qwen2")
     pipeline = kvlab.load_pipeline("snapkv", {"budget": {"tokens": 24, "window": 4}})
-    shared = kvlab.compress_and_generate(
-        model, pipeline, QUESTIONS, max_new_tokens=4, protocol="multi_question"
+    shared = kvlab.compress_and_generate(  # 3: the limit one Sample carries (another is refused)
+        model, pipeline, QUESTIONS, max_new_tokens=3, protocol="multi_question"
     )
     for s, out in zip(QUESTIONS, shared, strict=True):
-        [alone] = kvlab.compress_and_generate(model, pipeline, s, max_new_tokens=4, protocol="query_agnostic")
+        [alone] = kvlab.compress_and_generate(model, pipeline, s, max_new_tokens=3, protocol="query_agnostic")
         assert out.token_ids == alone.token_ids and out.kept_positions == alone.kept_positions
         assert out.prompt_ids == alone.prompt_ids == model.processor.prompt_ids(s)
     with pytest.raises(ConfigError, match="token-id prompts"):
@@ -353,8 +353,9 @@ def test_cli_predicts_query_agnostic_and_multi_question(tmp_path):
     rows = [{**shared, "question": q} for q in ("What jumps?", "Who sleeps?")]
     rows.append({"context": "Short note. ", "question": "Why?", "answer": "because"})
     data = write_jsonl(tmp_path / "kvpress.jsonl", rows)
-    predict(tmp_path, "--config", "knorm.yaml", *TINY, "--model.protocol", "multi_question",
-            "--data.dataset", f"{{name: kvpress, path: {data}}}", "--data.batch_size", "1")  # fmt: skip
+    predict(tmp_path, "--config", "knorm.yaml", *TINY_MODEL, "--model.max_new_tokens", "3",  # the rows' own
+            "--model.protocol", "multi_question", "--data.dataset", f"{{name: kvpress, path: {data}}}",
+            "--data.batch_size", "1")  # fmt: skip
     run_dir = tmp_path / "runs" / "exp" / "knorm"
     records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in records] == ["0", "1", "2"]

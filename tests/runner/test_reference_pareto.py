@@ -22,7 +22,7 @@ RUN = {"dir": "d", "experiment": "e", "method": "m"}
 
 def test_formats_parse_and_refuse_unknown_names() -> None:
     assert pareto.parse_formats("none,kivi2,turbo3") == ("none", "kivi2", "turbo3")
-    assert list(pareto.FORMATS) == ["none", "int8", "int4", "kivi2", "turbo3"]
+    assert list(pareto.FORMATS) == ["none", "int8", "int4", "kivi2", "turbo3", "turbo3mse"]
     for bad, problem in (
         ("none,int3", "unknown 'int3'"),
         ("int8,int8", "'int8' given twice"),
