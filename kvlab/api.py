@@ -336,7 +336,7 @@ def compress_and_generate(
     items = prompt_items(model, prompts, images)
     if max_new_tokens is not None:
         samples = [item.sample for item in items if item.sample is not None]
-        fix = "Pass max_new_tokens=None (each Sample decodes under its own limit) or change the Samples'."
+        fix = "Pass max_new_tokens=None (each Sample keeps its own limit), or edit Sample.max_new_tokens."
         refuse_unused_limit(samples, limit, "max_new_tokens", fix)
     _ensure_kvlab_attention(model)
     outputs: list[Output | None] = [None] * len(items)
