@@ -75,8 +75,8 @@ def describe_own_limits(samples: Sequence[Sample], limit: int, total: int) -> st
         return ""
     low, high = min(s.max_new_tokens or 0 for s in own), max(s.max_new_tokens or 0 for s in own)
     span = f"{low} tokens" if low == high else f"{low} to {high} tokens"
-    verb = "carries" if len(own) == 1 else "carry"
-    return f"{len(own)} of the {total} samples {verb} their own answer limit ({span})"
+    carry = "carries its" if len(own) == 1 else "carry their"
+    return f"{len(own)} of the {total} samples {carry} own answer limit ({span})"
 
 
 def refuse_unused_limit(samples: Sequence[Sample], limit: int, field: str, fix: str) -> None:
