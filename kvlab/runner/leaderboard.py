@@ -143,12 +143,8 @@ class Leaderboard:
     budgets: list[BudgetPoint]
     metrics: dict[str, list[str]]
     full: set[str]
+    reference: set[str]
     samples: dict[str, dict[str, CellScores]] = field(default_factory=dict)
-    reference: set[str] | None = None
-
-    def __post_init__(self) -> None:
-        if self.reference is None:  # not told apart: every budget-free run is the full cache
-            self.reference = set(self.full)
 
 
 def cell_samples(board: Leaderboard, family: str, method: str, label: str) -> CellScores | None:
@@ -232,7 +228,7 @@ def leaderboard(runs: list[Run]) -> Leaderboard | None:
             row = scores.setdefault(family, {}).setdefault(method, {})
             for label in [b.label for b in budgets] if budget.kind == FULL else [budget.label]:
                 row[label] = value
-    return Leaderboard(scores, budgets, metrics, full, samples, reference & full)
+    return Leaderboard(scores, budgets, metrics, full, reference & full, samples)
 
 
 def family_order(board: Leaderboard) -> list[str]:

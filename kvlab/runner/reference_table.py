@@ -320,7 +320,7 @@ def plot_suite(
             reference |= board.reference
     if not scores or not points:
         return None
-    merged = Leaderboard(scores, sorted(points, key=lambda b: b.value), metrics, full, reference=reference)
+    merged = Leaderboard(scores, sorted(points, key=lambda b: b.value), metrics, full, reference)
     fig = plot_leaderboard(merged, "ratio", path, title)
     pyplot().close(fig)
     return path

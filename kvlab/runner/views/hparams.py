@@ -99,7 +99,7 @@ def compression_columns(node: dict[str, Any] | None) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     budget = pipeline.budget
-    if pipeline.compresses and budget is not None:  # a pipeline that only quantizes has none
+    if pipeline.compresses:  # a pipeline that only quantizes has no budget
         for field in dataclasses.fields(budget):
             out[f"budget.{field.name}"] = getattr(budget, field.name)
         out["schedule"] = getattr(pipeline, "schedule", None)
