@@ -32,7 +32,7 @@ from typing import ClassVar
 import torch
 
 from kvlab.cache.selection import Selection
-from kvlab.compression.context import LayerContext
+from kvlab.compression.context import LayerContext, check_observed_window
 from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities, Component
 from kvlab.config.registry import Registry
@@ -129,10 +129,7 @@ class ThinK(ChannelPruner):
 
     def __post_init__(self) -> None:
         self.check_keep()
-        if self.window is not None and self.window < 0:
-            raise ValueError(
-                f"think: window is a number of queries >= 0 (0: the last query alone), got {self.window}"
-            )
+        check_observed_window(self.window)
 
     def channel_scores(self, ctx: LayerContext, keys: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         B, Hkv, _, D = keys.shape

@@ -46,6 +46,13 @@ from kvlab.kernels.window_scores import REFERENCE_BLOCK_ELEMENTS, window_attenti
 from kvlab.models.facts import LayerFacts
 
 
+def check_observed_window(window: int | None) -> None:
+    """Refuse a window observer's own ``window`` below 0 (None: the budget's; 0: the last query
+    alone, as :meth:`LayerContext.observation_windows` reads it)."""
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 (0: the last query alone), got {window}")
+
+
 @dataclass(frozen=True)
 class QuestionView:
     """The question of a progressive prefill's step, after one layer's attention (Finch, Sec. 3).

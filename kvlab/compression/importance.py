@@ -20,7 +20,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvlab.compression.context import LayerContext
+from kvlab.compression.context import LayerContext, check_observed_window
 from kvlab.compression.ops import GqaReduce, Pool, pool_tokens, reduce_groups
 from kvlab.config import papers
 from kvlab.config.capabilities import Capabilities, Component
@@ -90,8 +90,7 @@ class WindowAttentionScorer(ImportanceScorer):
     )  # the window's queries are held after a chunked prefill
 
     def __post_init__(self) -> None:
-        if self.window is not None and self.window < 0:
-            raise ValueError(f"window must be >= 0 (0: the last query alone), got {self.window}")
+        check_observed_window(self.window)
         if self.kernel < 1:
             raise ValueError(f"kernel must be >= 1, got {self.kernel}")
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from kvlab.compression.context import LayerContext
+from kvlab.compression.context import LayerContext, check_observed_window
 from kvlab.compression.decision import RouteDecision
 from kvlab.compression.importance import per_window
 from kvlab.compression.modality import VISION_GROUP, modality_groups
@@ -80,8 +80,7 @@ class NCARMetric(LayerMetric):
     budget_settings: ClassVar[dict[str, str]] = {"window": "window"}
 
     def __post_init__(self) -> None:
-        if self.window is not None and self.window < 0:
-            raise ValueError(f"window must be >= 0 (0: the last query alone), got {self.window}")
+        check_observed_window(self.window)
 
     def measure(self, ctx: LayerContext) -> torch.Tensor:
         windows = ctx.observation_windows(self.window, "ncar")  # [B]
@@ -133,8 +132,7 @@ class SinkRecentMassMetric(LayerMetric):
     required_budget_settings: ClassVar[frozenset[str]] = frozenset({"tokens"})
 
     def __post_init__(self) -> None:
-        if self.window is not None and self.window < 0:
-            raise ValueError(f"window must be >= 0 (0: the last query alone), got {self.window}")
+        check_observed_window(self.window)
         if self.sinks is not None and self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.tokens is not None and self.tokens < (self.sinks or 0):
