@@ -48,7 +48,7 @@ class UniformCodes(Protocol):
 @runtime_checkable
 class RotatedCodebookCodes(Protocol):
     """TurboQuant codes of ``[M, D]`` rows, as the fused packed decode kernel reads them
-    (:class:`kvlab.compression.quantizers.RotatedCodes`, Zandieh et al. 2025, Algorithms 1-2):
+    (:class:`kvlab.compression.turboquant.RotatedCodes`, Zandieh et al. 2025, Algorithms 1-2):
     ``x^ = ||x|| (Π^T c[idx] + γ sqrt(π/2) / D  S^T sign)``, the second term with a sketch only.
 
     Attributes:

@@ -7,7 +7,7 @@ chunk by chunk, then attends), without writing any dequantized entry to memory. 
 asymmetric codes (KIVI's and ``per_token``'s :class:`~kvlab.compression.quantizers.GroupCodes`:
 ``b``-bit codes packed ``8 / b`` per byte, the first in the low bits, with a scale and zero point
 per group of rows or of channels), or of TurboQuant codes
-(:class:`~kvlab.compression.quantizers.RotatedCodes`), and a full-precision residual; decoded
+(:class:`~kvlab.compression.turboquant.RotatedCodes`), and a full-precision residual; decoded
 tokens sit in the decode region.
 
 Split-K over three parts, one set of partials (:class:`~kvlab.kernels.tl.decode_attention.Partials`):

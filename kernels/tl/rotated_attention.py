@@ -12,7 +12,7 @@ codebook, ``z = sign(S r)`` the QJL sketch of the unit residual, ``γ = ||r||``)
   (``2^b`` fp32 entries, a gather from a few cached bytes) and fed to ``tl.dot`` with ``q'``; the
   signs, unpacked as ``±1``, to a second ``tl.dot`` with ``q_s``; each column is then scaled by its
   row's norm and ``γ``. This is the estimator
-  :meth:`~kvlab.compression.quantizers.RotatedCodes.dequantize_rows` builds, term for term
+  :meth:`~kvlab.compression.turboquant.RotatedCodes.dequantize_rows` builds, term for term
   (Theorem 2's unbiased inner product), with the rotation moved to the query;
 - values: ``sum_j p_j ||x_j|| Π^T c[idx_j] = Π^T sum_j p_j ||x_j|| c[idx_j]``: the program
   accumulates ``p (||x|| c[idx])`` in the rotated basis and the launcher rotates each body split's

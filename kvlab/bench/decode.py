@@ -104,8 +104,9 @@ from kvlab.bench.common import (
 from kvlab.cache.layer import CompressedLayer
 from kvlab.cache.packed import packed_decode_attention
 from kvlab.compression.context import LayerContext
-from kvlab.compression.quantizers import KIVI, PerToken, Quantizer, TurboQuant
+from kvlab.compression.quantizers import KIVI, PerToken, Quantizer
 from kvlab.compression.retrieval import RetrieveSelector
+from kvlab.compression.turboquant import TurboQuant
 from kvlab.config.errors import ConfigError
 from kvlab.engine.generation import decode, prefill
 from kvlab.kernels.decode_attention import SegmentRuns, ragged_decode_attention_reference

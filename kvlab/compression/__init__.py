@@ -38,6 +38,7 @@ from kvlab.compression import (  # noqa: F401  (imported for their registrations
     routing,
     selectors,
     tova,
+    turboquant,
     two_stage,
     vl_cache,
 )

@@ -15,8 +15,9 @@ from kvlab.cache.layer import CompressedLayer
 from kvlab.cache.options import AttentionOptions
 from kvlab.cache.packed import CHUNK_SEGMENTS, packed_decode_attention
 from kvlab.cache.selection import Selection
-from kvlab.compression.quantizers import KIVI, PerToken, TurboQuant
+from kvlab.compression.quantizers import KIVI, PerToken
 from kvlab.compression.selectors import topk_indices
+from kvlab.compression.turboquant import TurboQuant
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference
 
 B, HKV, G, D = 2, 3, 2, 16

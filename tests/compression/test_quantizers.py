@@ -13,17 +13,8 @@ import torch
 from naive.quantization import naive_group_round_trip, naive_pack
 
 from kvlab.cache.packed import PackedPrompt, body_lengths
-from kvlab.compression.quantizers import (
-    KIVI,
-    QUANTIZERS,
-    GroupCodes,
-    PerToken,
-    TurboQuant,
-    lloyd_max_codebook,
-    pack_codes,
-    turbo_quantize,
-    unpack_codes,
-)
+from kvlab.compression.quantizers import KIVI, QUANTIZERS, GroupCodes, PerToken, pack_codes, unpack_codes
+from kvlab.compression.turboquant import TurboQuant, lloyd_max_codebook, turbo_quantize
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

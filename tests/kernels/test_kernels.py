@@ -63,8 +63,9 @@ from kvlab.cache.layer import CompressedLayer  # noqa: E402
 from kvlab.cache.packed import PackedPrompt  # noqa: E402
 from kvlab.cache.selection import Selection  # noqa: E402
 from kvlab.compression.context import LayerContext  # noqa: E402
-from kvlab.compression.quantizers import KIVI, RotatedCodes, TurboQuant, turbo_quantize  # noqa: E402
+from kvlab.compression.quantizers import KIVI  # noqa: E402
 from kvlab.compression.selectors import topk_indices  # noqa: E402
+from kvlab.compression.turboquant import RotatedCodes, TurboQuant, turbo_quantize  # noqa: E402
 from kvlab.config.errors import ConfigError  # noqa: E402
 from kvlab.kernels import dispatch  # noqa: E402
 from kvlab.kernels.compaction import compact_kv_reference  # noqa: E402

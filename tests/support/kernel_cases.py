@@ -15,8 +15,9 @@ pytest.importorskip("triton")
 
 from kvlab.cache.packed import packed_decode_attention  # noqa: E402
 from kvlab.cache.pruned import pruned_decode_attention, query_channels  # noqa: E402
-from kvlab.compression.quantizers import KIVI, PerToken, TurboQuant  # noqa: E402
+from kvlab.compression.quantizers import KIVI, PerToken  # noqa: E402
 from kvlab.compression.selectors import topk_indices  # noqa: E402
+from kvlab.compression.turboquant import TurboQuant  # noqa: E402
 from kvlab.kernels.decode_attention import ragged_decode_attention_reference  # noqa: E402
 from kvlab.kernels.dispatch import kernel_mode  # noqa: E402
 from kvlab.kernels.merge import merge_scatter_reference  # noqa: E402
