@@ -71,3 +71,10 @@ class RotatedCodebookCodes(Protocol):
     codebook: torch.Tensor
     mse_bits: int
     dim: int
+
+    def rotated_terms(
+        self, rows: torch.Tensor | slice
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """Rows before any rotation back: ``(c[idx], sign(S r) as +-1 or None, the sketch's scale
+        or None, ||x||)``, fp32 (the torch path's rotated-basis attention reads these)."""
+        ...

@@ -275,6 +275,49 @@ def fold(
     )  # fmt: skip
 
 
+def _attends_rotated(keys: PackedCodes, values: PackedCodes) -> bool:
+    """Whether a body run can be attended in the rotated basis: keys and values both TurboQuant
+    codes, values without a QJL sketch (its ``S^T sign`` term does not rotate back as one matrix)."""
+    return (
+        isinstance(keys, RotatedCodebookCodes)
+        and isinstance(values, RotatedCodebookCodes)
+        and values.signs is None
+    )
+
+
+def _rotated_attention(
+    query: torch.Tensor,
+    keys: RotatedCodebookCodes,
+    values: RotatedCodebookCodes,
+    rows: torch.Tensor | slice,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query [n, 1, r, D]`` over ``n`` segments of TurboQuant rows ``rows`` (``n * L``
+    rows, segment by segment) in the rotated basis, as the fused kernel does on a GPU: with rows
+    ``k^ = ||k|| (c Π + s sign S)``, ``q . k^ = ||k|| ((q Π^T) . c + s (q S^T) . sign)``, and the
+    weighted sum of ``v^ = ||v|| c_v Π_v`` is ``(sum_i p_i ||v_i|| c_v,i) Π_v``: the query is rotated
+    once and the output once, where dequantizing rotates each of the ``n * L`` rows (a ``D x D``
+    product per row and step). fp32 throughout.
+
+    Returns:
+        ``out [n, 1, r, D]`` fp32 and its log-sum-exp ``[n, 1, r]``.
+    """
+    n, _, r, D = query.shape
+    q = query.float()
+    k_unit, signs, sketch_scale, k_norm = keys.rotated_terms(rows)
+    length = k_unit.shape[0] // n
+    scores = (q @ keys.rotation.T) @ k_unit.view(n, length, D).transpose(1, 2)[:, None]  # [n, 1, r, L]
+    if signs is not None:
+        sketched = (q @ keys.projection.T) @ signs.view(n, length, D).transpose(1, 2)[:, None]
+        scores = scores + sketched * sketch_scale.view(n, 1, 1, length)
+    scores = scores * (k_norm.view(n, 1, 1, length) * scaling)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse[..., None])
+    v_unit, _, _, v_norm = values.rotated_terms(rows)
+    summed = (weights * v_norm.view(n, 1, 1, length)) @ v_unit.view(n, 1, length, D)
+    return summed @ values.rotation, lse
+
+
 def packed_decode_attention(
     query: torch.Tensor,
     packed: PackedPrompt,
@@ -297,8 +340,9 @@ def packed_decode_attention(
     (:func:`~kvlab.kernels.dispatch.use_triton`: CUDA tensors under ``auto``) runs the fused kernel
     :func:`kvlab.kernels.tl.packed_attention.packed_decode_attention_triton`, which reads the codes
     without writing a dequantized entry. Otherwise a plain call on CPU (no attention
-    variant) attends each body run in chunks of at most ``chunk`` segments dequantized into the
-    cache dtype, the residual runs in place and the decode entries, merged by log-sum-exp
+    variant) attends each body run in chunks of at most ``chunk`` segments (uniform codes
+    dequantized into the cache dtype; TurboQuant codes in their rotated basis, fp32,
+    :func:`_rotated_attention`), the residual runs in place and the decode entries, merged by log-sum-exp
     (:func:`~kvlab.kernels.decode_attention.merge_by_lse`); any other call attends
     :meth:`PackedPrompt.dense` through ``ragged_decode_attention``.
     """
@@ -336,6 +380,7 @@ def packed_decode_attention(
     lse = query.new_full((n, 1, r), float("-inf"), dtype=torch.float32)
     body_runs, residual_runs = packed.runs()
     device = query.device
+    rotated = _attends_rotated(packed.keys, packed.values)
     for run in body_runs.runs:
         if not run.length:
             continue
@@ -346,10 +391,15 @@ def packed_decode_attention(
             else:
                 base = run.row + (first + torch.arange(count, device=device)) * run.stride
                 rows = (base[:, None] + torch.arange(run.length, device=device)).flatten()
-            keys = packed.keys.dequantize_rows(rows).to(query.dtype).view(count, 1, run.length, D)
-            values = packed.values.dequantize_rows(rows).to(query.dtype).view(count, 1, run.length, D)
             segments = slice(run.first + first, run.first + first + count)
-            part, part_lse = _flash(grouped[segments], keys, values, scaling)
+            if rotated:
+                part, part_lse = _rotated_attention(
+                    grouped[segments], packed.keys, packed.values, rows, scaling
+                )
+            else:
+                keys = packed.keys.dequantize_rows(rows).to(query.dtype).view(count, 1, run.length, D)
+                values = packed.values.dequantize_rows(rows).to(query.dtype).view(count, 1, run.length, D)
+                part, part_lse = _flash(grouped[segments], keys, values, scaling)
             out[segments], lse[segments] = merge_by_lse(out[segments], lse[segments], part, part_lse.float())
     for run in residual_runs.runs:
         if run.length:

@@ -89,21 +89,30 @@ class RotatedCodes:
     mse_bits: int
     dim: int
 
-    def _mse_unit(self, rows: torch.Tensor | slice) -> torch.Tensor:
-        """``[m, D]`` fp32 dequantized unit vectors ``Π^T c[idx]`` (zero without MSE bits)."""
+    def rotated_terms(
+        self, rows: torch.Tensor | slice
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """Rows ``rows`` before any rotation back: ``(c[idx] [m, D], sign(S r) [m, D] as +-1 or
+        None, the sketch's scale ``γ sqrt(π/2) / D`` [m] or None, ||x|| [m])``, all fp32, so that
+        ``x^ = ||x|| (c[idx] Π + scale sign S)`` (rows as row vectors). Attention can then rotate
+        the query once instead of every row (:meth:`dequantize_rows` is this, multiplied out)."""
         if self.packed is None:
-            return torch.zeros(self.norm[rows].shape[0], self.dim, device=self.norm.device)
-        idx = unpack_codes(self.packed[rows], self.mse_bits, self.dim).long()
-        return self.codebook[idx] @ self.rotation
-
-    def dequantize_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
-        """Rows ``rows`` (``[m]`` long indices or a slice) as ``[m, D]`` in the entries' dtype."""
-        unit = self._mse_unit(rows)
+            unit = torch.zeros(self.norm[rows].shape[0], self.dim, device=self.norm.device)
+        else:
+            unit = self.codebook[unpack_codes(self.packed[rows], self.mse_bits, self.dim).long()]
+        signs = scale = None
         if self.signs is not None:
             signs = unpack_codes(self.signs[rows], 1, self.dim).float() * 2 - 1
             scale = self.gamma[rows].float() * math.sqrt(math.pi / 2) / self.dim
+        return unit, signs, scale, self.norm[rows].float()
+
+    def dequantize_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Rows ``rows`` (``[m]`` long indices or a slice) as ``[m, D]`` in the entries' dtype."""
+        unit, signs, scale, norm = self.rotated_terms(rows)
+        unit = unit @ self.rotation
+        if signs is not None:
             unit = unit + scale[:, None] * (signs @ self.projection)
-        return (unit * self.norm[rows].float()[:, None]).to(self.norm.dtype)
+        return (unit * norm[:, None]).to(self.norm.dtype)
 
     def take(self, rows: torch.Tensor) -> RotatedCodes:
         """Rows ``rows [m]`` (the layer's ``Π``, ``S`` and codebook shared)."""
