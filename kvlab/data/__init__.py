@@ -9,6 +9,7 @@ from kvlab.data import benchmarks as _benchmarks  # noqa: F401  (registers the l
 from kvlab.data import counting as _counting  # noqa: F401  (registers synthetic_counting)
 from kvlab.data import kvpress as _kvpress  # noqa: F401  (registers the kvpress-schema dataset)
 from kvlab.data import reader_tasks as _reader_tasks  # noqa: F401  (registers the reader tasks)
+from kvlab.data import scene_tasks as _scene_tasks  # noqa: F401  (registers the scene tasks)
 from kvlab.data.datasets import DATASETS, JsonlDataset, SampleSource, build_dataset
 from kvlab.data.hf import HFDataset
 from kvlab.data.sample import Sample

@@ -12,6 +12,7 @@ smollm2-135m        LlamaForCausalLM        30     9       3        64       -
 smollm2-qwen2-vl    Qwen2VL...Generation    30     9       3        64       36 (168x168)
 smollm2-llava       Llava...Generation      30     9       3        64       36 (84x84)
 smollm2-reader      Llava...Generation      30     9       3        64       16 (160x160)
+smollm2-ocr         Llava...Generation      30     9       3        64       256 (640x640)
 gemma3-270m         Gemma3ForCausalLM       18     4       1        256      -
 =================== ======================= ====== ======= ======== ======== ===================
 
@@ -20,7 +21,9 @@ Tiny models have seeded random weights and share a BPE tokenizer trained at runt
 prompt's cache memory); the smollm2
 ones carry SmolLM2-135M-Instruct's trained weights (the grafted VLMs with seeded random vision
 parts; ``smollm2-reader`` with a vision path built in closed form so that its image tokens carry
-the glyphs the image shows, :mod:`kvlab.models.scaffolding.reader`); gemma3-270m carries Google's
+the glyphs the image shows, :mod:`kvlab.models.scaffolding.reader`; ``smollm2-ocr`` with a
+shift-invariant vision path and a trained read-out that reads words printed anywhere in a patch
+of a large scene, :mod:`kvlab.models.scaffolding.ocr`); gemma3-270m carries Google's
 Gemma 3 270M base weights (Gemma Terms of Use; sliding windows of 512 tokens on five layers of
 six). Every built-in is bit-identical across loads and
 processes: every random draw made while building one runs under
@@ -43,7 +46,7 @@ from kvlab.models.common import build_from_config, seeded
 from kvlab.models.images import ImageAdapter
 from kvlab.models.info import model_info
 from kvlab.models.processors import ChatProcessor
-from kvlab.models.scaffolding import gemma3, graft, reader, smollm2, tiny
+from kvlab.models.scaffolding import gemma3, graft, ocr, reader, smollm2, tiny
 from kvlab.models.scaffolding.tokenizer import IMAGE_PLACEHOLDERS, tiny_tokenizer
 from kvlab.models.vlm import llava_config, llava_images, qwen2_vl_config, qwen2_vl_images
 
@@ -277,3 +280,27 @@ class SmolLM2Reader(GraftedSmolLM2):
 
     def origin(self) -> dict[str, Any]:
         return {**super().origin(), "path": str(reader.cache_dir())}
+
+
+@MODELS.register("smollm2-ocr")
+@dataclass
+class SmolLM2OCR(GraftedSmolLM2):
+    """LLaVA with SmolLM2 that reads scenes: 640x640 images of 16x16 patches -> 256 tokens, a printed
+    word anywhere in a patch read as its token (a synthetic testbed; built once, cached)."""
+
+    model_class: ClassVar[str] = "LlavaForConditionalGeneration"
+    family: ClassVar[str] = "llava"
+    image_size: ClassVar[int | None] = ocr.scenes.IMAGE_SIZE
+    #: float32 only: the tower squares each Fourier coefficient as gelu(a u) + gelu(-a u) with
+    #: a = 0.01, a difference of two terms up to hundreds of times larger than the result, which
+    #: bfloat16 and float16 (8 and 11 bits of mantissa) lose entirely
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = (torch.float32,)
+
+    def config(self) -> Any:
+        return ocr.ocr_config(self.tokenizer())
+
+    def build(self, dtype: torch.dtype) -> torch.nn.Module:
+        return ocr.load_ocr(dtype)
+
+    def origin(self) -> dict[str, Any]:
+        return {**super().origin(), "path": str(ocr.TRAINED_FILE)}

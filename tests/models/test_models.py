@@ -58,7 +58,9 @@ def forward(loaded, batch) -> torch.Tensor:
 
 # ---- names and info ----------------------------------------------------------------------------
 def test_builtin_names_registered():
-    builtins = TINY + GRAFTED + ["tiny-llama-long", "smollm2-135m", "smollm2-reader", "gemma3-270m"]
+    builtins = (
+        TINY + GRAFTED + ["tiny-llama-long", "smollm2-135m", "smollm2-reader", "smollm2-ocr", "gemma3-270m"]
+    )
     assert set(MODELS.names()) == set(builtins)
     rows = {row.name: row.doc for row in MODELS.describe()}
     assert all(rows.values()), "every built-in needs a one-line description"
