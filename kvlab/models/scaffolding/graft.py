@@ -18,7 +18,7 @@ import functools
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LlavaConfig
 from transformers.initialization import no_init_weights
 
 from kvlab.models.common import seeded
@@ -72,6 +72,26 @@ def text_dims(tokenizer: Any) -> dict[str, Any]:
 def token_ids(tokenizer: Any) -> dict[str, int]:
     """Ids of the vision tokens in the grafted tokenizer."""
     return {tok: tokenizer.convert_tokens_to_ids(tok) for tok in VISION_TOKENS}
+
+
+def cell_llava_config(tokenizer: Any, image_size: int, cell: int, **clip: Any) -> Any:
+    """The ``LlavaConfig`` of a reading VLM (``smollm2-reader``, ``smollm2-ocr``): SmolLM2's text
+    dimensions, a CLIP tower that cuts ``image_size`` px images into one patch per ``cell`` px cell
+    (LLaVA's ``default`` strategy: the CLS token dropped, the last layer's output), LLaVA's GELU
+    projector. ``clip``: the tower's other fields (width, layers, activation...)."""
+    text = {**text_dims(tokenizer), "model_type": "llama"}
+    vision = {"model_type": "clip_vision_model", "image_size": image_size, "patch_size": cell,
+              "num_attention_heads": 1, **clip}  # fmt: skip
+    return LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=token_ids(tokenizer)["<image>"],
+        image_seq_length=(image_size // cell) ** 2,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=text.get("tie_word_embeddings", False),
+    )
 
 
 class SplitVocabHead(torch.nn.Linear):

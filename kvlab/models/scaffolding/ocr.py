@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import LlavaConfig, LlavaForConditionalGeneration
+from transformers import LlavaForConditionalGeneration
 
 from kvlab.data import scenes
 from kvlab.models.common import seeded
@@ -145,29 +145,11 @@ def ocr_config(tokenizer: Any) -> Any:
     """The ``LlavaConfig``: SmolLM2's dimensions; a two-layer CLIP tower over 40 px patches of
     640 px images (256 tokens), width :func:`layout`; LLaVA's two-layer GELU projector."""
     slots = layout()
-    text = {**graft.text_dims(tokenizer), "model_type": "llama"}
-    vision = dict(
-        model_type="clip_vision_model",
-        hidden_size=slots.hidden,
-        intermediate_size=slots.coefficients,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        image_size=scenes.IMAGE_SIZE,
-        patch_size=scenes.CELL,
-        projection_dim=slots.hidden,
-        layer_norm_eps=LAYER_NORM_EPS,
-        hidden_act="gelu",
-    )
-    return LlavaConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=graft.token_ids(tokenizer)["<image>"],
-        image_seq_length=scenes.CELLS_PER_IMAGE,
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-1,
-        projector_hidden_act="gelu",
-        tie_word_embeddings=text.get("tie_word_embeddings", False),
-    )
+    return graft.cell_llava_config(
+        tokenizer, scenes.IMAGE_SIZE, scenes.CELL, hidden_size=slots.hidden,
+        intermediate_size=slots.coefficients, num_hidden_layers=2, projection_dim=slots.hidden,
+        layer_norm_eps=LAYER_NORM_EPS, hidden_act="gelu",
+    )  # fmt: skip
 
 
 def fourier_basis() -> torch.Tensor:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from transformers import LlavaConfig, LlavaForConditionalGeneration
+from transformers import LlavaForConditionalGeneration
 
 from kvlab.data import glyphs
 from kvlab.models.common import seeded
@@ -89,28 +89,10 @@ def _is_complete(path: Path) -> bool:
 def reader_config(tokenizer: Any) -> Any:
     """The ``LlavaConfig``: SmolLM2's dimensions, a one-layer CLIP tower of width
     :data:`VISION_WIDTH` over 40 px patches of 160 px images (16 tokens), a linear projector."""
-    text = {**graft.text_dims(tokenizer), "model_type": "llama"}
-    vision = dict(
-        model_type="clip_vision_model",
-        hidden_size=VISION_WIDTH,
-        intermediate_size=1,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        image_size=glyphs.IMAGE_SIZE,
-        patch_size=glyphs.CELL,
-        projection_dim=VISION_WIDTH,
-        layer_norm_eps=LAYER_NORM_EPS,
-    )
-    return LlavaConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=graft.token_ids(tokenizer)["<image>"],
-        image_seq_length=glyphs.CELLS_PER_IMAGE,
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-1,
-        projector_hidden_act="gelu",
-        tie_word_embeddings=text.get("tie_word_embeddings", False),
-    )
+    return graft.cell_llava_config(
+        tokenizer, glyphs.IMAGE_SIZE, glyphs.CELL, hidden_size=VISION_WIDTH, intermediate_size=1,
+        num_hidden_layers=1, projection_dim=VISION_WIDTH, layer_norm_eps=LAYER_NORM_EPS,
+    )  # fmt: skip
 
 
 # ---- the closed-form tower ----------------------------------------------------------------------
