@@ -39,7 +39,7 @@ random scenes: cross-entropy over the glyphs, then with the squared distance of 
 from the one-hot added, so that scores land on the detectors' two sides. It is the only trained
 part (0.9 MB) and ships with kvlab as :data:`TRAINED_FILE`; loading the model assembles the rest in
 closed form around it (a few seconds, nothing to cache). ``python -m kvlab.models.scaffolding.ocr``
-prints the report stored with it; ``--train`` trains it again (about a minute and a half on one
+prints the report stored with it; ``--train`` trains it again (about a minute on one
 core, deterministic) and rewrites the file. The report: per-patch nearest-token accuracy (L2
 over SmolLM2's 49152 tokens) on :attr:`BuildSize.held_out` scenes drawn from a seed the training
 never saw, for text patches in each font and for background patches. ``docs/models.md`` gives
@@ -437,7 +437,7 @@ def load_ocr(dtype: torch.dtype) -> torch.nn.Module:
 
 def main(args: list[str] | None = None) -> None:
     """``python -m kvlab.models.scaffolding.ocr [--train]``: print the shipped classifier's report,
-    or train it again (about a minute and a half on one core) and print the new one."""
+    or train it again (about a minute on one core) and print the new one."""
     parser = argparse.ArgumentParser(description="smollm2-ocr's trained classifier: report or retrain.")
     parser.add_argument("--train", action="store_true", help=f"train again and rewrite {TRAINED_FILE.name}")
     ns = parser.parse_args(args)
