@@ -138,21 +138,23 @@ def test_the_shipped_classifier_reads_held_out_scenes():
 @pytest.mark.slow
 @needs_smollm2
 def test_training_is_bit_identical_across_processes(tmp_path):
+    """A small training in a child process and the same here give the same bytes."""
+    from safetensors.torch import load_file
+
+    from kvlab.models.scaffolding import ocr
+
+    size = ocr.BuildSize(scenes=2, steps=20, detector_steps=10, held_out=1)
     code = "\n".join(
         [
             "import sys, pathlib",
             "from kvlab.models.scaffolding import ocr",
-            "size = ocr.BuildSize(scenes=2, steps=20, detector_steps=10, held_out=1)",
-            "ocr.train(size, pathlib.Path(sys.argv[1]))",
+            f"ocr.train(ocr.{size!r}, pathlib.Path(sys.argv[1]))",
         ]
     )
-    for name in ("a.safetensors", "b.safetensors"):
-        subprocess.run(
-            [sys.executable, "-c", code, str(tmp_path / name)], check=True, capture_output=True, timeout=600
-        )
-    from safetensors.torch import load_file
-
-    a, b = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
+    child, here = tmp_path / "child.safetensors", tmp_path / "here.safetensors"
+    subprocess.run([sys.executable, "-c", code, str(child)], check=True, capture_output=True, timeout=600)
+    ocr.train(size, here)
+    a, b = load_file(str(child)), load_file(str(here))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
