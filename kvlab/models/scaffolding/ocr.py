@@ -31,7 +31,7 @@ draw, over textured and noisy backgrounds). CLIP's own layers and LLaVA's projec
 5. **LLaVA's projector** ``linear_2(gelu(linear_1(x)))`` in closed form: per glyph a detector
    ``d = (gelu(b z) - gelu(b z - b)) / b`` (``b`` = :data:`DETECTOR_GAIN`), 0 for a score
    ``z <= 0`` and 1 for ``z >= 1`` (a ramp between), and ``linear_2`` sums the glyphs' token
-   embeddings weighted by their detectors. A patch whose score is 1 for its glyph and at most 0
+   embeddings weighted by their detectors. A patch whose score is at least 1 for its glyph and at most 0
    for every other glyph becomes exactly that token's embedding.
 
 The classifier is trained (Adam, seeded, one thread) on every patch of :attr:`BuildSize.scenes`
