@@ -37,6 +37,18 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 @contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run a block on one intra-op thread (the same float reductions in every process, so a
+    construction or a training is bit-identical across processes), then restore the count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Run a block under ``torch.manual_seed(seed)`` without disturbing the caller's RNG state."""
     with torch.random.fork_rng(devices=[]):

@@ -15,6 +15,7 @@ Both grafted models use 36 image tokens per image (Qwen2-VL: 168x168 -> 12x12 pa
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,6 +73,23 @@ def text_dims(tokenizer: Any) -> dict[str, Any]:
 def token_ids(tokenizer: Any) -> dict[str, int]:
     """Ids of the vision tokens in the grafted tokenizer."""
     return {tok: tokenizer.convert_tokens_to_ids(tok) for tok in VISION_TOKENS}
+
+
+def single_token_ids(tokenizer: Any, texts: Sequence[str]) -> list[int]:
+    """The token id of each text (what a reading VLM's glyphs show), each exactly one token.
+
+    Raises:
+        RuntimeError: a text that is not one token (the glyph set and the tokenizer disagree).
+    """
+    ids = []
+    for text in texts:
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(tokens) != 1:
+            raise RuntimeError(
+                f"a reading VLM's glyph shows {text!r}, which is {len(tokens)} tokens, not one"
+            )
+        ids.append(tokens[0])
+    return ids
 
 
 def cell_llava_config(tokenizer: Any, image_size: int, cell: int, **clip: Any) -> Any:

@@ -49,7 +49,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlavaForConditionalGeneration
 
 from kvlab.data import glyphs
-from kvlab.models.common import seeded
+from kvlab.models.common import one_thread, seeded
 from kvlab.models.scaffolding import graft, smollm2
 from kvlab.models.vlm import llava_images
 
@@ -288,15 +288,7 @@ def projector_weights(
 
 def cell_token_ids(tokenizer: Any) -> list[int]:
     """The token id each glyph of :data:`GLYPHS` shows (each text of :func:`cell_text` is one token)."""
-    ids = []
-    for glyph in glyphs.GLYPHS:
-        tokens = tokenizer(glyphs.cell_text(glyph), add_special_tokens=False)["input_ids"]
-        if len(tokens) != 1:
-            raise RuntimeError(
-                f"glyph {glyph!r} shows {glyphs.cell_text(glyph)!r}, which is {len(tokens)} tokens"
-            )
-        ids.append(tokens[0])
-    return ids
+    return graft.single_token_ids(tokenizer, [glyphs.cell_text(glyph) for glyph in glyphs.GLYPHS])
 
 
 def _glyph_sheets(
@@ -353,9 +345,7 @@ def evaluate_fit(vlm: torch.nn.Module, config: Any, ids: list[int]) -> dict[str,
 def construct(dst: Path) -> dict[str, Any]:
     """Build the reader's vision weights into ``dst`` (``vision.safetensors``, ``fit.json``)."""
     started = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same float64 reductions in every process
-    try:
+    with one_thread():  # the same float64 reductions in every process
         tokenizer = graft.vlm_tokenizer("llava")
         config = reader_config(tokenizer)
         vlm = graft.build_grafted(LlavaForConditionalGeneration, config, SEED, torch.float32)
@@ -376,8 +366,6 @@ def construct(dst: Path) -> dict[str, Any]:
                 projector.get_parameter(name).copy_(value.float())
         report = evaluate_fit(vlm, config, ids)
         report["dropped_singular_value"] = dropped
-    finally:
-        torch.set_num_threads(threads)
     state = {
         name: tensor.detach().contiguous()
         for name, tensor in vlm.state_dict().items()
