@@ -90,24 +90,18 @@ def test_question_first_puts_the_question_before_the_images():
 def test_the_towers_features_do_not_move_with_the_glyph():
     """Steps 1-3 (Fourier coefficients, layernorm, power spectrum) give the same features for a
     glyph printed anywhere inside its patch, in any ink: only the trained classifier sees them."""
-    from transformers import LlavaForConditionalGeneration
+    from PIL import Image
 
-    from kvlab.models.scaffolding import graft, ocr
-    from kvlab.models.vlm import llava_images
+    from kvlab.models.scaffolding import ocr, ocr_training
 
-    config = ocr.ocr_config(graft.vlm_tokenizer("llava"))
-    vlm = graft.build_grafted(LlavaForConditionalGeneration, config, 0, torch.float32)
-    processor = llava_images(config).image_processor
-    ocr.set_spectrum(vlm, list(processor.image_mean), list(processor.image_std))
+    _, config, vlm = ocr.spectrum_model()
     images = []
     for dx, dy, ink in ((0, 0, (0, 0, 0)), (3, -2, (0, 0, 0)), (-4, 4, (80, 20, 60))):
         image = np.full((scenes.IMAGE_SIZE, scenes.IMAGE_SIZE, 3), 240.0, dtype=np.float32)
         alpha = scenes._glyph_alpha("door", scenes.Style("bitmap", 11, ink, dx, dy))
         scenes._paint(image, 0, alpha, np.array(ink, dtype=np.float32))
         images.append(image.round().astype(np.uint8))
-    from PIL import Image
-
-    features = ocr.classifier_inputs(vlm, config, [Image.fromarray(x) for x in images])[
+    features = ocr_training.classifier_inputs(vlm, config, [Image.fromarray(x) for x in images])[
         :: scenes.CELLS_PER_IMAGE
     ]
     scale = features[0].abs().max()
@@ -124,14 +118,14 @@ def test_the_shipped_classifier_reads_held_out_scenes():
     49152 tokens), and so does nearly every background patch. The report stored with the file
     (16 scenes) says the same."""
     from kvlab.models import load_model
-    from kvlab.models.scaffolding import graft, ocr
+    from kvlab.models.scaffolding import graft, ocr, ocr_training
 
     report = ocr.trained_report()
     assert report["text_accuracy"] >= 0.99 and report["background_accuracy"] >= 0.98
     assert min(report[f"text_accuracy_{font}"] for font in scenes.FONTS) >= 0.98
     model = load_model("smollm2-ocr")
     ids = ocr.glyph_token_ids(graft.vlm_tokenizer("llava"))
-    measured = ocr.evaluate(model.model, model.model.config, ids, ocr.BuildSize(held_out=4))
+    measured = ocr_training.evaluate(model.model, model.model.config, ids, ocr.BuildSize(held_out=4))
     assert measured["text_accuracy"] >= 0.98 and measured["background_accuracy"] >= 0.98, measured
 
 
@@ -141,19 +135,19 @@ def test_training_is_bit_identical_across_processes(tmp_path):
     """A small training in a child process and the same here give the same bytes."""
     from safetensors.torch import load_file
 
-    from kvlab.models.scaffolding import ocr
+    from kvlab.models.scaffolding import ocr, ocr_training
 
     size = ocr.BuildSize(scenes=2, steps=20, detector_steps=10, held_out=1)
     code = "\n".join(
         [
             "import sys, pathlib",
-            "from kvlab.models.scaffolding import ocr",
-            f"ocr.train(ocr.{size!r}, pathlib.Path(sys.argv[1]))",
+            "from kvlab.models.scaffolding import ocr, ocr_training",
+            f"ocr_training.train(ocr.{size!r}, pathlib.Path(sys.argv[1]))",
         ]
     )
     child, here = tmp_path / "child.safetensors", tmp_path / "here.safetensors"
     subprocess.run([sys.executable, "-c", code, str(child)], check=True, capture_output=True, timeout=600)
-    ocr.train(size, here)
+    ocr_training.train(size, here)
     a, b = load_file(str(child)), load_file(str(here))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

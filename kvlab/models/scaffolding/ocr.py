@@ -34,38 +34,31 @@ draw, over textured and noisy backgrounds). CLIP's own layers and LLaVA's projec
    embeddings weighted by their detectors. A patch whose score is at least 1 for its glyph and at most 0
    for every other glyph becomes exactly that token's embedding.
 
-The classifier is trained (Adam, seeded, one thread) on every patch of :attr:`BuildSize.scenes`
-random scenes: cross-entropy over the glyphs, then with the squared distance of the detectors
-from the one-hot added, so that scores land on the detectors' two sides. It is the only trained
-part (0.9 MB) and ships with kvlab as :data:`TRAINED_FILE`; loading the model assembles the rest in
-closed form around it (a few seconds, nothing to cache). ``python -m kvlab.models.scaffolding.ocr``
-prints the report stored with it; ``--train`` trains it again (about a minute on one
-core, deterministic) and rewrites the file. The report: per-patch nearest-token accuracy (L2
-over SmolLM2's 49152 tokens) on :attr:`BuildSize.held_out` scenes drawn from a seed the training
-never saw, for text patches in each font and for background patches. ``docs/models.md`` gives
-the figures.
+The classifier is trained (:mod:`kvlab.models.scaffolding.ocr_training`: Adam, seeded, one
+thread, on every patch of :attr:`BuildSize.scenes` random scenes). It is the only trained part
+(0.9 MB) and ships with kvlab as :data:`TRAINED_FILE`, with its held-out report; loading the model
+assembles the rest in closed form around it (a few seconds, nothing to cache), and refuses a file
+whose digest (of the glyph set and every constant here) is not this module's. ``docs/models.md``
+gives the figures.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
-import random
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import LlavaForConditionalGeneration
 
 from kvlab.data import scenes
 from kvlab.models.common import seeded
-from kvlab.models.scaffolding import graft, smollm2
+from kvlab.models.scaffolding import graft
 from kvlab.models.vlm import llava_images
 
 #: bump when the construction changes (part of the classifier's digest)
@@ -77,13 +70,15 @@ SQUARE_GAIN = 0.01
 LAYER_NORM_EPS = 1e-5
 CLASSIFIER_WIDTH = 576
 DETECTOR_GAIN = 8.0  # gelu(-8) = -5e-15: a detector below its ramp is 0 to float32's precision
-#: the trained classifier (step 4), shipped with kvlab: ``python -m kvlab.models.scaffolding.ocr --train``
+#: the trained classifier (step 4), shipped with kvlab (:mod:`kvlab.models.scaffolding.ocr_training`)
 TRAINED_FILE = Path(__file__).with_name("ocr_classifier.safetensors")
 
 
 @dataclass(frozen=True)
 class BuildSize:
-    """How much the build sees: ``scenes`` random training scenes (256 patches each);
+    """How much the classifier's training sees (:mod:`~kvlab.models.scaffolding.ocr_training`; part of
+    the digest, so the shipped file names the recipe it came from): ``scenes`` random training
+    scenes (256 patches each);
     ``steps`` Adam steps of ``batch`` patches, the last ``detector_steps`` of them with the
     detectors' loss; ``held_out`` scenes for the report."""
 
@@ -199,53 +194,9 @@ def set_spectrum(vlm: torch.nn.Module, image_mean: list[float], image_std: list[
             param.zero_()
 
 
-def classifier_inputs(vlm: torch.nn.Module, config: Any, images: list[Any], chunk: int = 8) -> torch.Tensor:
-    """``[len(images) * 256, F]`` float32: what encoder layer 2's MLP reads of each patch (its
-    layernorm's output on the spectrum channels), in image order.
-
-    Computed by the tower's own modules without its attention blocks, whose projections are zero at
-    this stage (each adds an exact 0 to the residual stream): the same values, a third of the work.
-    """
-    adapter = llava_images(config)
-    tower = vlm.model.vision_tower
-    first, second = tower.encoder.layers
-    spectrum = layout().spectrum_slots
-    out = []
-    for start in range(0, len(images), chunk):
-        pixels = adapter.process(images[start : start + chunk])[0]["pixel_values"]
-        with torch.no_grad():
-            hidden = tower.pre_layrnorm(tower.embeddings(pixels))[:, 1:]  # LLaVA drops the CLS token
-            hidden = hidden + first.mlp(first.layer_norm2(hidden))
-            normed = second.layer_norm2(hidden)
-        out.append(normed[..., spectrum].reshape(-1, spectrum.stop - spectrum.start))
-    return torch.cat(out)
-
-
-def random_scenes(count: int, seed: int) -> tuple[list[Any], list[str], list[str]]:
-    """``count`` scenes for training or the report: each puts random glyphs in a random share of
-    its cells (20 to 160 of 256), so text and every kind of background come in both plain and
-    crowded scenes. Returns the images, every patch's label and every patch's font (``""`` for
-    background), in image order."""
-    rng = random.Random(f"smollm2-ocr:{seed}")
-    images, labels, fonts = [], [], []
-    for _ in range(count):
-        cells = rng.sample(range(scenes.CELLS_PER_IMAGE), rng.randrange(20, 160))
-        scene = scenes.render_scene({i: rng.choice(scenes.GLYPHS[1:]) for i in cells}, rng)
-        images.append(scene.image)
-        labels += scene.labels
-        fonts += scene.fonts
-    return images, labels, fonts
-
-
 def glyph_token_ids(tokenizer: Any) -> list[int]:
     """The token id each glyph of :data:`~kvlab.data.scenes.GLYPHS` shows (each is one token)."""
-    ids = []
-    for glyph in scenes.GLYPHS:
-        tokens = tokenizer(scenes.cell_text(glyph), add_special_tokens=False)["input_ids"]
-        if len(tokens) != 1:
-            raise RuntimeError(f"glyph {glyph!r} shows {scenes.cell_text(glyph)!r}, {len(tokens)} tokens")
-        ids.append(tokens[0])
-    return ids
+    return graft.single_token_ids(tokenizer, [scenes.cell_text(glyph) for glyph in scenes.GLYPHS])
 
 
 def detectors(scores: torch.Tensor) -> torch.Tensor:
@@ -255,51 +206,11 @@ def detectors(scores: torch.Tensor) -> torch.Tensor:
     return (gelu(DETECTOR_GAIN * scores) - gelu(DETECTOR_GAIN * scores - DETECTOR_GAIN)) / DETECTOR_GAIN
 
 
-def train_reader(inputs: torch.Tensor, classes: torch.Tensor, size: BuildSize) -> dict[str, torch.Tensor]:
-    """Train encoder layer 2's classifier ``z = W2 gelu(W1 x + b1) + b2``.
-
-    Args:
-        inputs: ``[N, F]`` :func:`classifier_inputs`; classes: ``[N]`` each patch's glyph index.
-        size: steps, batch, learning rate.
-
-    Returns:
-        ``W1 [CLASSIFIER_WIDTH, F]`` (the inputs' standardisation folded in), ``b1``, ``W2 [G,
-        CLASSIFIER_WIDTH]``, ``b2``, float32.
-    """
-    mean, std = inputs.mean(0), inputs.std(0) + 1e-6
-    x = (inputs - mean) / std
-    glyph_count = len(scenes.GLYPHS)
-    generator = torch.Generator().manual_seed(SEED)
-    with seeded(SEED):
-        first, second = (
-            torch.nn.Linear(x.shape[1], CLASSIFIER_WIDTH),
-            torch.nn.Linear(CLASSIFIER_WIDTH, glyph_count),
-        )
-    optimizer = torch.optim.Adam([*first.parameters(), *second.parameters()], lr=size.learning_rate)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, size.learning_rate, total_steps=size.steps)
-    for step in range(size.steps):
-        batch = torch.randint(len(x), (size.batch,), generator=generator)
-        scores, y = second(torch.nn.functional.gelu(first(x[batch]))), classes[batch]
-        loss = torch.nn.functional.cross_entropy(scores, y)
-        if step >= size.steps - size.detector_steps:
-            one_hot = torch.nn.functional.one_hot(y, glyph_count).float()
-            loss = loss + (detectors(scores) - one_hot).pow(2).sum(1).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-    with torch.no_grad():
-        return {
-            "W1": first.weight / std[None, :],
-            "b1": first.bias - first.weight @ (mean / std),
-            "W2": second.weight.clone(),
-            "b2": second.bias.clone(),
-        }
-
-
-def set_reader(vlm: torch.nn.Module, trained: dict[str, torch.Tensor], embeddings: torch.Tensor) -> None:
-    """Write the classifier into encoder layer 2 and the detectors into the projector (steps 4
-    and 5), in place. ``embeddings [G, D]``: each glyph's token embedding."""
+def set_reader(vlm: torch.nn.Module, trained: dict[str, torch.Tensor], tokenizer: Any) -> None:
+    """Write the classifier ``trained`` (``W1``, ``b1``, ``W2``, ``b2``) into encoder layer 2 and the
+    detectors into the projector (steps 4 and 5), in place; the detectors weight each glyph's token
+    embedding (:func:`glyph_token_ids` of ``tokenizer``)."""
+    embeddings = vlm.get_input_embeddings().weight.detach()[glyph_token_ids(tokenizer)].float()
     slots = layout()
     glyph_count, width = len(scenes.GLYPHS), CLASSIFIER_WIDTH
     mlp = vlm.model.vision_tower.encoder.layers[1].mlp
@@ -326,80 +237,6 @@ def set_reader(vlm: torch.nn.Module, trained: dict[str, torch.Tensor], embedding
         projector.linear_2.bias.zero_()
 
 
-def nearest_tokens(embedded: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``[N]`` the row of ``table [V, D]`` nearest (L2) to each row of ``embedded [N, D]``:
-    ``argmax_v (2 e . t_v - |t_v|^2)``, one matrix product."""
-    return (2 * embedded @ table.T - table.pow(2).sum(-1)).argmax(-1)
-
-
-def evaluate(vlm: torch.nn.Module, config: Any, ids: list[int], size: BuildSize) -> dict[str, Any]:
-    """Per-patch nearest-token accuracy (L2 over SmolLM2's 49152 tokens) on ``size.held_out``
-    scenes from :data:`HELD_OUT_SEED` (renderings the training never saw: other placements,
-    fonts, sizes, inks, shifts, textures, icons and noise): text patches, each font's, background
-    patches, and the glyphs most often misread."""
-    images, labels, fonts = random_scenes(size.held_out, HELD_OUT_SEED)
-    adapter = llava_images(config)
-    table = vlm.get_input_embeddings().weight[: smollm2.load_config().vocab_size].detach()
-    index = {glyph: i for i, glyph in enumerate(scenes.GLYPHS)}
-    nearest: list[int] = []
-    for start in range(0, len(images), 8):
-        pixels = adapter.process(images[start : start + 8])[0]["pixel_values"]
-        with torch.no_grad():
-            embedded = vlm.model.get_image_features(pixel_values=pixels).pooler_output
-        nearest += nearest_tokens(torch.cat(list(embedded)).reshape(-1, table.shape[1]), table).tolist()
-    right = [nearest[i] == ids[index[label]] for i, label in enumerate(labels)]
-
-    def share(patches: list[int]) -> float:
-        return round(sum(right[i] for i in patches) / max(1, len(patches)), 4)
-
-    text = [i for i, label in enumerate(labels) if label]
-    misread: dict[str, int] = {}
-    for i in text:
-        if not right[i]:
-            misread[labels[i]] = misread.get(labels[i], 0) + 1
-    background = [i for i, label in enumerate(labels) if not label]
-    return {
-        "held_out_scenes": size.held_out,
-        "text_patches": len(text),
-        "text_accuracy": share(text),
-        **{f"text_accuracy_{font}": share([i for i in text if fonts[i] == font]) for font in scenes.FONTS},
-        "background_patches": len(background),
-        "background_accuracy": share(background),
-        "misread": dict(sorted(misread.items(), key=lambda kv: -kv[1])[:12]),
-    }
-
-
-def train(size: BuildSize = BUILD, dst: Path | None = None) -> dict[str, Any]:
-    """Train the classifier of step 4 and write it to ``dst`` (default :data:`TRAINED_FILE`, the
-    file kvlab ships), with the held-out report in its metadata. Deterministic: one thread, seeded
-    scenes and batches (``tests/models/test_ocr.py`` trains a small size in two processes)."""
-    started = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same reductions in every process
-    try:
-        tokenizer = graft.vlm_tokenizer("llava")
-        config = ocr_config(tokenizer)
-        vlm = graft.build_grafted(LlavaForConditionalGeneration, config, SEED, torch.float32)
-        processor = llava_images(config).image_processor
-        set_spectrum(vlm, list(processor.image_mean), list(processor.image_std))
-        images, labels, _ = random_scenes(size.scenes, SEED)
-        index = {glyph: i for i, glyph in enumerate(scenes.GLYPHS)}
-        classes = torch.tensor([index[label] for label in labels])
-        trained = train_reader(classifier_inputs(vlm, config, images), classes, size)
-        ids = glyph_token_ids(tokenizer)
-        set_reader(vlm, trained, vlm.get_input_embeddings().weight.detach()[ids].float())
-        report = evaluate(vlm, config, ids, size)
-    finally:
-        torch.set_num_threads(threads)
-    report.update(
-        digest=digest(size), training_patches=len(labels), seconds=round(time.perf_counter() - started, 1)
-    )
-    target = TRAINED_FILE if dst is None else dst
-    state = {name: tensor.contiguous() for name, tensor in trained.items()}
-    save_file(state, str(target), metadata={"digest": digest(size), "report": json.dumps(report)})
-    return report
-
-
 def trained_report() -> dict[str, Any]:
     """The held-out report stored with the shipped classifier."""
     return json.loads(_trained_metadata()["report"])
@@ -410,40 +247,33 @@ def _trained_metadata() -> dict[str, str]:
         return handle.metadata()
 
 
-def load_ocr(dtype: torch.dtype) -> torch.nn.Module:
-    """``smollm2-ocr``: the grafted LLaVA, its tower and projector assembled in closed form around
-    the shipped classifier (:data:`TRAINED_FILE`), in ``dtype``, eval mode.
-
-    Raises:
-        RuntimeError: the shipped classifier was trained for other constants (its digest differs):
-            train it again with ``python -m kvlab.models.scaffolding.ocr --train``.
-    """
-    shipped = _trained_metadata().get("digest")
-    if shipped != digest():
-        raise RuntimeError(
-            f"smollm2-ocr's classifier ({TRAINED_FILE.name}, digest {shipped}) was trained for other "
-            f"constants than these (digest {digest()}): run `python -m kvlab.models.scaffolding.ocr --train`."
-        )
+def spectrum_model() -> tuple[Any, Any, torch.nn.Module]:
+    """``(tokenizer, config, vlm)``: the grafted LLaVA with steps 1 to 3 written in (encoder layer 2
+    and the projector zero), float32."""
     tokenizer = graft.vlm_tokenizer("llava")
     config = ocr_config(tokenizer)
     with seeded(SEED):  # the vision part's throwaway initialisation draws the same numbers every time
         vlm = graft.build_grafted(LlavaForConditionalGeneration, config, SEED, torch.float32)
     processor = llava_images(config).image_processor
     set_spectrum(vlm, list(processor.image_mean), list(processor.image_std))
-    ids = glyph_token_ids(tokenizer)
-    set_reader(vlm, load_file(str(TRAINED_FILE)), vlm.get_input_embeddings().weight.detach()[ids].float())
+    return tokenizer, config, vlm
+
+
+def load_ocr(dtype: torch.dtype) -> torch.nn.Module:
+    """``smollm2-ocr``: the grafted LLaVA, its tower and projector assembled in closed form around
+    the shipped classifier (:data:`TRAINED_FILE`), in ``dtype``, eval mode.
+
+    Raises:
+        RuntimeError: the shipped classifier was trained for other constants (its digest differs):
+            train it again with ``python -m kvlab.models.scaffolding.ocr_training --train``.
+    """
+    shipped = _trained_metadata().get("digest")
+    if shipped != digest():
+        raise RuntimeError(
+            f"smollm2-ocr's classifier ({TRAINED_FILE.name}, digest {shipped}) was trained for other "
+            f"constants than these (digest {digest()}): run "
+            "`python -m kvlab.models.scaffolding.ocr_training --train`."
+        )
+    tokenizer, _, vlm = spectrum_model()
+    set_reader(vlm, load_file(str(TRAINED_FILE)), tokenizer)
     return vlm.to(dtype).eval()
-
-
-def main(args: list[str] | None = None) -> None:
-    """``python -m kvlab.models.scaffolding.ocr [--train]``: print the shipped classifier's report,
-    or train it again (about a minute on one core) and print the new one."""
-    parser = argparse.ArgumentParser(description="smollm2-ocr's trained classifier: report or retrain.")
-    parser.add_argument("--train", action="store_true", help=f"train again and rewrite {TRAINED_FILE.name}")
-    ns = parser.parse_args(args)
-    report = train() if ns.train else trained_report()
-    print(json.dumps(report, indent=2))
-
-
-if __name__ == "__main__":
-    main()
